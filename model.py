@@ -1,0 +1,503 @@
+"""A compact Llama whose parameter names equal transformers' `LlamaForCausalLM`.
+
+What it does
+    Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
+    lm_head, in plain PyTorch. Reads/writes HF `config.json` and safetensors directories (single file
+    or sharded with `model.safetensors.index.json`), so `save_pretrained` output loads here and our
+    `save_hf` output loads in `AutoModelForCausalLM.from_pretrained`.
+
+Reference
+    Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
+    (SwiGLU); numerics follow transformers/models/llama/modeling_llama.py.
+
+Run
+    torchrun --nproc_per_node 1 train.py --model tiny --steps 20
+
+Invariants
+    - Built on the meta device, then `materialize`d: each parameter is filled from safetensors or
+      from its own named generator (seed, name), so the full weights never depend on how tp/pp later
+      slice the model. A `Shard` map (from tp.py) says which slice of each global tensor a rank
+      holds; only that slice is read from disk.
+    - Non-persistent buffers (RoPE `inv_freq`) are recomputed after `to_empty` — `to_empty` leaves
+      them as garbage that is only ~100 ULP wrong and easy to miss.
+    - The model is unaware of parallelism: head counts come from weight shapes, layers live in a
+      ModuleDict keyed by their global index (so a pipeline stage can drop the ones it does not own
+      and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
+      pipeline stage then maps hidden states to hidden states). Two plain attributes are the seams
+      tp.py uses for a vocab-sharded head: `loss_fn(logits, labels, reduction)` and
+      `logits_fn(logits)` (returns full-vocab logits to the user).
+    - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
+      -100 is ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------------------- config
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "LlamaConfig":
+        """Read an HF Llama `config.json` dict; unsupported values raise one error naming them all."""
+        bad = []
+        if d.get("model_type", "llama") != "llama":
+            bad.append(f"model_type={d.get('model_type')!r} (only 'llama')")
+        if d.get("hidden_act", "silu") != "silu":
+            bad.append(f"hidden_act={d['hidden_act']!r} (only 'silu')")
+        if d.get("pretraining_tp", 1) not in (1, None):
+            bad.append(f"pretraining_tp={d['pretraining_tp']} (only 1)")
+        # transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_theta + rope_scaling
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
+        if bad:
+            raise ValueError("unsupported Llama config values: " + "; ".join(bad))
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        cfg = cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": "llama3"},
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False), mlp_bias=d.get("mlp_bias", False),
+            initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+        cfg.validate()
+        return cfg
+
+    def to_hf(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
+        d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default",
+                                **(self.rope_scaling or {})}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "torch_dtype": "float32", **d}
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in global_shapes(self).values())
+
+
+# Presets for random init. vocab 260 = the built-in byte tokenizer of data.py (256 bytes + 4 specials).
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=1024),
+    "small": LlamaConfig(vocab_size=260, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                         max_position_embeddings=2048),
+    "1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                      max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+}
+
+
+def load_config(hf_dir: str | os.PathLike) -> LlamaConfig:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected an HF model directory)")
+    return LlamaConfig.from_hf(json.loads(path.read_text()))
+
+
+def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """HF name → full (unsharded) shape of every parameter."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}
+        if cfg.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                       p + "mlp.down_proj.bias": (h,)}
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalize in fp32 (as HF does), cast back before the weight multiply
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with the llama3 long-context rescaling when configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if not cfg.rope_scaling:
+        return inv
+    s = cfg.rope_scaling
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    wavelen = 2 * math.pi / inv
+    # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.cfg, self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, S, S): a new document starts wherever the position does not
+    continue the previous one (packed rows restart at 0), and no token sees another document."""
+    start = torch.ones_like(position_ids, dtype=torch.bool)
+    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc = start.cumsum(-1)  # (B, S) document index of every token
+    S = position_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # (B, 1, S, S)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hd, b = cfg.head_dim, cfg.attention_bias
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        B, S, _ = x.shape
+        hd = self.head_dim
+        # head counts come from the (possibly tp-sharded) weights, never from the config
+        q = self.q_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.k_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nkv, S, hd)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, S, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `LlamaModel` (the `model.` prefix of every parameter name)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = Rotary(cfg)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy in fp32, ignoring -100. reduction 'sum' is what training uses: the step
+    divides by the target count of the whole optimizer step (see precision.py)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn: Callable[..., torch.Tensor] = cross_entropy
+        self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
+        position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention is
+        block-diagonal over documents (see `attention_mask`). Returns the loss if labels are given,
+        else logits (B, S, V), or hidden states on a stage without lm_head."""
+        m = self.model
+        h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
+        B, S = h.shape[:2]
+        mask = None
+        if position_ids is None:
+            position_ids = torch.arange(S, device=h.device).expand(B, S)
+        else:
+            mask = attention_mask(position_ids)
+        cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
+        for layer in m.layers.values():
+            h = layer(h, cos, sin, mask)
+        if m.norm is not None:
+            h = m.norm(h)
+        if self.lm_head is None:
+            return h
+        logits = self.lm_head(h)  # (B, S, V)
+        if labels is None:
+            return self.logits_fn(logits)
+        return self.loss_fn(logits, labels, reduction)
+
+
+# ----------------------------------------------------------------------------------------- weights
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds rows [start, start+size) of the global tensor along `dim`. Rows at or past the
+    global size are padding (e.g. a vocab padded to a multiple of tp): zero, never read or written."""
+    dim: int
+    start: int
+    size: int
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Every parameter has its own generator, so init is independent of creation order and layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """The full fp32 init of one parameter: norms 1, biases 0, matrices normal(0, std)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def _narrow(full_size: int, shard: Shard, read: Callable[[int, int], torch.Tensor],
+            local: torch.Tensor) -> torch.Tensor:
+    """Fill `local` with rows [start, start+size) of a global tensor, zero past full_size."""
+    out = torch.zeros_like(local, device="cpu")
+    stop = min(shard.start + shard.size, full_size)
+    if stop > shard.start:
+        out.narrow(shard.dim, 0, stop - shard.start).copy_(read(shard.start, stop))
+    return out
+
+
+class SafetensorsDir:
+    """Read-only view of an HF safetensors directory: one file or sharded with an index."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        d = Path(hf_dir)
+        index, single = d / "model.safetensors.index.json", d / "model.safetensors"
+        if index.is_file():
+            self.files = {k: d / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            with safe_open(single, "pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")
+        missing = sorted({str(p) for p in self.files.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(f"safetensors shards listed in the index are missing: {missing}")
+
+    def read(self, name: str, shard: Shard | None, local: torch.Tensor, full_shape: tuple) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(f"{name} not found in the checkpoint")
+        with safe_open(self.files[name], "pt") as f:
+            sl = f.get_slice(name)
+            if tuple(sl.get_shape()) != tuple(full_shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != config {full_shape}")
+            if shard is None:
+                return sl[:]
+            index = [slice(None)] * len(full_shape)
+
+            def read(a: int, b: int) -> torch.Tensor:
+                index[shard.dim] = slice(a, b)
+                return sl[tuple(index)]  # only this slice leaves the file
+            return _narrow(full_shape[shard.dim], shard, read, local)
+
+
+@torch.no_grad()
+def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir: str | None = None,
+                shards: dict[str, Shard] | None = None) -> Llama:
+    """Allocate a meta-built model on `device` and fill every parameter: from `hf_dir` (only this
+    rank's slices are read) or from the named-seeded init. Then recompute the RoPE buffers."""
+    shards = shards or {}
+    cfg = model.config
+    shapes = global_shapes(cfg)
+    src = SafetensorsDir(hf_dir) if hf_dir else None
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        # tied: lm_head is the embedding (a pipeline's last stage holds its own copy of it)
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name
+        shard = shards.get(name)
+        if src is not None:
+            value = src.read(key, shard, p, shapes[key])
+        else:
+            full = init_tensor(key, shapes[key], seed, cfg.initializer_range)
+            value = full if shard is None else _narrow(
+                full.shape[shard.dim], shard, lambda a, b: full.narrow(shard.dim, a, b - a), p)
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: got {tuple(value.shape)}, the model holds {tuple(p.shape)}")
+        p.copy_(value)
+    model.model.rotary_emb.reset_buffers()
+    return model
+
+
+def build(cfg: LlamaConfig) -> Llama:
+    """The model on the meta device: no memory, no init yet (see `materialize`)."""
+    cfg.validate()
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.PathLike,
+            max_shard_bytes: int = 4 << 30) -> None:
+    """Write full (gathered) tensors as an HF dir: config.json + safetensors (sharded with an index
+    when larger than max_shard_bytes). Tied models write no `lm_head.weight`. Files are written
+    under temporary names and renamed, so a crash never leaves a half-written model."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    expected = global_shapes(cfg)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"save_hf: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    tensors = {k: state[k].detach().to("cpu").contiguous() for k in expected}
+    shards, cur, size = [], {}, 0
+    for k, t in tensors.items():
+        if cur and size + t.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = t, size + t.nbytes
+    shards.append(cur)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    writes = list(zip(names, shards))
+    for n, s in writes:
+        save_file(s, str(out / (n + ".tmp")), metadata={"format": "pt"})
+        os.replace(out / (n + ".tmp"), out / n)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": {k: n for n, s in writes for k in s}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    d = cfg.to_hf()
+    d["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+
+
+def load_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu") -> Llama:
+    """The whole model from an HF dir, on one device (fp32 as stored or upcast)."""
+    return materialize(build(load_config(hf_dir)), device, hf_dir=str(hf_dir))
+
+
+@torch.no_grad()
+def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int,
+             eos_id: int | None = None) -> torch.Tensor:
+    """Greedy decoding without a KV cache (each step reruns the prefix: simple, fine for evals).
+    input_ids (B, S) → (B, S + n); rows that emitted eos keep emitting eos."""
+    was_training = model.training
+    model.eval()
+    out, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new_tokens):
+        nxt = model(out)[:, -1].argmax(-1)  # (B,)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    model.train(was_training)
+    return out

@@ -1,0 +1,140 @@
+"""Mixed precision: bf16 compute parameters, fp32 master weights owned by AdamW, clipping, the step.
+
+What it does
+    `MixedPrecisionOptimizer` keeps an fp32 master copy of every compute parameter, upcasts the
+    (bf16) gradients into it, clips by the global L2 norm in fp32, runs AdamW on the masters and
+    copies them back into the compute parameters. In fp32 mode the masters *are* the parameters: the
+    step is exactly `torch.optim.AdamW` (bit-identical to a plain loop).
+    `normalized_loss` is the one loss rule of the project: the sum of token losses over the whole
+    optimizer step divided by the number of target tokens in it — never a mean of micro-batch means
+    (the 2024 gradient-accumulation bug: micro-batches with few targets were over-weighted).
+
+Reference
+    Micikevicius et al. 2018 (mixed precision training); Loshchilov & Hutter 2019 (AdamW).
+
+Run
+    torchrun --nproc_per_node 1 train.py --dtype bf16 --clip 1.0
+
+Invariants
+    - bf16 would lose small updates (1.0 - 1e-6 == 1.0 in bf16): AdamW only ever sees fp32 masters.
+    - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
+      over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
+      that another rank already counts passes `counted(name) = False` for it.
+    - A non-finite grad norm skips the whole step (no parameter or optimizer state changes).
+
+The seam zero.py uses (ZeRO must not edit this file): a subclass overrides three methods —
+    `_make_master()`   which fp32 tensors AdamW owns (whole params here; flat dp shards in ZeRO),
+    `_master_grads()`  their fp32 gradients (upcast here; reduce-scattered shards in ZeRO-2/3),
+    `_publish()`       master → compute params (a copy here; an all-gather in the compute dtype in ZeRO);
+and passes its dp group in `norm_groups` when gradients are sharded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Weight decay on matrices (projections, embeddings), not on norms or biases."""
+    return param.ndim >= 2
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Number of tokens that carry a loss (labels != -100), as a tensor for all_reduce."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def normalized_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor | int) -> torch.Tensor:
+    """A micro-batch's summed token loss scaled by the target count of the whole optimizer step
+    (all micro-batches, all dp ranks). Backward of these pieces adds up to the gradient of the mean
+    token loss over the global batch, whatever the micro-batch and dp split."""
+    return loss_sum / max(int(step_targets), 1)
+
+
+class MixedPrecisionOptimizer:
+    """fp32-master AdamW over `named_params` (name → compute parameter, each appearing once).
+
+    The parameters must hold their fp32 initial values when this is built: the masters are taken
+    from them, then the parameters are cast to `dtype` in place."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
+                 dtype: torch.dtype = torch.float32, norm_groups: Iterable[dist.ProcessGroup] = (),
+                 counted: Callable[[str], bool] = lambda name: True):
+        pairs = list(named_params)
+        self.names, self.params = [n for n, _ in pairs], [p for _, p in pairs]
+        self.cfg, self.dtype = cfg, dtype
+        self.norm_groups = list(norm_groups)
+        self.counted = [counted(n) for n in self.names]
+        self.master = self._make_master()
+        for p in self.params:
+            p.data = p.data.to(dtype)
+        decay = [m for m, n, p in zip(self.master, self.names, self.params) if decays(n, p)]
+        rest = [m for m, n, p in zip(self.master, self.names, self.params) if not decays(n, p)]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    # ---- the seam (see module docstring) --------------------------------------------------------
+    def _make_master(self) -> list[torch.Tensor]:
+        if self.dtype == torch.float32:
+            return self.params  # exact pass-through: AdamW updates the parameters themselves
+        return [p.detach().float().clone().requires_grad_(True) for p in self.params]
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.float() for p in self.params]
+
+    def _publish(self) -> None:
+        if self.master is not self.params:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Global L2 norm in fp32: local sum of squares of counted grads, summed over norm_groups."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
+        for g, c in zip(grads, self.counted):
+            if g is not None and c:
+                sq += g.float().pow(2).sum()
+        for group in self.norm_groups:
+            dist.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+    def step(self, lr: float) -> float:
+        """Clip, update the masters, publish to the compute params, zero grads. Returns the grad norm
+        before clipping; a non-finite norm skips the update (the caller decides when to give up)."""
+        grads = self._master_grads()
+        norm = self.grad_norm(grads)
+        value = float(norm)
+        if math.isfinite(value):
+            coef = torch.clamp(self.cfg.clip / (norm + 1e-6), max=1.0) if self.cfg.clip > 0 else None
+            for m, g in zip(self.master, grads):
+                m.grad = g if coef is None or g is None else g.mul_(coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self._publish()
+        self.zero_grad()
+        return value
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.master:
+            m.grad = None
