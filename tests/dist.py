@@ -67,9 +67,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=0 if errors or len(results) < world_size else 5)
             if p.is_alive():
                 p.kill()
+                p.join()
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]

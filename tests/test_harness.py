@@ -1,0 +1,42 @@
+"""The multi-rank harness itself: results by rank, errors with tracebacks, timeouts that never hang."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import run_ranks
+
+
+def _sum_ranks(rank: int, world: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, t.item()
+
+
+def _fail_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one says no")
+    return rank
+
+
+def _sleep_on_zero(rank: int, world: int) -> int:
+    if rank == 0:
+        time.sleep(60)
+    return rank
+
+
+def test_eight_ranks_all_reduce():
+    assert run_ranks(_sum_ranks, 8) == [(r, 28.0) for r in range(8)]
+
+
+def test_a_failing_rank_raises_with_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1.*ValueError: rank one says no"):
+        run_ranks(_fail_on_one, 2, timeout=30)
+
+
+def test_timeout_names_the_silent_rank():
+    t = time.time()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish"):
+        run_ranks(_sleep_on_zero, 2, timeout=2)
+    assert time.time() - t < 15
