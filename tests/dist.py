@@ -11,6 +11,7 @@ kills all ranks and names the ones that never answered — a test never hangs.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -33,7 +34,9 @@ def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         result = fn(rank, world, *args, **kwargs)
-        q.put((rank, True, result))
+        # plain pickle copies tensor data; the queue's own pickler would pass shared-memory
+        # handles that die with this process at os._exit
+        q.put((rank, True, pickle.dumps(result)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -59,7 +62,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     try:
         for _ in range(world_size):
             rank, ok, value = q.get(timeout=timeout)
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
             if errors:  # peers of a dead rank would block in a collective: stop now
                 break
     except queue.Empty:

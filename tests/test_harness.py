@@ -40,3 +40,12 @@ def test_timeout_names_the_silent_rank():
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish"):
         run_ranks(_sleep_on_zero, 2, timeout=2)
     assert time.time() - t < 15
+
+
+def _tensor_result(rank: int, world: int) -> dict:
+    return {"t": torch.full((3,), float(rank)), "n": rank}
+
+
+def test_tensors_come_back_by_value():
+    out = run_ranks(_tensor_result, 2)
+    assert [torch.equal(o["t"], torch.full((3,), float(r))) for r, o in enumerate(out)] == [True, True]

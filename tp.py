@@ -1,0 +1,368 @@
+"""Tensor parallelism (Megatron-style): every projection split across the ranks of a tp group.
+
+What it does
+    `apply_tp(model, tp_group)` rewrites a meta-device `Llama` in place so that each of the tp ranks
+    holds 1/tp of every matrix and the ranks together compute exactly the single-process model:
+      q/k/v, gate/up   ColumnParallelLinear  weight rows (output features) split; output stays split
+      o, down          RowParallelLinear     weight columns (input features) split; partial sums are
+                                             all-reduced, then the (replicated) bias is added once
+      embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
+      lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
+                                             the vocab-parallel cross-entropy below
+    The layer pairs column→row need one all-reduce per block in forward and one in backward; a reader
+    sees every collective in the four autograd Functions below, each with its backward:
+      copy_to_region      forward identity           backward all-reduce    (input of column layers)
+      reduce_from_region  forward all-reduce         backward identity      (output of row layers)
+      gather_from_region  forward all-gather last dim backward split        (logits for users)
+      scatter_to_region   forward split last dim     backward all-gather    (a row layer fed a full
+                                                                             input; sequence parallel)
+    Attention needs no change: model.py derives head counts from weight shapes, and column-splitting
+    q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
+    never straddle ranks because tp divides both counts).
+
+Reference
+    Shoeybi et al. 2019, "Megatron-LM" (column/row pairs, vocab-parallel embedding and cross-entropy);
+    Narayanan et al. 2021 (tp inside a node, composed with dp and pp).
+
+Run
+    torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20
+
+Invariants
+    - Degree 1 is the plain model: `apply_tp` on a group of one rank changes nothing and returns {}
+      (bit-identical by construction), and each comm op returns its input object itself.
+    - Parameter names stay HF's (`model.layers.0.self_attn.q_proj.weight`); `apply_tp` returns the
+      shard map {name: Shard} of every sharded parameter, which `model.materialize(shards=...)` uses to
+      read only this rank's slice from safetensors or to slice the seeded full init — so every tp
+      starts from the same weights. Parameters absent from the map are replicated, and their
+      gradients are identical on all tp ranks (count them once, e.g. on tp rank 0, in a grad norm).
+    - The vocab is padded to a multiple of tp. Padded rows are zero, their logits are -inf in the
+      loss (no probability mass, so they get zero gradient and stay zero under AdamW), and neither
+      `logits_fn` nor `gather_full` ever shows them: users see the true vocab size.
+    - No rank ever holds a [tokens, vocab] tensor in training: the loss all-reduces only per-token
+      scalars (row max, sum of exps, target logit).
+    - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
+      A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
+
+Builds on: model.py
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import IGNORE_INDEX, Llama, LlamaConfig, Shard, global_shapes
+
+Group = dist.ProcessGroup | None
+
+
+def _size_rank(group: Group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)  # (..., tp * n)
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    tp, rank = _size_rank(group)
+    if x.shape[-1] % tp:
+        raise ValueError(f"cannot split a last dim of {x.shape[-1]} into tp={tp} equal parts")
+    return x.chunk(tp, dim=-1)[rank].contiguous()  # (..., n / tp)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.clone()  # a Function must not change its input (or a gradient autograd hands it) in place
+    dist.all_reduce(out, group=group)
+    return out
+
+
+# ------------------------------------------------------------------------------------- comm ops
+class CopyToRegion(torch.autograd.Function):
+    """Identity in forward, all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dim in forward, split (keep this rank's part) in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Split along the last dim in forward, all-gather of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last(grad, ctx.group), None
+
+
+# On one rank every op is the identity: return the input object itself (no copy, no autograd node).
+def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else GatherFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else ScatterToRegion.apply(x, group)
+
+
+# ------------------------------------------------------------------------------------- layers
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocab rounded up to a multiple of tp, so every rank holds an equal slice."""
+    return -(-vocab_size // tp) * tp
+
+
+def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
+    """(start, n) of this rank's equal slice of `size` rows."""
+    tp, rank = _size_rank(group)
+    if size % tp:
+        raise ValueError(f"{what}={size} is not divisible by tp={tp}")
+    return rank * (size // tp), size // tp
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r, where this rank holds output features [start, start+n) of W and b.
+    The input is the full (replicated) x; the output stays split along its last dim."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group = group
+        self.start, self.n = _slice(group, out_features, "out_features")
+        self.weight = nn.Parameter(torch.empty(self.n, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.n, device=device, dtype=dtype)) if bias else None
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.n), "bias": Shard(0, self.start, self.n)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # backward: every rank's dL/dx is a partial sum over its output features → all-reduce
+        return F.linear(copy_to_region(x, self.group), self.weight, self.bias)  # (..., n)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b, where this rank holds input features [start, start+n) of W and gets
+    x_r (the split output of a column layer). The bias is replicated and added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group = group
+        self.start, self.n = _slice(group, in_features, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.n, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(1, self.start, self.n)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_region(F.linear(x, self.weight), self.group)  # (..., out) full sum on every rank
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank holds rows [start, start+n) of the (padded) table. An id outside the slice looks up
+    row 0 and is then zeroed, so after the all-reduce each token has exactly its one real row."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group = group
+        self.num_embeddings = num_embeddings  # the true vocab size; rows past it are zero padding
+        vocab = padded_vocab(num_embeddings, dist.get_world_size(group))
+        self.start, self.n = _slice(group, vocab, "padded vocab")
+        self.weight = nn.Parameter(torch.empty(self.n, embedding_dim, device=device, dtype=dtype))
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.n)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start  # (B, S) row in this rank's slice, if it is here
+        outside = (local < 0) | (local >= self.n)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, S, H)
+        h = h.masked_fill(outside[..., None], 0.0)  # zero rows also block gradient to row 0
+        return reduce_from_region(h, self.group)
+
+
+# ------------------------------------------------------------------------------------- loss, logits
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits (T, n) → (T,). Forward all-reduces three
+    per-token numbers (row max, target logit, sum of exps); backward is softmax − one-hot on this
+    rank's slice, with no communication."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: Group,
+                vocab_size: int) -> torch.Tensor:
+        n = logits.shape[-1]
+        start = dist.get_rank(group) * n  # this rank's vocab columns: [start, start+n)
+        cols = torch.arange(start, start + n, device=logits.device)
+        x = logits.float().masked_fill(cols >= vocab_size, float("-inf"))  # (T, n) padding: no mass
+        row_max = x.max(dim=-1).values  # (T,)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x -= row_max[:, None]  # (T, n) shifted logits, all <= 0: exp cannot overflow
+        target = labels - start  # (T,) column of the target, if this rank holds it (-100 never does)
+        mine = (target >= 0) & (target < n)
+        target = target.masked_fill(~mine, 0)
+        target_logit = x.gather(1, target[:, None]).squeeze(1).masked_fill(~mine, 0.0)  # (T,)
+        dist.all_reduce(target_logit, group=group)  # only the owning rank adds a nonzero value
+        x.exp_()  # (T, n)
+        sum_exp = x.sum(dim=-1)  # (T,)
+        dist.all_reduce(sum_exp, group=group)
+        valid = labels != IGNORE_INDEX
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (T,) log Σexp − target
+        x /= sum_exp[:, None]  # (T, n) softmax slice: all backward needs
+        ctx.save_for_backward(x, target, mine, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, target, mine, valid = ctx.saved_tensors
+        g = grad_loss.float() * valid  # (T,) ignored tokens get no gradient
+        grad = softmax * g[:, None]  # (T, n)
+        grad.scatter_add_(1, target[:, None], (-g * mine)[:, None])  # − one-hot, on the owning rank
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                                 *, group: Group, vocab_size: int) -> torch.Tensor:
+    """`model.cross_entropy` for logits (..., n) split over the vocab: fp32, -100 ignored, reduction
+    'sum' (training: divide by the step's target count, precision.normalized_loss), 'mean' or 'none'."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), group, vocab_size)
+    if reduction == "none":
+        return loss  # (T,)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (labels != IGNORE_INDEX).sum()
+
+
+def gather_logits(logits: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
+    """Vocab-sharded logits (B, S, n) → full logits (B, S, vocab_size) on every rank, padding cut."""
+    return gather_from_region(logits, group)[..., :vocab_size]
+
+
+# ------------------------------------------------------------------------------------- the model
+def tp_validate(cfg: LlamaConfig, tp: int) -> None:
+    """Raise ValueError naming the numbers if this config cannot be split over tp ranks (the vocab
+    needs no check: it is padded)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    bad = [f"{k}={v}" for k, v in (("num_attention_heads", cfg.num_attention_heads),
+                                   ("num_key_value_heads", cfg.num_key_value_heads),
+                                   ("intermediate_size", cfg.intermediate_size)) if v % tp]
+    if bad:
+        raise ValueError(f"tp={tp} must divide {', '.join(bad)} (each rank holds whole attention "
+                         f"heads, whole kv heads and an equal share of the MLP)")
+
+
+def apply_tp(model: Llama, tp_group: Group) -> dict[str, Shard]:
+    """Replace the model's layers by their tensor-parallel versions (in place, on the meta device)
+    and return {hf_name: Shard} for every sharded parameter; pass it to `model.materialize`."""
+    tp, _ = _size_rank(tp_group)
+    if tp == 1:
+        return {}  # the plain model is the tp=1 model
+    cfg = model.config
+    tp_validate(cfg, tp)
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("apply_tp must run on the meta-device model, before model.materialize")
+    new = dict(group=tp_group, device="meta")  # new layers are meta too; materialize fills them
+    for layer in model.model.layers.values():
+        a, m = layer.self_attn, layer.mlp
+        for parent, name in ((a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (m, "gate_proj"), (m, "up_proj")):
+            old = getattr(parent, name)
+            setattr(parent, name, ColumnParallelLinear(old.in_features, old.out_features,
+                                                       old.bias is not None, **new))
+        for parent, name in ((a, "o_proj"), (m, "down_proj")):
+            old = getattr(parent, name)
+            setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
+                                                    old.bias is not None, **new))
+    embed = model.model.embed_tokens
+    if embed is not None:
+        embed = model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **new)
+    if model.lm_head is not None:
+        head = ColumnParallelLinear(cfg.hidden_size, padded_vocab(cfg.vocab_size, tp), False, **new)
+        if cfg.tie_word_embeddings and embed is not None:
+            head.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
+        model.lm_head = head
+        model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp_group, vocab_size=cfg.vocab_size)
+        model.logits_fn = partial(gather_logits, group=tp_group, vocab_size=cfg.vocab_size)
+    # the map names each sharded parameter once, as named_parameters() does (tied head: the embedding)
+    params = dict(model.named_parameters())
+    return {f"{mod_name}.{p}": shard for mod_name, mod in model.named_modules()
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+            for p, shard in mod.shards().items() if f"{mod_name}.{p}" in params}
+
+
+# ------------------------------------------------------------------------------------- export
+@torch.no_grad()
+def gather_tensor(local: torch.Tensor, shard: Shard, full_size: int, group: Group) -> torch.Tensor:
+    """The full tensor from the equal, rank-ordered slices of a tp group; padding rows cut."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.detach().contiguous(), group=group)
+    return torch.cat(pieces, dim=shard.dim).narrow(shard.dim, 0, full_size).contiguous()
+
+
+@torch.no_grad()
+def gather_full(tensors: dict[str, torch.Tensor], shards: dict[str, Shard], tp_group: Group,
+                cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """{hf_name: local tensor} (params, grads, optimizer moments…) → {hf_name: full tensor} on every
+    tp rank, in HF layout with the true vocab size; replicated entries are returned as they are.
+    All tp ranks must call it with the same names in the same order. Feed the result to save_hf."""
+    shapes = global_shapes(cfg)
+    out = {}
+    for name, t in tensors.items():
+        shard = shards.get(name)
+        if shard is None:
+            out[name] = t.detach()
+            continue
+        # a tied head held apart from the embedding (last pipeline stage) has the embedding's shape
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name
+        out[name] = gather_tensor(t, shard, shapes[key][shard.dim], tp_group)
+    return out
