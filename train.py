@@ -2,14 +2,20 @@
 
 Run
     python train.py                                   # tiny Llama on the default corpus, 1 process
-    torchrun --nproc_per_node 1 train.py --model small --steps 200 --dtype bf16
+    torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --ac --micro-batches 4
+
+Builds on: every feature file (this is the composer).
 
 Composition order (each step an exact no-op at degree 1, so one code path serves every layout)
-    1. validate every flag against the config and world size — before any heavy work
-    2. build the model on the meta device (no memory)
-    3. materialize: load from --init-from or init from --seed (the full weights never depend on the
-       layout), recompute RoPE buffers
-    4. mixed precision: fp32 masters + AdamW (precision.py)
+    1. validate every flag against the config and world size, all at once — before heavy work
+    2. process grid: tp innermost, then dp, then pp (tp peers are neighbours: fastest links)
+    3. build the model on the meta device (no memory)
+    4. pp.split_stage: drop the layers/embedding/head this stage does not own
+    5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map
+    6. materialize: load this rank's slices from --init-from or init from --seed (the full weights
+       never depend on the layout), recompute RoPE buffers
+    7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names)
+    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3
 
 Invariants
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
@@ -33,10 +39,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import ac as AC
 import data
 import dp
 import model as M
+import pp as PP
 import precision as P
+import tp as TP
+import zero as Z
 
 
 # ------------------------------------------------------------------------------------------ flags
@@ -63,6 +73,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
+    a("--max-bad-steps", type=int, default=3,
+      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
+    # parallelism: world = tp · dp · pp, dp is what is left
+    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
+    a("--pp", type=int, default=1, help="pipeline stages")
+    a("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: uniform, extra "
+                                        "layers to the first stages so the last, with the head, is lightest)")
+    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
+    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
+    a("--reduce-dtype", default=None, choices=["fp32", "bf16"],
+      help="dtype of gradient reductions and ZeRO-2/3 accumulation (default: the compute dtype)")
+    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
+    a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
+    a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
+    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
     return p.parse_args(argv)
 
 
@@ -72,28 +98,60 @@ class Grid:
     rank: int
     world: int
     device: torch.device
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    embed_group: dist.ProcessGroup | None = None
 
 
 def setup() -> Grid:
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` becomes a 1-rank group, so the
-    same collectives run (as no-ops) in both cases."""
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` becomes a 1-rank group, so the same
+    collectives run (as no-ops) in both cases. A launcher that already formed the default group
+    (the tests' forked ranks) is used as is."""
     cuda = torch.cuda.is_available()
-    if "RANK" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        init = "env://"
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rank, world, init = 0, 1, f"tcp://127.0.0.1:{port}"
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
-    return Grid(rank, world, device)
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            init, rank, world = "env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init, rank, world = f"tcp://127.0.0.1:{s.getsockname()[1]}", 0, 1
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+    return Grid(dist.get_rank(), dist.get_world_size(), device)
+
+
+def make_grid(grid: Grid, tp: int, pp: int) -> None:
+    """rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank. Every rank creates every group, in the same
+    order (new_group is collective), and keeps the ones it belongs to."""
+    w = grid.world
+    dpn = w // (tp * pp)
+    grid.tp, grid.dp, grid.pp = tp, dpn, pp
+    grid.tp_rank, grid.dp_rank, grid.pp_rank = grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn)
+
+    def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+        found = None
+        for ranks in rank_lists:
+            g = dist.new_group(ranks)
+            found = g if grid.rank in ranks else found
+        return found
+
+    at = lambda p, d, t: p * dpn * tp + d * tp + t  # noqa: E731 - the grid formula, named once
+    grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
+    grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
+    grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
+    grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
 
 
 def fail(msg: str, grid: Grid | None = None) -> None:
@@ -113,14 +171,41 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_position_embeddings:
         errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
-    dp_size = grid.world
+    if args.tp < 1 or args.pp < 1 or grid.world % (args.tp * args.pp):
+        errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --pp {args.pp}")
+        return errors
+    dp_size = grid.world // (args.tp * args.pp)
+    try:
+        TP.tp_validate(cfg, args.tp)
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
+    except ValueError as e:
+        errors.append(str(e))
     if args.batch_size % (dp_size * args.micro_batches):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
                       f"--micro-batches {args.micro_batches}")
+    if args.pp > 1 and cfg.tie_word_embeddings and args.zero >= 1:
+        errors.append("tied embeddings with --pp > 1 need --zero 0: ZeRO shards the two tied copies' "
+                      "gradients differently on the first and last stage")
+    if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
+        errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
+    if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
+        errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
         errors.append(f"need 0 < --min-lr <= --lr and --warmup >= 0 (got lr {args.lr}, "
                       f"min-lr {args.min_lr}, warmup {args.warmup})")
     return errors
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layers {text!r}: expected comma-separated integers like 3,3,2") from None
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -163,6 +248,48 @@ def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
+# ------------------------------------------------------------------------------------------ build
+def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict]:
+    """Steps 3-7 of the composition order (module docstring)."""
+    model = M.build(cfg)
+    ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
+    PP.split_stage(model, grid.pp_rank, args.pp, ranges)
+    shards = TP.apply_tp(model, grid.tp_group)
+    M.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    if args.ac or args.ac_mode:
+        AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
+    return model, shards
+
+
+def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid: Grid) -> Z.DataParallel:
+    """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
+    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.reduce_dtype]
+    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
+    pp_counted = PP.norm_counted(model)
+    counted = lambda n: pp_counted(n) and (n in shards or grid.tp_rank == 0)  # noqa: E731
+    return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                        reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                        norm_groups=[grid.tp_group, grid.pp_group], counted=counted)
+
+
+def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
+              out: str) -> None:
+    """Gather the compute parameters (fp32 in fp32 mode, else the bf16 copy of the masters) over tp,
+    then the stages over pp, to global rank 0, which writes the HF dir."""
+    with opt.gathered():  # ZeRO-3: full parameters inside
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+    full = TP.gather_full(local, shards, grid.tp_group, cfg)
+    if grid.dp_rank == 0 and grid.tp_rank == 0:  # one pp group holds global rank 0
+        cpu = {n: t.cpu() for n, t in full.items()}
+        stages = [None] * grid.pp if grid.rank == 0 else None
+        dist.gather_object(cpu, stages, dst=0, group=grid.pp_group)
+        if grid.rank == 0:
+            M.save_hf({k: v for st in stages for k, v in st.items()}, cfg, out)
+    dist.barrier()
+
+
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -179,13 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         ds.check_vocab(cfg.vocab_size)
     except (OSError, ValueError) as e:
         fail(str(e), grid)
-    dp_size, dp_rank = grid.world, grid.rank
-    sampler = dp.DPSampler(len(ds), args.batch_size, dp_rank, dp_size, args.seed)
-
-    model = M.materialize(M.build(cfg), grid.device, seed=args.seed, hf_dir=args.init_from)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
-    opt = P.MixedPrecisionOptimizer(model.named_parameters(), ocfg, dtype)
+    make_grid(grid, args.tp, args.pp)
+    sampler = dp.DPSampler(len(ds), args.batch_size, grid.dp_rank, grid.dp, args.seed)
+    model, shards = build_model(args, cfg, grid)
+    opt = make_optimizer(args, model, shards, grid)
+    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.pp_rank, args.pp)
+    pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
     metrics = open(args.metrics, "w") if args.metrics and log else None
@@ -194,43 +320,55 @@ def main(argv: list[str] | None = None) -> None:
     peak_flops = 989e12 if grid.device.type == "cuda" else None  # H100/H200 dense bf16
     if log:
         print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
-              f"world {grid.world} · {args.dtype} on {grid.device.type}", flush=True)
-    t_start = time.time()
+              f"world {grid.world} = tp {grid.tp} × dp {grid.dp} × pp {grid.pp} · zero {args.zero} · "
+              f"{args.dtype} on {grid.device.type}", flush=True)
+        if 1 < args.pp > args.micro_batches:
+            print(f"note: {args.micro_batches} micro-batches < {args.pp} stages: the pipeline bubble is "
+                  f"{(args.pp - 1) / (args.micro_batches + args.pp - 1):.0%} of the step", flush=True)
+    t_start, bad = time.time(), 0
     for step in range(args.steps):
         t0 = time.time()
         rows = torch.stack([ds[i] for i in sampler.next_batch()]).to(grid.device)  # (b, S+1)
-        micro = rows.chunk(args.micro_batches)
-        targets = sum(P.count_targets(m[:, 1:]) for m in micro)
-        dist.all_reduce(targets)
-        loss_sum = torch.zeros((), device=grid.device)
-        for m in micro:
-            loss = P.normalized_loss(model(m[:, :-1], labels=m[:, 1:], reduction="sum"), targets)
-            loss.backward()
-            loss_sum += loss.detach()
-        dist.all_reduce(loss_sum)
+        micro = [{"input_ids": m[:, :-1], "labels": m[:, 1:]} for m in rows.chunk(args.micro_batches)]
+        targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
+        loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync)
+        opt.finish()  # dp / ZeRO reductions land
+        PP.sync_tied_grads(model, grid.embed_group)  # the last stage's copy of a tied embedding
+        dist.all_reduce(loss, group=grid.dp_group)
         lr = lr_at(step, args)
         grad_norm = opt.step(lr)
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
         tps = tokens_per_step / dt
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm)):
+            bad += 1
+            if log:
+                print(f"warning: step {step + 1} skipped: loss {loss.item()} grad norm {grad_norm} "
+                      f"({bad} in a row, limit {args.max_bad_steps})", file=sys.stderr, flush=True)
+            if bad >= args.max_bad_steps:
+                fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", grid)
+            continue
+        bad = 0
         if log and (step % args.log_every == 0 or step == args.steps - 1):
             eta = (time.time() - t_start) / (step + 1) * (args.steps - step - 1)
             mfu = f"{100 * tps * fpt / (peak_flops * grid.world):.1f}%" if peak_flops else "n/a"
-            print(f"step {step + 1}/{args.steps} · loss {loss_sum.item():.4f} · lr {lr:.2e} · "
-                  f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s · MFU {mfu} · "
-                  f"peak mem {peak_memory_mb(grid.device):,.0f} MB · ETA {eta:.0f}s", flush=True)
+            print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
+                  f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
+                  f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · peak mem {peak_memory_mb(grid.device):,.0f} MB"
+                  f" · ETA {eta:.0f}s", flush=True)
         if metrics:
-            metrics.write(json.dumps({"step": step + 1, "loss": loss_sum.item(), "lr": lr,
+            metrics.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr,
                                       "grad_norm": grad_norm, "tokens": tokens_per_step * (step + 1),
                                       "tokens_per_s": tps, "step_time_s": dt}) + "\n")
             metrics.flush()
     if args.export_hf:
-        if log:  # the fp32 masters, not the bf16 compute copy
-            M.save_hf(dict(zip(opt.names, opt.master)), cfg, args.export_hf)
+        export_hf(model, opt, shards, cfg, grid, args.export_hf)
+        if log:
             print(f"exported HF model to {args.export_hf}", flush=True)
     if metrics:
         metrics.close()
+    opt.teardown()
     dist.destroy_process_group()
 
 

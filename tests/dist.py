@@ -37,8 +37,9 @@ def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple,
         # plain pickle copies tensor data; the queue's own pickler would pass shared-memory
         # handles that die with this process at os._exit
         q.put((rank, True, pickle.dumps(result)))
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have torn the group down itself (train.main does)
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         q.put((rank, False, traceback.format_exc()))
     finally:

@@ -1,0 +1,272 @@
+"""Data parallelism: the dp-rank sampler and the bucketed, overlapped gradient all-reduce.
+
+What it does
+    `DPSampler` decides which sequences each data-parallel rank trains on. All ranks derive the same
+    global order of the dataset from (seed, epoch) with their own `torch.Generator`; optimizer step k
+    consumes entries [k·G, (k+1)·G) of that order (G = global batch) and dp rank r takes its
+    contiguous slice of G/dp of them. So step k trains on the same set of sequences whatever the dp
+    size (and whatever micro-batch split the caller makes of its slice); TP/PP peers of a dp rank
+    pass the same dp rank and see identical rows.
+    `GradSync` sums gradients over the dp group like DDP: parameters are grouped, in reverse order
+    (the order backward produces their grads), into flat buckets of about `bucket_mb` MB. A
+    post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
+    grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
+    earlier layers. `finish()` waits and copies the sums back into `.grad` before the optimizer step.
+    `global_count` all-reduces the step's target-token count.
+
+Reference
+    Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB):
+    gradient buckets in reverse order, autograd hooks, overlap, no_sync.
+
+Run
+    torchrun --nproc_per_node 4 train.py --model tiny --steps 20      # dp = world / (tp·pp) = 4
+
+Invariants
+    - Gradients are SUMMED over dp, never averaged: every rank's loss is its token-loss sum divided
+      by the GLOBAL target count of the step (precision.normalized_loss with `global_count`), so the
+      sum of the dp gradients is exactly the gradient of the mean loss over the global batch, however
+      the targets are spread over ranks and micro-batches.
+    - dp = 1 is an exact no-op: no hooks, no buffers, no copies; `finish()` returns at once.
+    - Every hook handle is kept and `remove()` drops them all: a hook closure holds this object,
+      which holds the parameters, which hold the hook in C++ — a cycle Python's gc cannot see.
+    - All ranks must produce a gradient for every parameter in each synced backward (as DDP without
+      find_unused_parameters); `finish()` names the parameters that got none instead of hanging.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+Group = dist.ProcessGroup | None
+TWICE = ("bucket {} was reduced twice before finish(): run every accumulation micro-step but the "
+         "last under no_sync() and call finish() once per step")
+
+
+# ------------------------------------------------------------------------------------------ sampler
+class DPSampler:
+    """This dp rank's sample indices, one optimizer step at a time (see the module docstring).
+
+    remainder "drop": an epoch's tail that does not fill a global batch is skipped (pretraining).
+    remainder "wrap": the epoch's last global batch is filled up from the start of the same
+    permutation (small SFT sets: every sample is seen at least once per epoch)."""
+
+    def __init__(self, num_samples: int, global_batch: int, dp_rank: int, dp_size: int, seed: int,
+                 remainder: str = "drop"):
+        if remainder not in ("drop", "wrap"):
+            raise ValueError(f"remainder must be 'drop' or 'wrap', got {remainder!r}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+        if global_batch < 1 or global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not a positive multiple of dp size "
+                             f"{dp_size}: every dp rank must get the same number of sequences")
+        if num_samples < 1 or (remainder == "drop" and num_samples < global_batch):
+            raise ValueError(f"{num_samples} samples cannot fill one global batch of {global_batch} "
+                             f"with remainder='drop' (use remainder='wrap' or a smaller batch)")
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self.dp_rank, self.dp_size, self.remainder = dp_rank, dp_size, remainder
+        self.epoch, self.offset = 0, 0  # offset: entries of this epoch's global order consumed
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full + (1 if rest and self.remainder == "wrap" else 0)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The global permutation of epoch `epoch`: the same on every rank, never global RNG."""
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._order = (epoch, torch.randperm(self.num_samples, generator=g))
+        return self._order[1]
+
+    def next_batch(self) -> list[int]:
+        """This rank's indices for the next optimizer step (global_batch // dp_size of them)."""
+        per_rank = self.global_batch // self.dp_size
+        start = self.offset + self.dp_rank * per_rank
+        positions = torch.arange(start, start + per_rank) % self.num_samples  # "wrap" pads from the start
+        batch = self.order(self.epoch)[positions].tolist()
+        self.offset += self.global_batch
+        if self.offset >= self.steps_per_epoch * self.global_batch:
+            self.epoch, self.offset = self.epoch + 1, 0
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+                "global_batch": self.global_batch, "num_samples": self.num_samples,
+                "remainder": self.remainder, "dp_size": self.dp_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the exact global sequence. The position is layout-free (an offset in the global
+        order), so a different dp size resumes exactly; a different data or batch definition raises."""
+        bad = [f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}"
+               for k in ("seed", "global_batch", "num_samples", "remainder") if state[k] != getattr(self, k)]
+        if bad:
+            raise ValueError("sampler state does not match this run (the global order or batch would "
+                             "change): " + "; ".join(bad))
+        offset = state["offset"]
+        if offset % self.global_batch or not 0 <= offset < self.steps_per_epoch * self.global_batch:
+            raise ValueError(f"sampler offset {offset} is not a step boundary of this epoch "
+                             f"(global batch {self.global_batch}, {self.steps_per_epoch} steps per epoch)")
+        self.epoch, self.offset = int(state["epoch"]), int(offset)
+
+
+def global_count(local: torch.Tensor | int, group: Group = None) -> int:
+    """Sum of a count over the dp group (e.g. the step's target tokens): pass the tensor from
+    `precision.count_targets` (it lives on the data device, which NCCL needs)."""
+    t = local.detach().to(torch.int64).clone() if isinstance(local, torch.Tensor) else torch.tensor(local)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return int(t)
+
+
+# ------------------------------------------------------------------------------------------ buckets
+@dataclass
+class Bucket:
+    """Some parameters laid out back to back in one flat buffer: parameter `index[k]` of the owner's
+    list occupies [offsets[k], offsets[k] + numel). `size` is `numel` padded to a multiple of the
+    dp size when the bucket is sharded (ZeRO); the padding is zero."""
+    index: list[int]
+    offsets: list[int]
+    numel: int
+    size: int
+
+
+def layout(index: list[int], params: Sequence[torch.Tensor], pad_to: int = 1) -> Bucket:
+    offsets, n = [], 0
+    for i in index:
+        offsets.append(n)
+        n += params[i].numel()
+    return Bucket(index, offsets, n, -(-n // pad_to) * pad_to)
+
+
+def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: int,
+                 pad_to: int = 1) -> list[Bucket]:
+    """Group parameters in REVERSE order (backward produces the last layers' grads first) into
+    buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * itemsize
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return [layout(g, params, pad_to) for g in groups if g]
+
+
+# ------------------------------------------------------------------------------------------ grad sync
+class GradSync:
+    """Sum `.grad` over the dp group in flat buckets, overlapped with backward (see module docstring).
+
+        sync = GradSync(params, dp_group, bucket_mb=25)
+        for k, micro in enumerate(micro_batches):
+            with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss(micro).backward()        # the last backward launches the bucket all-reduces
+        sync.finish()                         # wait, copy the sums into .grad
+        optimizer.step(); ...; sync.remove()  # at teardown
+
+    reduce_dtype: the dtype of the flat buffers (None: the grads' dtype; torch.float32 sums bf16
+    grads in fp32 and rounds once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None):
+        self.params = list(params)
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.reduce_dtype = reduce_dtype
+        if buckets is None:
+            itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
+            buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
+        self.buckets = buckets
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._sync = True
+        self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
+        self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
+        if self.hooked():
+            for b, bucket in enumerate(self.buckets):
+                for i in bucket.index:
+                    hook = partial(self._on_grad, b)
+                    self.handles.append(self.params[i].register_post_accumulate_grad_hook(hook))
+
+    def hooked(self) -> bool:
+        """dp = 1 needs no communication at all: no hooks, so nothing touches the gradients."""
+        return self.world > 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this context only accumulates into .grad (accumulation micro-steps)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad(self, b: int, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b].index):
+            self._ready[b] = 0
+            self._launch(b)
+
+    def _pack(self, b: int) -> torch.Tensor:
+        """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,)."""
+        bucket = self.buckets[b]
+        first = self.params[bucket.index[0]].grad
+        flat = torch.empty(bucket.size, dtype=self.reduce_dtype or first.dtype, device=first.device)
+        flat[bucket.numel:].zero_()
+        for i, off in zip(bucket.index, bucket.offsets):
+            g = self.params[i].grad
+            flat[off:off + g.numel()].copy_(g.reshape(-1))
+        return flat
+
+    def _launch(self, b: int) -> None:
+        if b in self._pending:
+            raise RuntimeError(TWICE.format(b))
+        flat = self._pack(b)
+        self._pending[b] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+
+    def _land(self, b: int, flat: torch.Tensor) -> None:
+        bucket = self.buckets[b]
+        for i, off in zip(bucket.index, bucket.offsets):
+            g = self.params[i].grad
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+
+    def finish(self) -> None:
+        """Wait for every launched reduction and write the results back. Idempotent."""
+        partial_ = [b for b, n in enumerate(self._ready) if n]
+        if partial_:
+            names = [i for b in partial_ for i in self.buckets[b].index if self.params[i].grad is None]
+            raise RuntimeError(f"buckets {partial_} got only some of their gradients in the synced "
+                               f"backward (no grad for parameters at positions {names[:8]}): every "
+                               f"rank must use every parameter, or freeze the unused ones")
+        for b in list(self._pending):
+            self._complete(b)
+
+    def _complete(self, b: int) -> None:
+        work, *buffers = self._pending.pop(b)
+        if work is not None:  # None: a dp=1 "collective" that was a plain copy
+            work.wait()
+        self._land(b, *buffers)
+
+    def remove(self) -> None:
+        """Teardown: drop every hook (breaking the hook → self → params → hook cycle) and buffers."""
+        remove_handles(self.handles)
+        for work, *_ in self._pending.values():
+            if work is not None:
+                work.wait()
+        self._pending.clear()
+        self._ready = [0] * len(self.buckets)
+
+
+def remove_handles(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

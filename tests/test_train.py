@@ -1,0 +1,178 @@
+"""train.py end to end: the README command, the layout matrix against the single process, export,
+validation errors, non-finite steps.
+
+Every layout runs the real CLI (`train.main(argv)`, the same argparse path as torchrun) on forked
+gloo ranks (tests/dist.py) — and `--tp 2 --pp 2 --zero 2 --ac` also through a real `torchrun` — and
+compares its `--metrics` loss curve with the single-process run of the same flags.
+Tolerance: 1e-5 relative (fp32; tp/dp/pp change only the summation order of the same products)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import model as M
+import train
+from dist import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+# 4 heads and 4 kv heads so tp=4 divides them; 4 layers so pp=4 has one each
+CFG = M.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def setup_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    m = M.materialize(M.build(CFG), "cpu", seed=11)
+    M.save_hf(dict(m.named_parameters()), CFG, d / "init")
+    text = "".join(open(p, encoding="utf-8").read() for p in sorted((ROOT).glob("*.py")))
+    (d / "corpus.txt").write_text(text[:60_000])
+    data.prepare(d / "corpus.txt", d / "data")
+    return d
+
+
+def args_for(d: Path, *extra: str, metrics: str = "m.jsonl") -> list[str]:
+    return ["--init-from", str(d / "init"), "--data", str(d / "data"), "--steps", "5",
+            "--seq-len", "32", "--batch-size", "8", "--micro-batches", "2", "--lr", "3e-3",
+            "--warmup", "2", "--metrics", str(d / metrics), *extra]
+
+
+def _main(rank: int, world: int, argv: list[str]) -> None:
+    train.main(argv)
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def assert_curve(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert abs(g - w) <= rtol * abs(w), (got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(setup_dirs):
+    d = setup_dirs
+    run_ranks(_main, 1, args_for(d, "--export-hf", str(d / "ref_export"), metrics="ref.jsonl"))
+    curve = losses(d / "ref.jsonl")
+    assert curve[-1] < curve[0] - 0.05  # the curve moves: comparing it is not vacuous
+    return curve
+
+
+LAYOUTS = {
+    # 8 ranks: tp2 · dp2 · pp2
+    "tp2-pp2-zero2-ac": (8, ["--tp", "2", "--pp", "2", "--zero", "2", "--ac"]),
+    "tp2-pp2-zero0-gpipe": (8, ["--tp", "2", "--pp", "2", "--schedule", "gpipe"]),
+    "tp2-pp2-zero1": (8, ["--tp", "2", "--pp", "2", "--zero", "1"]),
+    "tp2-pp2-zero3-acfull": (8, ["--tp", "2", "--pp", "2", "--zero", "3", "--ac-mode", "full"]),
+    # 4 ranks
+    "tp4": (4, ["--tp", "4"]),
+    "pp4": (4, ["--pp", "4", "--micro-batches", "4"]),
+    "dp4-zero3": (4, ["--zero", "3"]),
+    "tp2-dp2-zero1": (4, ["--tp", "2", "--zero", "1"]),
+    "pp2-dp2-zero2": (4, ["--pp", "2", "--zero", "2", "--pp-layers", "3,1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(setup_dirs, reference, name):
+    d = setup_dirs
+    world, extra = LAYOUTS[name]
+    argv = args_for(d, *extra, metrics=f"{name}.jsonl")
+    if name == "tp2-pp2-zero2-ac":
+        argv += ["--export-hf", str(d / "export8")]
+    run_ranks(_main, world, argv, timeout=240)
+    assert_curve(losses(d / f"{name}.jsonl"), reference)
+
+
+def test_export_after_parallel_run_loads_in_transformers(setup_dirs, reference):
+    from transformers import LlamaForCausalLM
+    d = setup_dirs
+    if not (d / "export8").is_dir():
+        run_ranks(_main, 8, args_for(d, *LAYOUTS["tp2-pp2-zero2-ac"][1], "--export-hf",
+                                     str(d / "export8"), metrics="x.jsonl"), timeout=240)
+    hf = LlamaForCausalLM.from_pretrained(d / "export8").eval()
+    ours = M.load_hf(d / "export8")
+    ref = M.load_hf(d / "ref_export")
+    x = torch.randint(0, 260, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(x).logits, ours(x))  # same weights, same op order
+        err = (ours(x) - ref(x)).abs().max() / ref(x).abs().max()
+    assert err <= 1e-5  # parallel training reached the single-process weights
+
+
+def test_readme_command_through_torchrun(setup_dirs, reference):
+    """The launch line users type (torchrun, 8 processes) — slower than forking, so once."""
+    d = setup_dirs
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "train.py",
+           *args_for(d, "--tp", "2", "--pp", "2", "--zero", "2", "--ac", metrics="torchrun.jsonl")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_curve(losses(d / "torchrun.jsonl"), reference)
+    assert "step 5/5" in r.stdout
+
+
+def test_default_command_runs(tmp_path):
+    """`python train.py` as in the README (default corpus and model), shortened to 2 steps."""
+    r = subprocess.run([sys.executable, "train.py", "--steps", "2", "--seq-len", "64",
+                        "--batch-size", "4", "--metrics", str(tmp_path / "m.jsonl")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(k in rows[0] for k in
+                                                       ("loss", "lr", "grad_norm", "tokens", "tokens_per_s"))
+
+
+def validate(argv: list[str], world: int, cfg: M.LlamaConfig = CFG) -> str:
+    grid = train.Grid(rank=0, world=world, device=torch.device("cpu"))
+    return "\n".join(train.validate(train.parse_args(["--seq-len", "32", *argv]), cfg, grid))
+
+
+def test_validation_messages():
+    assert validate([], 1) == ""
+    assert "world size 6 is not divisible by --tp 4 × --pp 1" in validate(["--tp", "4"], 6)
+    assert "num_attention_heads" in validate(["--tp", "3"], 3)
+    assert "layers" in validate(["--pp", "8"], 8)
+    assert "--pp-layers" in validate(["--pp", "2", "--pp-layers", "3,3"], 2)
+    assert "--pp-layers 'a,b'" in validate(["--pp", "2", "--pp-layers", "a,b"], 2)
+    assert ("--batch-size 10 is not divisible by dp size 4 × --micro-batches 2"
+            in validate(["--batch-size", "10", "--micro-batches", "2"], 4))
+    assert "--seq-len 100 > max_position_embeddings 64" in validate(["--seq-len", "100"], 1)
+    tied = M.LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
+    assert "tied embeddings with --pp > 1 need --zero 0" in validate(["--pp", "2", "--zero", "1"], 2, tied)
+    assert "--ac-every" in validate(["--ac-every", "2"], 1)
+    # several problems are reported together, not one per run
+    many = validate(["--seq-len", "100", "--batch-size", "3", "--micro-batches", "2"], 1)
+    assert "--seq-len" in many and "--batch-size" in many
+
+
+def test_bad_flags_exit_nonzero_with_one_message(tmp_path):
+    for argv, text in ([["--tp", "2"], "world size 1 is not divisible"],
+                       [["--init-from", str(tmp_path / "nope")], "config.json not found"],
+                       [["--data", str(tmp_path / "missing.txt")], "missing.txt"]):
+        r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and text in r.stderr, (argv, r.stderr[-2000:])
+        assert r.stderr.count("error:") == 1
+
+
+def _nan_main(rank: int, world: int, argv: list[str]) -> None:
+    plain = M.cross_entropy
+    M.cross_entropy = lambda *a, **k: plain(*a, **k) * float("nan")  # every loss turns NaN
+    train.main(argv)
+
+
+def test_non_finite_steps_are_skipped_then_abort(setup_dirs, capfd):
+    d = setup_dirs
+    with pytest.raises(RuntimeError, match="SystemExit: 2"):
+        run_ranks(_nan_main, 2, args_for(d, "--max-bad-steps", "2", metrics="nan.jsonl"))
+    err = capfd.readouterr().err
+    assert "step 1 skipped" in err and "2 consecutive non-finite steps" in err
+    assert (d / "nan.jsonl").read_text() == ""  # nothing logged as if it had trained

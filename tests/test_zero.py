@@ -1,0 +1,326 @@
+"""zero.py: every ZeRO stage against plain DP and the single process, memory, hooks, composition.
+
+Tolerances (fp32 unless stated), and why:
+- dp=1 (a group of one rank): every stage bit-identical to MixedPrecisionOptimizer, clipping and
+  accumulation included (the owned pieces are then whole parameters, summed in the same order).
+- dp=2 vs stage 0 (fp32 and bf16): bit-identical parameters and losses without clipping (2-rank
+  sums are a+b in any layout; AdamW is elementwise); ZeRO-3 under activation checkpointing and with
+  two micro-batches' forwards in flight is bit-identical to ZeRO-3 without. Not bitwise when
+  clipping is active (the norm's squares are summed per shard, then over dp: last-bit different
+  coefficient) nor for stages 2-3 under accumulation ((a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2)): 1e-6,
+  parameters relative to the largest parameter.
+- dp=4 and tp×dp: 1e-5 relative, against stage 0 and the single process (gloo's 4-rank sums depend on
+  buffer layout; tp adds its own all-reduces).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as ckpt
+
+import ac as AC
+import dp
+import model as M
+import precision as P
+import tp as TP
+import zero as Z
+from dist import run_ranks
+from test_dp import CFG, G, LR, N_ROWS, dataset, make_model, reference, rel, train
+
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+def run(stage: int, group, *, clip: float = 0.0, micro: int = 1, dtype=FP32, tie: bool = False,
+        steps: int = 5, bucket_mb: float = 0.01, model=None, **kw):
+    """Train `steps` steps under `stage`; returns (losses, grad norms, full fp32 params)."""
+    m = model if model is not None else make_model(tie_word_embeddings=tie)
+    opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=LR, clip=clip), dtype, bucket_mb=bucket_mb, **kw)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    losses, norms = train(m, opt, dp.DPSampler(N_ROWS, G, rank, size, seed=7), micro, group,
+                          opt.no_sync, opt.finish, steps)
+    with opt.gathered():
+        params = [p.detach().float().clone() for p in m.parameters()]
+    opt.teardown()
+    return losses, norms, params
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+def reld(a, b) -> float:
+    """Largest relative difference of the loss curves, and largest parameter difference relative to
+    the largest parameter (per-tensor scaling would blow up Adam's last-bit noise on tiny weights)."""
+    scale = max(y.abs().max().item() for y in b[2])
+    return max(rel(a[0], b[0]), max((x - y).abs().max().item() for x, y in zip(a[2], b[2])) / scale)
+
+
+def plain(clip: float, micro: int, dtype) -> tuple:
+    m = make_model()
+    opt = P.MixedPrecisionOptimizer(m.named_parameters(), P.OptimConfig(lr=LR, clip=clip), dtype)
+    losses, norms = train(m, opt, dp.DPSampler(N_ROWS, G, 0, 1, seed=7), micro)
+    return losses, norms, [p.detach().float().clone() for p in m.parameters()]
+
+
+def gathered_counts(rank: int) -> dict:
+    """ZeRO-3 at dp=2: how many units are gathered at each layer's forward and backward."""
+    out = {}
+    for prefetch in (0, 1, 2):
+        m = make_model()
+        opt = Z.apply_zero(m, 3, dist.group.WORLD, P.OptimConfig(lr=LR), prefetch=prefetch)
+        fwd, bwd = [], []
+        def on_output(mod, args, out) -> None:
+            out.register_hook(lambda g: bwd.append(sum(opt._full)))
+
+        for layer in m.model.layers.values():  # registered after ZeRO's hooks, so they run after
+            layer.register_forward_pre_hook(lambda *_: fwd.append(sum(opt._full)))
+            layer.register_forward_hook(on_output)
+        x, y = dataset()
+        loss = m(x[:2], labels=y[:2], reduction="sum")
+        after_forward = sum(opt._full)
+        loss.backward()
+        out[prefetch] = (max(fwd), after_forward, bwd, sum(opt._full),
+                         all(p.grad is None for p in m.parameters()))
+        opt.teardown()
+    return out
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return ckpt.checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def pipeline_like(rank: int, stage: int, interleave: bool, ac: bool) -> tuple:
+    """A last pipeline stage (no embedding, layer "1" only, norm + head), two micro-batches whose
+    forwards may both run before either backward, optionally with activation checkpointing."""
+    m = make_model()
+    m.model.embed_tokens = None
+    del m.model.layers["0"]
+    opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.001)
+    if ac:  # checkpoint the hooked layer: its forward hooks run again inside backward
+        m.model.layers["1"] = Checkpointed(m.model.layers["1"])
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        hs = [torch.randn(2, 8, CFG.hidden_size, generator=g, requires_grad=True) for _ in range(2)]
+        ys = [torch.randint(0, CFG.vocab_size, (2, 8), generator=g) for _ in range(2)]
+        if interleave:  # both forwards, then both backwards (GPipe order)
+            outs = [m(h, labels=y, reduction="sum") / 64 for h, y in zip(hs, ys)]
+            with opt.no_sync():
+                outs[0].backward()
+            outs[1].backward()
+        else:
+            outs = []
+            for k, (h, y) in enumerate(zip(hs, ys)):
+                outs.append(m(h, labels=y, reduction="sum") / 64)
+                with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                    outs[-1].backward()
+        losses.append(sum(o.item() for o in outs))
+        opt.step(LR)
+    with opt.gathered():
+        params = [p.detach().clone() for p in m.parameters()]
+    opt.teardown()
+    return losses, None, params
+
+
+def _dp2(rank: int, world: int) -> dict:
+    out: dict = {}
+    WORLD = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]
+    for dtype in (FP32, BF16):  # dp=1: bit-identical to the plain loop, clipping and accumulation on
+        ref = plain(0.5, 2, dtype)
+        out[f"dp1_{dtype}"] = [same(run(s, singles[rank], clip=0.5, micro=2, dtype=dtype), ref)
+                               for s in range(4)]
+    exact = [run(s, WORLD) for s in range(4)]
+    out["exact"] = [same(r, exact[0]) for r in exact[1:]]
+    bf16 = [run(s, WORLD, dtype=BF16) for s in range(4)]  # 2-rank bf16 sums: a+b rounded, any layout
+    out["exact_bf16"] = [same(r, bf16[0]) for r in bf16[1:]]
+    for name, clip, micro in (("accum", 0.0, 2), ("clip", 0.5, 2)):
+        runs = [run(s, WORLD, clip=clip, micro=micro) for s in range(4)]
+        out[name] = [(same(r, runs[0]), reld(r, runs[0])) for r in runs[1:]]
+    for mode in ("full", "selective"):  # ZeRO-3 under activation checkpointing (ac.py): the
+        m = make_model()                # recompute reads the units the output-grad hook gathered
+        AC.apply_ac(m, mode)
+        out[f"ac_{mode}"] = same(run(3, WORLD, model=m), exact[3])
+    tied0 = run(0, WORLD, tie=True)
+    out["tied"] = [same(run(s, WORLD, tie=True), tied0) for s in (1, 3)]
+    # ZeRO-2: no full-size gradient survives backward
+    m = make_model()
+    opt = Z.apply_zero(m, 2, WORLD, P.OptimConfig(lr=LR))
+    x, y = dataset()
+    m(x[:2], labels=y[:2], reduction="sum").backward()
+    out["zero2_grads_none"] = all(p.grad is None for p in m.parameters())
+    opt.teardown()
+    out["gathered"] = gathered_counts(rank)
+    pp = {(s, i, a): pipeline_like(rank, s, i, a) for s, i, a in
+          ((0, False, False), (3, False, False), (3, True, False), (3, True, True))}
+    out["pp_interleaved_exact"] = same(pp[3, True, False], pp[3, False, False])
+    out["pp_ac_exact"] = same(pp[3, True, True], pp[3, True, False])
+    out["pp_vs_dp"] = reld(pp[3, True, False], pp[0, False, False])
+    return out
+
+
+def test_zero_dp2_exactness_and_stage3_mechanics():
+    res = run_ranks(_dp2, 2)
+    for out in res:
+        assert out[f"dp1_{FP32}"] == [True] * 4 and out[f"dp1_{BF16}"] == [True] * 4
+        assert out["exact"] == [True, True, True] and out["exact_bf16"] == [True, True, True]  # stages 1-3
+        assert out["ac_full"] and out["ac_selective"]
+        assert out["accum"][0][0], out["accum"]  # stage 1 keeps full grads: same sum order
+        assert all(d <= 1e-6 for _, d in out["accum"] + out["clip"]), (out["accum"], out["clip"])
+        assert out["tied"] == [True, True]
+        assert out["zero2_grads_none"]
+        for prefetch, (fwd_max, after_fwd, bwd, after_bwd, no_grads) in out["gathered"].items():
+            assert fwd_max == 1 + prefetch, (prefetch, fwd_max)  # this layer + the ones fetched ahead
+            assert after_fwd == 0 and after_bwd == 0 and no_grads  # everything freed after use
+            assert max(bwd) == 1 + prefetch, (prefetch, bwd)  # the unit above was freed once reduced
+        assert out["pp_interleaved_exact"] and out["pp_ac_exact"]
+        assert out["pp_vs_dp"] <= 1e-6
+
+
+def _dp4(rank: int, world: int) -> dict:
+    out: dict = {}
+    WORLD = dist.group.WORLD
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    runs = [run(s, WORLD, clip=0.5, micro=2) for s in range(4)]
+    out["curves"] = [(r[0], r[1]) for r in runs]
+    out["vs_stage0"] = [reld(r, runs[0]) for r in runs[1:]]
+    out["tied_curves"] = [run(s, WORLD, clip=0.5, micro=2, tie=True)[:2] for s in (0, 3)]
+    # persistent bytes per rank, measured after backward (grads present) of the second step
+    out["bytes"] = {}
+    for dtype in (BF16, FP32):
+        for stage in range(4):
+            m = make_model()
+            opt = Z.apply_zero(m, stage, WORLD, P.OptimConfig(lr=LR), dtype, bucket_mb=0.002)
+            x, y = dataset()
+            for k in range(2):
+                m(x[:2], labels=y[:2], reduction="sum").backward()
+                opt.finish()
+                if k == 0:
+                    opt.step(LR)
+            out["bytes"][dtype, stage] = (Z.persistent_bytes(opt), len(opt.buckets) if stage else 0)
+            opt.teardown()
+    out["tpdp"] = tp_dp(rank, tp_groups[rank // 2], dp_groups[rank % 2])
+    return out
+
+
+def tp_dp(rank: int, tp_group, dp_group) -> list:
+    """Every stage with tp=2 inside each dp rank: the tp group shards the model (tp.py), ZeRO shards
+    each tp shard over dp; the grad norm all-reduces over dp (ZeRO) and tp (norm_groups)."""
+    curves = []
+    tp_rank = dist.get_rank(tp_group)
+    for stage in range(4):
+        m = M.build(CFG)
+        shards = TP.apply_tp(m, tp_group)
+        M.materialize(m, "cpu", seed=0, shards=shards)
+        curves.append(run(stage, dp_group, clip=0.5, micro=2, model=m, norm_groups=[tp_group],
+                          counted=lambda n: n in shards or tp_rank == 0)[:2])
+    return curves
+
+
+def test_zero_dp4_memory_and_tp2_dp2():
+    ref = reference()
+    ref_tied = reference(tie_word_embeddings=True)
+    res = run_ranks(_dp4, 4)
+    psi = sum(p.numel() for p in make_model().parameters())
+    N = 4
+    for out in res:
+        for losses, norms in out["curves"] + out["tpdp"]:
+            assert rel(losses, ref[0]) <= 1e-5 and rel(norms, ref[1]) <= 1e-5, (losses, ref[0])
+        for losses, norms in out["tied_curves"]:
+            assert rel(losses, ref_tied[0]) <= 1e-5 and rel(norms, ref_tied[1]) <= 1e-5
+        assert max(out["vs_stage0"]) <= 1e-5, out["vs_stage0"]
+    for dtype, c in ((BF16, 2), (FP32, 4)):  # c: bytes of a compute param / grad
+        master = 4 if dtype == BF16 else 0  # fp32 stage 0: the masters ARE the parameters
+        formulas = {0: (c * psi, c * psi, master * psi), 1: (c * psi, c * psi, 4 * psi / N),
+                    2: (c * psi, c * psi / N, 4 * psi / N), 3: (c * psi / N, c * psi / N, 4 * psi / N)}
+        for stage, (params, grads, mast) in formulas.items():
+            per_rank = [out["bytes"][dtype, stage][0] for out in res]
+            pad = res[0]["bytes"][dtype, stage][1] * N * 4  # < N padding elements per bucket/unit
+            for b in per_rank:
+                want = dict(params=params, grads=grads, master=mast, adam_m=4 * psi / N if stage else 4 * psi,
+                            adam_v=4 * psi / N if stage else 4 * psi)
+                for k, v in want.items():
+                    assert abs(b[k] - v) <= pad, (dtype, stage, k, b[k], v)
+            if stage:  # the master pieces of all ranks together are exactly the model
+                assert sum(b["master"] for b in per_rank) == 4 * psi
+
+
+def _tp2_dp4(rank: int, world: int) -> list:
+    tp_groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(4)]
+    dp_groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]
+    return tp_dp(rank, tp_groups[rank // 2], dp_groups[rank % 2])
+
+
+def test_zero_tp2_dp4():
+    ref = reference()
+    for curves in run_ranks(_tp2_dp4, 8):
+        for losses, norms in curves:
+            assert rel(losses, ref[0]) <= 1e-5 and rel(norms, ref[1]) <= 1e-5, (losses, ref[0])
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage reachable by Python's gc, each storage once — including
+    tensors kept alive only by C++-held hook closures (the objects are still gc-tracked)."""
+    seen, n = set(), 0
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type != "meta":
+            s = o.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                n += s.nbytes()
+    return n
+
+
+def _leak(rank: int, world: int) -> dict:
+    x, y = dataset()
+
+    def cycle(stage: int, teardown: bool = True):
+        m = make_model()
+        opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        m(x[:2], labels=y[:2], reduction="sum").backward()
+        opt.step(LR)
+        m(x[:2], labels=y[:2], reduction="sum")  # a forward whose graph is dropped unused
+        refs = weakref.ref(opt), weakref.ref(m), weakref.ref(next(m.parameters()))
+        if teardown:
+            opt.teardown()
+        return refs
+
+    out = {}
+    for stage in range(4):
+        refs, sizes = [], []
+        for i in range(50):
+            refs += cycle(stage)
+            if i in (0, 49):
+                gc.collect()
+                sizes.append(live_tensor_bytes())
+        out[stage] = (sum(r() is not None for r in refs), sizes)
+    controls = [cycle(stage, teardown=False) for stage in range(4)]
+    gc.collect()
+    for stage, refs in enumerate(controls):  # without teardown the hook cycle keeps the parameters
+        out[f"control{stage}"] = refs[2]() is not None
+    return out
+
+
+def test_zero_teardown_leaves_nothing_alive():
+    for out in run_ranks(_leak, 2):
+        for stage in range(4):
+            alive, (first, last) = out[stage]
+            assert alive == 0, (stage, alive)
+            assert last <= first, (stage, first, last)  # nothing accumulates over 50 builds
+            assert out[f"control{stage}"], stage  # the test can fail: without teardown hooks leak
+
+
+def test_bad_stage():
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
+        Z.apply_zero(make_model(), 4, None, P.OptimConfig())

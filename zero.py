@@ -1,0 +1,431 @@
+"""ZeRO stages 0-3: shard the optimizer state, then the gradients, then the parameters over dp.
+
+What it does
+    `apply_zero(model, stage, dp_group, optim_cfg, dtype)` returns the training step object for one
+    of four memory layouts (bytes per parameter, bf16 params/grads, fp32 master + Adam m, v; N = dp):
+      stage 0  plain DP: everything replicated, grads all-reduced (dp.GradSync)    16Ψ
+      stage 1  fp32 master + Adam state sharded; grads reduce-scattered           2Ψ + 2Ψ + 12Ψ/N
+      stage 2  + gradients: each bucket is reduce-scattered the moment its grads
+               are ready and the full-size grads are dropped right there           2Ψ + 14Ψ/N
+      stage 3  + parameters: each decoder layer (and embedding, final norm+head)
+               is one flat unit, all-gathered before its forward and again before
+               its backward and freed after each                                   16Ψ/N
+    All stages share one call shape, so the trainer has one code path:
+        opt = apply_zero(model, stage, dp_group, cfg, torch.bfloat16)
+        for k, micro in enumerate(micro_batches):
+            with opt.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+                normalized_loss(model(x, labels=y, reduction="sum"), step_targets).backward()
+        grad_norm = opt.step(lr)     # finish() the reductions, clip, AdamW, publish, zero_grad
+        ...; opt.teardown()          # removes every hook (see "Invariants")
+
+    Sharding is 1-D: the parameters of a bucket (stages 1-2: ~bucket_mb MB in reverse order, as in
+    dp.py) or unit (stage 3) lie back to back in one flat buffer padded to a multiple of N; dp rank r
+    owns elements [r·S, (r+1)·S), S = size/N. The fp32 master of parameter i is the piece of i in
+    that range (maybe empty), so AdamW still sees one tensor per parameter: weight-decay groups
+    survive, and AdamW being elementwise the update is bit-identical to the unsharded one. Updated
+    masters are cast to the compute dtype and all-gathered (stages 1-2, in the step) or written into
+    the persistent compute-dtype shard (stage 3, gathered when next used).
+
+Reference
+    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models";
+    Zhao et al. 2023, "PyTorch FSDP" (flat units, storage freeing, pre-backward gathers, prefetch).
+
+Run
+    torchrun --nproc_per_node 4 train.py --model tiny --zero 2 --steps 20
+
+Invariants
+    - Gradients are dp-SUMMED (losses are normalised by the global target count; see dp.py).
+    - The grad norm sums squares over each rank's owned pieces, all-reduced over dp (plus the caller's
+      tp/pp `norm_groups`, with `counted(name)` for replicas); at N = 1 the pieces are the whole
+      parameters in the same order, so every stage is bit-identical to MixedPrecisionOptimizer.
+    - vs stage 0 at dp=2 (fp32) stages 1-3 are bit-identical unless clipping is active (the norm is
+      summed in another order: last-bit different coefficient) or stages 2-3 accumulate micro-batches
+      ((a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
+    - Stage 1 keeps the full .grad as accumulation buffer and honours no_sync; after finish() only
+      the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stages 2-3
+      reduce-scatter at every backward (no_sync is a no-op: keeping full grads would defeat them) and
+      accumulate in the grad shard; reduce_dtype=torch.float32 makes that accumulation fp32.
+    - Every hook handle (post-accumulate-grad, module forward, output-grad) is kept and `teardown()`
+      removes them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot
+      see (the seed's leak). After teardown a stage-3 model's parameters are released (unusable).
+    - Stage 3 with several micro-batches in flight (pipelining): each forward frees its units and
+      each backward re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks
+      run inside backward (a checkpoint recompute) gather but never free. A tied embedding stays
+      gathered from the head's backward to the embedding's. Each rank materializes the full model
+      first, then shards it.
+
+Builds on: precision.py, dp.py
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dp import TWICE, Bucket, GradSync, Group, layout, make_buckets, remove_handles
+from precision import MixedPrecisionOptimizer, OptimConfig
+
+Named = Iterable[tuple[str, nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter this rank owns: its flat elements [start, start+n) are elements
+    [shard_start, shard_start+n) of this rank's shard of bucket `bucket` (n may be 0)."""
+    bucket: int
+    start: int
+    shard_start: int
+    n: int
+
+
+def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Group, world: int):
+    """Async SUM reduce-scatter / all-gather of flat buffers; N = 1 is a plain copy (no work)."""
+    if world == 1:
+        out.copy_(flat)
+        return None
+    return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group, world: int):
+    if world == 1:
+        full.copy_(shard)
+        return None
+    return dist.all_gather_single(full, shard, group=group, async_op=True)
+
+
+class ReduceScatterSync(GradSync):
+    """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
+    [r·S, (r+1)·S) of the bucket's flat buffer. keep_full (stage 1): .grad is the accumulation
+    buffer and the sum lands in its owned slice; else (stages 2-3) .grad is dropped as soon as it is
+    packed and the sums accumulate in `grad_shards`. `on_reduced(b)` runs after each launch."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
+                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
+                 on_reduced: Callable[[int], None] | None = None):
+        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
+        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets)
+
+    def hooked(self) -> bool:
+        return True  # N = 1 runs the same path; the collectives become copies
+
+    def _launch(self, b: int) -> None:
+        if b in self._pending:
+            if self.keep_full:
+                raise RuntimeError(TWICE.format(b))
+            self._complete(b)  # an earlier micro-step's sum: accumulate it first
+        flat = self._pack(b)  # (size,)
+        if not self.keep_full:
+            for i in self.buckets[b].index:
+                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
+        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
+        self._pending[b] = (reduce_scatter(out, flat, self.group, self.world), out, flat)
+        if self.on_reduced is not None:
+            self.on_reduced(b)
+
+    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
+        if self.keep_full:
+            for i in self.buckets[b].index:
+                pc = self.pieces[i]
+                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
+                    out[pc.shard_start:pc.shard_start + pc.n])
+        elif self.grad_shards[b] is None:
+            self.grad_shards[b] = out
+        else:
+            self.grad_shards[b] += out
+
+
+class DataParallel(MixedPrecisionOptimizer):
+    """Stage 0: MixedPrecisionOptimizer + dp.GradSync (all-reduce). Base of the ZeRO stages: the
+    trainer-facing methods (no_sync, finish, step, gathered, teardown) are the same for all."""
+    stage = 0
+
+    def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group, *,
+                 bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
+                 norm_groups: Iterable[dist.ProcessGroup] = (),
+                 counted: Callable[[str], bool] = lambda name: True):
+        self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        groups = ([group] if self.stage and self.world > 1 else []) + list(norm_groups)
+        super().__init__(named_params, cfg, dtype, groups, counted)
+        self.sync = self._make_sync()
+
+    def _make_sync(self) -> GradSync:
+        return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Wrap every accumulation micro-step's backward except the last."""
+        return self.sync.no_sync()
+
+    def finish(self) -> None:
+        """Wait for the gradient reductions of this step (step() calls it; idempotent)."""
+        self.sync.finish()
+
+    def step(self, lr: float) -> float:
+        self.finish()
+        return super().step(lr)
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Full parameters inside the context (for export/eval); only stage 3 needs to gather."""
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:
+        self.sync.remove()
+
+
+class ZeroOptimizer(DataParallel):
+    """Stages 1 and 2 through precision.py's seam: sharded masters, sharded grads, all-gather."""
+
+    def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group,
+                 stage: int, **kw):
+        self.stage = stage
+        super().__init__(named_params, cfg, dtype, group, **kw)
+
+    def _buckets(self) -> list[Bucket]:
+        itemsize = (self.reduce_dtype or self.dtype).itemsize
+        return make_buckets(self.params, int(self.bucket_mb * 2**20), itemsize, pad_to=self.world)
+
+    def _make_master(self) -> list[torch.Tensor]:
+        """Lay every bucket out flat in the compute dtype (the parameters become views into it, so
+        the all-gather writes them in place) and cut this rank's fp32 piece of each parameter."""
+        self.buckets = self._buckets()
+        self.pieces: list[Piece] = [None] * len(self.params)  # type: ignore[list-item]
+        self.flat_params: list[torch.Tensor] = []
+        master: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for b, bucket in enumerate(self.buckets):
+            p0 = self.params[bucket.index[0]]
+            full = torch.zeros(bucket.size, dtype=self.dtype, device=p0.device)  # (size,)
+            S = bucket.size // self.world
+            lo = self.rank * S
+            for i, off in zip(bucket.index, bucket.offsets):
+                p, n = self.params[i], self.params[i].numel()
+                a, z = max(off, lo), min(off + n, lo + S)
+                self.pieces[i] = Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
+                pc = self.pieces[i]
+                flat_p = p.detach().reshape(-1)  # (n,) fp32 initial values
+                master[i] = flat_p[pc.start:pc.start + pc.n].float().clone()
+                full[off:off + n].copy_(flat_p)
+                p.data = full[off:off + n].view_as(p)
+            self.flat_params.append(full)
+        return master
+
+    def _make_sync(self) -> GradSync:
+        return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
+                                 keep_full=self.stage == 1, on_reduced=self._on_reduced)
+
+    def _on_reduced(self, b: int) -> None:
+        pass
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.sync.no_sync() if self.stage == 1 else contextlib.nullcontext()
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = []
+        for p, pc in zip(self.params, self.pieces):
+            if self.stage == 1:
+                g = None if p.grad is None else p.grad.view(-1)[pc.start:pc.start + pc.n]
+            else:
+                shard = self.sync.grad_shards[pc.bucket]
+                g = None if shard is None else shard[pc.shard_start:pc.shard_start + pc.n]
+            grads.append(None if g is None else g.float())
+        return grads
+
+    def _shards_from_master(self, shards: list[torch.Tensor]) -> None:
+        """Write each master piece, cast to the compute dtype, into its place in the shards."""
+        with torch.no_grad():
+            for m, pc in zip(self.master, self.pieces):
+                shards[pc.bucket][pc.shard_start:pc.shard_start + pc.n].copy_(m)
+
+    def _publish(self) -> None:
+        shards = [torch.zeros(f.numel() // self.world, dtype=self.dtype, device=f.device)
+                  for f in self.flat_params]  # (S,) each; the padding stays zero
+        self._shards_from_master(shards)
+        works = [all_gather(full, s, self.group, self.world) for full, s in zip(self.flat_params, shards)]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.sync.grad_shards = [None] * len(self.buckets)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Zero3Optimizer(ZeroOptimizer):
+    """Stage 3: units = [embedding], each decoder layer, [final norm, lm_head] (whichever exist — a
+    pipeline stage may hold only some). A unit holding nothing but this rank's shard is "free"; it is
+    gathered by the forward pre-hook of its site and freed by the forward post-hook, gathered again
+    by a hook on the site's output gradient and freed once all its grads are reduce-scattered.
+    `prefetch` = how many sites ahead (forward) / behind (backward) are gathered asynchronously."""
+
+    def __init__(self, model: nn.Module, named_params: Named, cfg: OptimConfig, dtype: torch.dtype,
+                 group: Group, prefetch: int = 1, **kw):
+        self.model, self.prefetch = model, prefetch
+        self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._inflight: dict[int, object] = {}  # unit → pending all-gather work
+        self._pinned = False  # inside gathered(): forwards keep everything gathered
+        super().__init__(named_params, cfg, dtype, group, stage=3, **kw)
+        for s, site in enumerate(self.sites):
+            self.module_handles.append(site[0].register_forward_pre_hook(partial(self._pre_forward, s)))
+            self.module_handles.append(site[-1].register_forward_hook(partial(self._post_forward, s)))
+
+    def _buckets(self) -> list[Bucket]:
+        m = self.model.model
+        self.sites = ([[m.embed_tokens]] if m.embed_tokens is not None else []) + \
+            [[layer] for layer in m.layers.values()]
+        head = [mod for mod in (m.norm, self.model.lm_head) if mod is not None]
+        self.sites += [head] if head else []
+        where = {id(p): i for i, p in enumerate(self.params)}
+        units: list[list[int]] = []
+        owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
+        self.site_units: list[list[int]] = []
+        for site in self.sites:
+            mine = [where[id(p)] for mod in site for p in mod.parameters() if id(p) in where]
+            new = [i for i in dict.fromkeys(mine) if i not in owner]
+            if new:
+                owner.update({i: len(units) for i in new})
+                units.append(new)
+            self.site_units.append(sorted({owner[i] for i in mine}))
+        stray = [n for i, n in enumerate(self.names) if i not in owner]
+        if stray:
+            raise ValueError(f"ZeRO-3 units cover embed_tokens, layers, norm and lm_head only; "
+                             f"parameters outside them: {stray[:5]}")
+        self._full = [False] * len(units)
+        return [layout(u, self.params, pad_to=self.world) for u in units]
+
+    def _make_master(self) -> list[torch.Tensor]:
+        master = super()._make_master()
+        self.param_shards = [f.view(self.world, -1)[self.rank].clone() for f in self.flat_params]  # (S,)
+        for f in self.flat_params:
+            f.untyped_storage().resize_(0)  # the parameters (views of f) now hold no memory
+        return master
+
+    # ---- gather / free -------------------------------------------------------------------------
+    def _gather(self, u: int, wait: bool = True) -> None:
+        if not self._full[u]:
+            full = self.flat_params[u]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self._inflight[u] = all_gather(full, self.param_shards[u], self.group, self.world)
+            self._full[u] = True
+        if wait:
+            self._wait(u)
+
+    def _wait(self, u: int) -> None:
+        work = self._inflight.pop(u, None)
+        if work is not None:
+            work.wait()
+
+    def _free(self, u: int) -> None:
+        self._wait(u)  # never free under an in-flight gather
+        self.flat_params[u].untyped_storage().resize_(0)
+        self._full[u] = False
+
+    def _units(self, sites: Iterable[int]) -> list[int]:
+        return [u for s in sites if 0 <= s < len(self.sites) for u in self.site_units[s]]
+
+    def _pre_forward(self, s: int, module: nn.Module, args: tuple) -> None:
+        for u in self.site_units[s]:
+            self._gather(u)
+        if not _in_backward():  # an activation-checkpoint recompute needs no prefetch
+            for u in self._units(range(s + 1, s + 1 + self.prefetch)):
+                self._gather(u, wait=False)
+
+    def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
+        if _in_backward() or self._pinned:
+            return  # a recompute inside backward (backward frees the unit), or inside gathered()
+        ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
+        for u in self.site_units[s]:
+            if u not in ahead:
+                self._free(u)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            self.grad_handles.append(out.register_hook(partial(self._pre_backward, s)))
+
+    def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
+        for u in self.site_units[s]:
+            self._gather(u)
+        for u in self._units(range(s - 1, s - 1 - self.prefetch, -1)):
+            self._gather(u, wait=False)
+
+    def _on_reduced(self, u: int) -> None:
+        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
+
+    # ---- the seam ----------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        for u in [u for u, full in enumerate(self._full) if full]:
+            self._free(u)  # a gathered copy would be stale
+        self._shards_from_master(self.param_shards)
+
+    def finish(self) -> None:
+        super().finish()
+        remove_handles(self.grad_handles)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        for u in range(len(self.buckets)):
+            self._gather(u)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for u in range(len(self.buckets)):
+                self._free(u)
+
+    def teardown(self) -> None:
+        remove_handles(self.module_handles)
+        remove_handles(self.grad_handles)
+        for u in list(self._inflight):
+            self._wait(u)
+        super().teardown()
+
+
+def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
+               dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
+               reduce_dtype: torch.dtype | None = None, prefetch: int = 1,
+               norm_groups: Iterable[dist.ProcessGroup] = (),
+               counted: Callable[[str], bool] = lambda name: True) -> DataParallel:
+    """The step object for ZeRO `stage` (0 = plain DP) over `dp_group`, built on a model whose
+    parameters hold their fp32 values (after materialize, tp, ac). norm_groups/counted: the tp/pp
+    groups and replica predicate of the grad norm (the dp group is added when grads are sharded).
+    bucket_mb: gradient bucket size (stages 0-2); prefetch: units gathered ahead (stage 3)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if bucket_mb <= 0 or prefetch < 0:
+        raise ValueError(f"bucket_mb must be > 0 and prefetch >= 0, got {bucket_mb} and {prefetch}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted)
+    if stage == 0:
+        return DataParallel(named, cfg, dtype, dp_group, **kw)
+    if stage < 3:
+        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, **kw)
+    return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, **kw)
+
+
+def persistent_bytes(opt: DataParallel) -> dict[str, int]:
+    """Bytes this rank holds for params, grads, fp32 master, Adam m and v, from the tensors: each
+    storage once, in the first category holding it (an fp32 master that IS the param counts as
+    params); a freed stage-3 unit counts 0. Call between finish() and step() to see the grads."""
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor | None]) -> int:
+        storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors if t is not None)}
+        new = {ptr: n for ptr, n in storages.items() if n and ptr not in seen}
+        seen.update(new)
+        return sum(new.values())
+
+    state = [opt.optimizer.state.get(m, {}) for m in opt.master]
+    return {"params": total([*opt.params, *getattr(opt, "param_shards", [])]),
+            "grads": total([p.grad for p in opt.params] + getattr(opt.sync, "grad_shards", [])),
+            "master": total(opt.master),
+            "adam_m": total(s.get("exp_avg") for s in state),
+            "adam_v": total(s.get("exp_avg_sq") for s in state)}
