@@ -26,6 +26,8 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
+    a("--timeout", type=float, default=600.0,
+      help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--max-bad-steps", type=int, default=3,
       help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
     # parallelism: world = tp · dp · pp, dp is what is left
@@ -110,7 +114,7 @@ class Grid:
     embed_group: dist.ProcessGroup | None = None
 
 
-def setup() -> Grid:
+def setup(timeout_s: float = 600.0) -> Grid:
     """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` becomes a 1-rank group, so the same
     collectives run (as no-ops) in both cases. A launcher that already formed the default group
     (the tests' forked ranks) is used as is."""
@@ -128,11 +132,12 @@ def setup() -> Grid:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 init, rank, world = f"tcp://127.0.0.1:{s.getsockname()[1]}", 0, 1
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return Grid(dist.get_rank(), dist.get_world_size(), device)
 
 
-def make_grid(grid: Grid, tp: int, pp: int) -> None:
+def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0) -> None:
     """rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank. Every rank creates every group, in the same
     order (new_group is collective), and keeps the ones it belongs to."""
     w = grid.world
@@ -143,7 +148,7 @@ def make_grid(grid: Grid, tp: int, pp: int) -> None:
     def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         found = None
         for ranks in rank_lists:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
             found = g if grid.rank in ranks else found
         return found
 
@@ -152,6 +157,20 @@ def make_grid(grid: Grid, tp: int, pp: int) -> None:
     grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
     grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
     grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
+
+
+class StageError(RuntimeError):
+    """A collective failed or timed out; the message names the training stage."""
+
+
+@contextlib.contextmanager
+def stage(name: str, grid: Grid):
+    """Name the training stage in which a collective failed or timed out (a peer died, hung, or
+    disagreed) — a bare gloo/NCCL timeout does not say where the run was."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        raise StageError(f"rank {grid.rank}: distributed operation failed during {name}: {e}") from e
 
 
 def fail(msg: str, grid: Grid | None = None) -> None:
@@ -293,7 +312,7 @@ def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaCon
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    grid = setup()
+    grid = setup(args.timeout)
     try:
         cfg = M.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
@@ -306,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         ds.check_vocab(cfg.vocab_size)
     except (OSError, ValueError) as e:
         fail(str(e), grid)
-    make_grid(grid, args.tp, args.pp)
+    make_grid(grid, args.tp, args.pp, args.timeout)
     sampler = dp.DPSampler(len(ds), args.batch_size, grid.dp_rank, grid.dp, args.seed)
     model, shards = build_model(args, cfg, grid)
     opt = make_optimizer(args, model, shards, grid)
@@ -330,13 +349,17 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         rows = torch.stack([ds[i] for i in sampler.next_batch()]).to(grid.device)  # (b, S+1)
         micro = [{"input_ids": m[:, :-1], "labels": m[:, 1:]} for m in rows.chunk(args.micro_batches)]
-        targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
-        loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync)
-        opt.finish()  # dp / ZeRO reductions land
-        PP.sync_tied_grads(model, grid.embed_group)  # the last stage's copy of a tied embedding
-        dist.all_reduce(loss, group=grid.dp_group)
+        with stage("counting the step's target tokens (dp all-reduce)", grid):
+            targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
+        with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
+            loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync)
+        with stage(f"gradient reduction (dp / ZeRO-{args.zero}, tied embeddings)", grid):
+            opt.finish()  # dp / ZeRO reductions land
+            PP.sync_tied_grads(model, grid.embed_group)  # the last stage's copy of a tied embedding
+            dist.all_reduce(loss, group=grid.dp_group)
         lr = lr_at(step, args)
-        grad_norm = opt.step(lr)
+        with stage("optimizer step (grad-norm all-reduce, parameter all-gather)", grid):
+            grad_norm = opt.step(lr)
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
@@ -373,4 +396,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except StageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(1)  # peers may be stuck in a collective: exit without waiting for them

@@ -176,3 +176,18 @@ def test_non_finite_steps_are_skipped_then_abort(setup_dirs, capfd):
     err = capfd.readouterr().err
     assert "step 1 skipped" in err and "2 consecutive non-finite steps" in err
     assert (d / "nan.jsonl").read_text() == ""  # nothing logged as if it had trained
+
+
+def _late_main(rank: int, world: int, argv: list[str]) -> None:
+    import time
+    if rank == 1:  # a straggler: never reaches the first collective of the step in time
+        real = train.dp.DPSampler.next_batch
+        train.dp.DPSampler.next_batch = lambda self: time.sleep(8) or real(self)
+    train.main(argv)
+
+
+def test_collective_timeout_names_the_stage(setup_dirs):
+    d = setup_dirs
+    with pytest.raises(RuntimeError, match=r"rank 0: distributed operation failed during counting "
+                                           r"the step's target tokens"):
+        run_ranks(_late_main, 2, args_for(d, "--timeout", "2", metrics="late.jsonl"), timeout=60)
