@@ -1,0 +1,364 @@
+"""sft.py: chat loading, the assistant-only loss mask, FFD packing, the default set and its eval.
+
+References: a brute-force FFD and an exact bin-packing search (OPT), an independent construction of
+the expected masks (by hand for the built-in template, from the tokenizer's character offsets for an
+HF chat template), and the plain unpacked model (one conversation per forward, causal attention
+without position_ids) for the packed loss and gradients."""
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+
+import sft
+from data import ByteTokenizer
+from model import LlamaConfig, build, materialize
+from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
+
+TOK = ByteTokenizer()
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 37 + 45?"},
+        {"role": "assistant", "content": "82"},
+        {"role": "user", "content": "Now add 5."},
+        {"role": "assistant", "content": "The answer is 87."}]
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512)
+    return materialize(build(cfg), "cpu", seed=seed)
+
+
+# ----------------------------------------------------------------------------------------- FFD
+def ffd_reference(lengths: list[int], cap: int) -> list[list[int]]:
+    """Textbook FFD: longest first (ties by index), scan the rows left to right, open one if none fits."""
+    rows, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r in range(len(rows)):
+            if free[r] >= lengths[i]:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(cap - lengths[i])
+    return rows
+
+
+def optimal_rows(lengths: list[int], cap: int) -> int:
+    """Exact bin packing by branch and bound (items longest first; bins of equal load tried once)."""
+    items, best = sorted(lengths, reverse=True), [len(lengths)]
+
+    def go(i: int, loads: list[int]) -> None:
+        # prune: the items left need at least this many new bins beyond the free space of open ones
+        short = sum(items[i:]) - sum(cap - x for x in loads)
+        if len(loads) + max(0, math.ceil(short / cap)) >= best[0]:
+            return
+        if i == len(items):
+            best[0] = len(loads)
+            return
+        tried = set()
+        for b, load in enumerate(loads):
+            if load + items[i] <= cap and load not in tried:
+                tried.add(load)
+                loads[b] += items[i]
+                go(i + 1, loads)
+                loads[b] -= items[i]
+        go(i + 1, loads + [items[i]])
+    go(0, [])
+    return best[0]
+
+
+def test_ffd_bound_reference_and_placement():
+    rng = random.Random(0)
+    worse_than_opt = 0
+    for _ in range(400):
+        cap = rng.randint(8, 30)
+        lo = rng.choice([1, cap // 5, cap // 4])  # sizes just above cap/4, cap/5 are FFD's hard cases
+        lengths = [rng.randint(max(lo, 1), cap if rng.random() < 0.3 else cap // 2 + 1)
+                   for _ in range(rng.randint(1, 10))]
+        rows = sft.ffd(lengths, cap)
+        assert rows == ffd_reference(lengths, cap), (lengths, cap)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))  # each placed exactly once
+        assert all(sum(lengths[i] for i in r) <= cap for r in rows)
+        opt = optimal_rows(lengths, cap)
+        assert opt <= len(rows) <= math.floor(11 / 9 * opt + 6 / 9), (lengths, cap, opt, len(rows))
+        worse_than_opt += len(rows) > opt
+    assert worse_than_opt > 0  # measured 6 of 400 (each at the bound): the bound check can fail
+    # a large instance: the segment tree against the quadratic reference
+    lengths = [rng.randint(1, 512) for _ in range(3000)]
+    assert sft.ffd(lengths, 512) == ffd_reference(lengths, 512)
+    with pytest.raises(ValueError, match=r"\[1, 10\]"):
+        sft.ffd([3, 11], 10)
+
+
+# ----------------------------------------------------------------------------------------- masks
+def test_builtin_template_mask_token_by_token():
+    ids, labels = sft.tokenize_conversation(CHAT, sft.chat_template(TOK))
+    # the expected rendering and target flags, built by hand from the documented template
+    exp, tgt = [TOK.bos_id], [False]
+    for piece, is_target in [("system: Be brief.\n", False), ("user: What is 37 + 45?\n", False),
+                             ("assistant: ", False), ("82", True), (None, True),
+                             ("user: Now add 5.\n", False), ("assistant: ", False),
+                             ("The answer is 87.", True), (None, True)]:
+        toks = [TOK.eos_id] if piece is None else TOK.encode(piece)
+        exp += toks
+        tgt += [is_target] * len(toks)
+    assert ids == exp
+    assert labels == [exp[t + 1] if tgt[t + 1] else -100 for t in range(len(exp) - 1)]
+    assert TOK.decode([x for x in labels if x != -100]) == "82<|eos|>The answer is 87.<|eos|>"
+
+
+def chatml_tokenizer(template: str | None = None):
+    """A real HF fast tokenizer, built locally: byte-level BPE trained on a few lines + ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(["What is 37 + 45? The answer is 82.", "system user assistant"] * 10, trainer)
+    template = template or ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                            "{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                   chat_template=template)
+
+
+def test_hf_chat_template_mask_token_by_token():
+    hf = chatml_tokenizer()
+    ids, labels = sft.tokenize_conversation(CHAT, sft.chat_template(hf))
+    # independent expectation: the character spans of "{reply}<|im_end|>" in the ChatML text, mapped
+    # to tokens through the tokenizer's offsets (no prefix rendering involved)
+    text, spans = "", []
+    for m in CHAT:
+        text += f"<|im_start|>{m['role']}\n"
+        if m["role"] == "assistant":
+            spans.append((len(text), len(text) + len(m["content"]) + len("<|im_end|>")))
+        text += m["content"] + "<|im_end|>\n"
+    assert hf.apply_chat_template(CHAT, tokenize=False) == text
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == ids
+    tgt = [any(a <= s and e <= b for a, b in spans) for s, e in enc["offset_mapping"]]
+    assert labels == [ids[t + 1] if tgt[t + 1] else -100 for t in range(len(ids) - 1)]
+    assert hf.decode([x for x in labels if x != -100]) == "82<|im_end|>The answer is 87.<|im_end|>"
+    # data.py's HFTokenizer adapter is unwrapped to the same template
+    adapter = type("Adapter", (), {"hf": hf, "bos_id": None, "eos_id": hf.eos_token_id, "pad_id": 2})()
+    assert sft.tokenize_conversation(CHAT, sft.chat_template(adapter)) == (ids, labels)
+    # without a chat_template the same tokenizer gets the built-in template (no bos: it has none)
+    hf.chat_template = None
+    ids, labels = sft.tokenize_conversation(CHAT, sft.chat_template(hf))
+    assert hf.decode(ids).startswith("system: Be brief.\nuser: What is 37 + 45?\nassistant: 82<|im_end|>")
+    assert hf.decode([x for x in labels if x != -100]) == "82<|im_end|>The answer is 87.<|im_end|>"
+
+
+def test_template_that_is_not_prefix_stable_raises():
+    hf = chatml_tokenizer("{{ messages | length }}{% for m in messages %}{{ m['content'] }}<|im_end|>"
+                          "{% endfor %}")
+    with pytest.raises(ValueError, match="not prefix-stable"):
+        sft.tokenize_conversation(CHAT, sft.chat_template(hf))
+
+
+# ----------------------------------------------------------------------------------------- packing
+def short_chats(n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(n):
+        turns = [{"role": "user", "content": "q" * rng.randint(1, 9)},
+                 {"role": "assistant", "content": "a" * rng.randint(1, 6)}]
+        if rng.random() < 0.5:
+            turns += [{"role": "user", "content": "more"},
+                      {"role": "assistant", "content": "b" * rng.randint(1, 4)}]
+        chats.append(turns)
+    return chats
+
+
+def test_packed_loss_and_grads_equal_one_by_one():
+    """fp32. Loss: sums of the same per-token terms in another order, |rel| <= 1e-6. Grads: each
+    parameter's gradient is a sum over different token sets and orders, compared at 1e-5 relative
+    to its largest entry."""
+    torch.manual_seed(0)
+    chats = short_chats(12, seed=1)
+    ds = sft.SFTDataset(chats, TOK, seq_len=128)
+    tpl = sft.chat_template(TOK)
+    rows = sorted(range(len(ds)), key=lambda r: -len(ds.rows[r]))[:2]  # the two fullest rows
+    assert len(ds.rows[rows[0]]) >= 3 and ds.stats.tokens < len(ds) * 128  # packed, and with padding
+    model = tiny_model()
+    batch = {k: torch.stack([ds[r][k] for r in rows]) for k in ("input_ids", "position_ids", "labels")}
+    packed = model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                   reduction="sum")
+    packed.backward()
+    g_packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = torch.zeros(())
+    for r in rows:
+        for i in ds.rows[r]:  # one conversation per forward, plain causal attention, no position_ids
+            ids, labels = sft.tokenize_conversation(chats[i], tpl)
+            loss = model(torch.tensor([ids[:-1]]), labels=torch.tensor([labels]), reduction="sum")
+            loss.backward()
+            ref = ref + loss.detach()
+    assert abs(packed.item() - ref.item()) <= 1e-6 * abs(ref.item())  # measured 6e-8
+    # the check is sensitive: the same rows without position_ids (attention leaking across
+    # conversations) are off by ~3e-3 relative
+    with torch.no_grad():
+        leaky = model(batch["input_ids"], labels=batch["labels"], reduction="sum")
+    assert abs(leaky.item() - ref.item()) > 1e-4 * abs(ref.item())
+    for n, p in model.named_parameters():
+        scale = p.grad.abs().max()
+        assert (g_packed[n] - p.grad).abs().max() <= 1e-5 * scale, n  # measured <= 5e-7
+    # row layout: positions restart per conversation, the label before each start is the previous
+    # conversation's own closing eos, and the padded tail is its own document with no targets
+    padded = 0
+    for r in rows:
+        row, lens = ds[r], [ds.offsets[i + 1] - ds.offsets[i] for i in ds.rows[r]]
+        start = 0
+        for n in lens:  # each conversation: bos at position 0 ... its own eos as the last label
+            assert row["position_ids"][start:start + n].tolist() == list(range(n))
+            assert row["input_ids"][start] == TOK.bos_id and row["labels"][start + n - 1] == TOK.eos_id
+            start += n
+        assert (row["labels"][start:] == -100).all() and (row["input_ids"][start:] == TOK.pad_id).all()
+        assert row["position_ids"][start:].tolist() == list(range(ds.stats.seq_len - start))
+        padded += start < ds.stats.seq_len
+    assert padded  # the padded tail was really checked
+
+
+def test_truncate_and_drop_are_counted():
+    tpl = sft.chat_template(TOK)
+    long_reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 40}]
+    late_reply = [{"role": "user", "content": "y" * 40}, {"role": "assistant", "content": "ok"}]
+    chats = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * i}] for i in range(5)]
+    chats += [long_reply, late_reply]  # 61 inputs each (first target at 20 | 58), others 20..24
+    ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="truncate")
+    # the late reply keeps no target after truncation: dropped, not truncated
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (1, 1, 6)
+    ids, labels = sft.tokenize_conversation(long_reply, tpl)
+    i = 5  # the truncated one is the 6th kept conversation
+    a, b = ds.offsets[i], ds.offsets[i + 1]
+    assert ds.tokens[a:b].tolist() == ids[:30] and ds.labels[a:b].tolist() == labels[:30]
+    assert "1 truncated and 1 dropped at seq_len 30" in ds.report()
+    ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="drop")
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (0, 2, 5)
+    with pytest.raises(ValueError, match="all 1 were dropped at seq_len 10"):
+        sft.SFTDataset([long_reply], TOK, seq_len=10, overlong="drop")
+    with pytest.raises(ValueError, match="packing must be ffd"):
+        sft.SFTDataset(chats, TOK, seq_len=30, packing="greedy")
+
+
+def test_packing_none_and_default_set_fill():
+    chats = short_chats(20, seed=3)
+    ds = sft.SFTDataset(chats, TOK, seq_len=64, packing="none")
+    assert len(ds) == 20 and all(r == [i] for i, r in enumerate(ds.rows))
+    row = ds[3]
+    ids, labels = sft.tokenize_conversation(chats[3], sft.chat_template(TOK))
+    n = len(labels)
+    assert row["input_ids"][:n].tolist() == ids[:-1] and row["labels"][:n].tolist() == labels
+    assert (row["labels"][n:] == -100).all()
+    assert "* packing none: 20 rows" in ds.report()
+    ds.check_vocab(260)
+    with pytest.raises(ValueError, match="token id 258 but the model's vocab_size is 258"):
+        ds.check_vocab(258)  # the pad id
+    # the embedded default set at the default seq_len: FFD fill >= 99%, within 1% of the lower bound
+    train, held_out = sft.arithmetic_chats()
+    def first_questions(chats: list) -> set:
+        firsts = [next(t["content"] for t in c if t["role"] == "user") for c in chats]
+        return {re.search(r"(\d+) ([+-]) (\d+)", q).groups() for q in firsts}
+    assert len(held_out) == 200 and not first_questions(held_out) & first_questions(train)
+    st = sft.SFTDataset(train, TOK, seq_len=sft.DEFAULT_SEQ_LEN).stats
+    bound = math.ceil(st.tokens / st.seq_len)
+    assert st.tokens / (st.rows * st.seq_len) >= 0.99 and st.rows <= 1.01 * bound
+    assert sft.arithmetic_chats() == (train, held_out)  # deterministic
+
+
+# ----------------------------------------------------------------------------------------- loading
+def test_load_jsonl_formats_and_malformed_lines(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    share = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"},
+                               {"from": "gpt", "value": "yo"}]}
+    bad = ['{"messages": [', '{"text": "no chat"}', '{"messages": [{"role": "bot", "content": "x"}]}',
+           '{"messages": [{"role": "user", "content": "only a question"}]}', '[1, 2]',
+           '{"conversations": [{"from": "gpt", "value": 3}]}']
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([json.dumps(good), "", json.dumps(share)] + bad) + "\n")
+    with pytest.raises(ValueError, match=r"chats.jsonl:4: malformed conversation"):
+        sft.load_jsonl(path)
+    convs, n_bad = sft.load_jsonl(path, skip_bad=True)
+    assert n_bad == len(bad) and convs == [good["messages"], [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}]]
+    for line, reason in zip(bad[1:], ["no 'messages' or 'conversations'", "turn 0 needs 'role'",
+                                      "no assistant turn", "expected a JSON object", "string 'value'"]):
+        with pytest.raises(ValueError, match=reason):
+            sft.parse_conversation(json.loads(line))
+
+
+# ----------------------------------------------------------------------------------------- eval
+class Oracle(torch.nn.Module):
+    """Greedy-decodes a fixed continuation per prompt (the gold answer, or a wrong one): a model with
+    a known accuracy, to check evaluate's batching, stopping and scoring."""
+
+    def __init__(self, answers: dict[tuple, list[int]]):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.answers = answers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*ids.shape, 260)
+        for b, row in enumerate(ids.tolist()):
+            for n in range(len(row), 0, -1):
+                if tuple(row[:n]) in self.answers:
+                    cont = self.answers[tuple(row[:n])]
+                    logits[b, -1, cont[min(len(row) - n, len(cont) - 1)]] = 1.0
+                    break
+        return logits
+
+
+def test_evaluate_exact_match_on_a_known_model():
+    _, held_out = sft.arithmetic_chats(n_eval=30, max_operand=9, p_follow_up=0.5, seed=4)
+    tpl = sft.chat_template(TOK)
+    answers, n_turns, n_right = {}, 0, 0
+    for c in held_out:
+        for k, t in enumerate(c):
+            if t["role"] == "assistant":
+                kind = n_turns % 3  # 0: right; 1: wrong text; 2: right digits but never ends (no eos)
+                ending = {0: [TOK.eos_id], 1: TOK.encode("x") + [TOK.eos_id], 2: []}[kind]
+                answers[tuple(tpl.render(c[:k], True))] = TOK.encode(t["content"]) + ending
+                n_turns, n_right = n_turns + 1, n_right + (kind == 0)
+    assert n_turns > 30  # multi-turn chats: every assistant turn is scored
+    acc = sft.evaluate(Oracle(answers), TOK, held_out, max_new_tokens=5, batch_size=4)
+    assert acc == n_right / n_turns
+
+
+def test_end_to_end_sft_learns_held_out_addition():
+    """Short CPU run on the easy variant of the default set (single-digit addition, 80 training
+    questions, 20 held-out ones never seen in training). Untrained: 0/20 exact. Measured after 800
+    steps (8 rows x 128 tokens, lr 2e-3, 2 layers x 64 hidden, 1 thread, deterministic): 18/20 in
+    ~22 s; the test asks >= 10/20 (other seeds measured 11/20..19/20). The two-digit default set needs
+    far longer than a test can run: 2% after 400 steps of 4 x 1024 tokens with the tiny preset."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
+    try:
+        torch.manual_seed(0)
+        train, held_out = sft.arithmetic_chats(n_train=4000, n_eval=20, max_operand=9, ops=("+",),
+                                               p_follow_up=0.0, seed=0)
+        ds = sft.SFTDataset(train, TOK, seq_len=128)
+        model = tiny_model(seed=0)
+        before = sft.evaluate(model, TOK, held_out, max_new_tokens=5)
+        steps, lr = 800, 2e-3
+        opt = MixedPrecisionOptimizer(list(model.named_parameters()), OptimConfig(lr=lr, weight_decay=0.0))
+        g = torch.Generator().manual_seed(0)
+        for step in range(steps):
+            rows = [ds[i] for i in torch.randint(len(ds), (8,), generator=g).tolist()]
+            b = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # (8, 128) each
+            loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], reduction="sum")
+            normalized_loss(loss, count_targets(b["labels"])).backward()
+            warm, cos = min(1.0, (step + 1) / 20), 0.5 * (1 + math.cos(math.pi * step / steps))
+            opt.step(lr * warm * (0.1 + 0.9 * cos))
+        after = sft.evaluate(model, TOK, held_out, max_new_tokens=5)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"held-out exact match: {before:.2f} untrained -> {after:.2f} after {steps} steps")
+    assert before <= 0.1 and after >= 0.5, (before, after)
