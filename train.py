@@ -47,6 +47,7 @@ import dp
 import model as M
 import pp as PP
 import precision as P
+import sft
 import tp as TP
 import zero as Z
 
@@ -61,12 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
     a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
-    a("--seq-len", type=int, default=256, help="tokens per training sequence")
+    a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
     a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
     a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank")
     a("--steps", type=int, default=50, help="optimizer steps")
-    a("--lr", type=float, default=1e-3, help="peak learning rate")
-    a("--min-lr", type=float, default=1e-4, help="final learning rate of the cosine decay")
+    a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
+                                              "post-training wants a lower rate than pretraining)")
+    a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
     a("--warmup", type=int, default=10, help="linear warm-up steps")
     a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
     a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
@@ -75,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
+    # supervised fine-tuning
+    a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
+    a("--packing", default="ffd", choices=["ffd", "none"], help="--sft: FFD-pack conversations or one per row")
+    a("--overlong", default="truncate", choices=["truncate", "drop"],
+      help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
+    a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
+    a("--eval-every", type=int, default=0,
+      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--max-bad-steps", type=int, default=3,
@@ -93,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
     a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.seq_len = args.seq_len or (sft.DEFAULT_SEQ_LEN if args.sft else 256)
+    args.lr = args.lr or (2e-4 if args.sft else 1e-3)
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    return args
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -210,6 +224,12 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
                       "gradients differently on the first and last stage")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
+    if args.sft and args.pp > 1 and not args.data:
+        errors.append("the built-in SFT eval generates with the whole model: use --pp 1 with --sft "
+                      "(or give --data, which has no eval set)")
+    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every) \
+            and not args.sft:
+        errors.append("--packing / --overlong / --skip-bad / --eval-every go with --sft")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
@@ -253,6 +273,34 @@ def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
     if path is None:
         path = data.default_corpus()  # prepared by rank 0 above: now only reused
     return data.TokenDataset(path, args.seq_len)
+
+
+def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, object, list]:
+    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval)."""
+    tok = data.load_tokenizer(args.tokenizer)
+    if args.data:
+        convs, bad = sft.load_jsonl(args.data, skip_bad=args.skip_bad)
+        eval_set = []
+    else:
+        (convs, eval_set), bad = sft.arithmetic_chats(), 0
+    ds = sft.SFTDataset(convs, tok, args.seq_len, args.packing, args.overlong)
+    if grid.rank == 0:
+        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else ""), flush=True)
+    return ds, tok, eval_set
+
+
+def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
+              device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """This rank's rows as micro-batches of (b, S) tensors: input_ids, labels (already shifted)
+    and, for packed SFT rows, position_ids (restarting per conversation)."""
+    items = [ds[i] for i in rows]
+    if isinstance(items[0], dict):
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    else:
+        tokens = torch.stack(items)  # (b, S+1)
+        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -321,12 +369,14 @@ def main(argv: list[str] | None = None) -> None:
     if errors:
         fail("\n  ".join(["invalid configuration:"] + errors), grid)
     try:
-        ds = load_data(args, grid)
+        ds, tok, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
+        make_grid(grid, args.tp, args.pp, args.timeout)
+        # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
+        sampler = dp.DPSampler(len(ds), args.batch_size, grid.dp_rank, grid.dp, args.seed,
+                               remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
-    make_grid(grid, args.tp, args.pp, args.timeout)
-    sampler = dp.DPSampler(len(ds), args.batch_size, grid.dp_rank, grid.dp, args.seed)
     model, shards = build_model(args, cfg, grid)
     opt = make_optimizer(args, model, shards, grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.pp_rank, args.pp)
@@ -347,8 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start, bad = time.time(), 0
     for step in range(args.steps):
         t0 = time.time()
-        rows = torch.stack([ds[i] for i in sampler.next_batch()]).to(grid.device)  # (b, S+1)
-        micro = [{"input_ids": m[:, :-1], "labels": m[:, 1:]} for m in rows.chunk(args.micro_batches)]
+        micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid.device)
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
@@ -380,10 +429,16 @@ def main(argv: list[str] | None = None) -> None:
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · peak mem {peak_memory_mb(grid.device):,.0f} MB"
                   f" · ETA {eta:.0f}s", flush=True)
+        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
+        if eval_set and (step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0):
+            with stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
+                record["eval_exact_match"] = sft.evaluate(model, tok, eval_set)
+            if log:
+                print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
+                      flush=True)
         if metrics:
-            metrics.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr,
-                                      "grad_norm": grad_norm, "tokens": tokens_per_step * (step + 1),
-                                      "tokens_per_s": tps, "step_time_s": dt}) + "\n")
+            metrics.write(json.dumps(record) + "\n")
             metrics.flush()
     if args.export_hf:
         export_hf(model, opt, shards, cfg, grid, args.export_hf)

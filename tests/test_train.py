@@ -16,6 +16,7 @@ import torch
 
 import data
 import model as M
+import sft
 import train
 from dist import run_ranks
 
@@ -33,6 +34,8 @@ def setup_dirs(tmp_path_factory):
     text = "".join(open(p, encoding="utf-8").read() for p in sorted((ROOT).glob("*.py")))
     (d / "corpus.txt").write_text(text[:60_000])
     data.prepare(d / "corpus.txt", d / "data")
+    chats, _ = sft.arithmetic_chats(n_train=120, n_eval=10, seed=3)
+    (d / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
     return d
 
 
@@ -89,6 +92,29 @@ def test_layout_matches_single_process(setup_dirs, reference, name):
         argv += ["--export-hf", str(d / "export8")]
     run_ranks(_main, world, argv, timeout=240)
     assert_curve(losses(d / f"{name}.jsonl"), reference)
+
+
+def sft_args(d: Path, *extra: str, metrics: str) -> list[str]:
+    return ["--init-from", str(d / "init"), "--sft", "--data", str(d / "chats.jsonl"), "--steps", "5",
+            "--seq-len", "64", "--batch-size", "8", "--micro-batches", "2", "--lr", "3e-3",
+            "--warmup", "2", "--metrics", str(d / metrics), *extra]
+
+
+@pytest.fixture(scope="module")
+def sft_reference(setup_dirs):
+    run_ranks(_main, 1, sft_args(setup_dirs, metrics="sft_ref.jsonl"))
+    curve = losses(setup_dirs / "sft_ref.jsonl")
+    assert curve[-1] < curve[0] - 0.05
+    return curve
+
+
+@pytest.mark.parametrize("name,world,extra", [("sft-tp2", 2, ["--tp", "2"]), ("sft-dp2", 2, []),
+                                              ("sft-pp2-dp2-zero1", 4, ["--pp", "2", "--zero", "1"])])
+def test_packed_sft_matches_single_process(setup_dirs, sft_reference, name, world, extra):
+    """Packed rows (position_ids restarting per conversation, block-diagonal attention) through
+    every parallel path give the single-process SFT loss curve."""
+    run_ranks(_main, world, sft_args(setup_dirs, *extra, metrics=f"{name}.jsonl"), timeout=240)
+    assert_curve(losses(setup_dirs / f"{name}.jsonl"), sft_reference)
 
 
 def test_export_after_parallel_run_loads_in_transformers(setup_dirs, reference):
