@@ -419,7 +419,16 @@ def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir:
     cfg = model.config
     shapes = global_shapes(cfg)
     src = SafetensorsDir(hf_dir) if hf_dir else None
+    # to_empty gives every module its own new Parameter, which silently unties shared weights
+    # (tied embeddings): remember who shares what and re-tie afterwards
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod, attr))
     model.to_empty(device=device)
+    for (mod0, attr0), *others in owners.values():
+        for mod, attr in others:
+            setattr(mod, attr, getattr(mod0, attr0))
     for name, p in model.named_parameters():
         # tied: lm_head is the embedding (a pipeline's last stage holds its own copy of it)
         key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name

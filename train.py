@@ -54,55 +54,54 @@ import zero as Z
 
 # ------------------------------------------------------------------------------------------ flags
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init")
+    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init (default: %(default)s)")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
     a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
-    a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
-    a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank")
-    a("--steps", type=int, default=50, help="optimizer steps")
+    a("--batch-size", type=int, default=16, help="global sequences per optimizer step (default: %(default)s)")
+    a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank (default: %(default)s)")
+    a("--steps", type=int, default=50, help="optimizer steps (default: %(default)s)")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
                                               "post-training wants a lower rate than pretraining)")
     a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
-    a("--warmup", type=int, default=10, help="linear warm-up steps")
-    a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
-    a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    a("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (masters stay fp32)")
-    a("--seed", type=int, default=0, help="init and data-order seed")
+    a("--warmup", type=int, default=10, help="linear warm-up steps (default: %(default)s)")
+    a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases) (default: %(default)s)")
+    a("--clip", type=float, default=1.0, help="max global grad norm (0 = off) (default: %(default)s)")
+    a("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (masters stay fp32) (default: %(default)s)")
+    a("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
-    a("--log-every", type=int, default=1, help="print a log line every N steps")
+    a("--log-every", type=int, default=1, help="print a log line every N steps (default: %(default)s)")
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
-    a("--packing", default="ffd", choices=["ffd", "none"], help="--sft: FFD-pack conversations or one per row")
+    a("--packing", default="ffd", choices=["ffd", "none"], help="--sft: FFD-pack conversations or one per row (default: %(default)s)")
     a("--overlong", default="truncate", choices=["truncate", "drop"],
-      help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
+      help="--sft: what to do with conversations longer than --seq-len (counted and reported) (default: %(default)s)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
     a("--eval-every", type=int, default=0,
-      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end")
+      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end (default: %(default)s)")
     a("--timeout", type=float, default=600.0,
-      help="seconds a collective may wait before the run stops with a message naming the stage")
+      help="seconds a collective may wait before the run stops with a message naming the stage (default: %(default)s)")
     a("--max-bad-steps", type=int, default=3,
-      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
+      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped) (default: %(default)s)")
     # parallelism: world = tp · dp · pp, dp is what is left
-    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
-    a("--pp", type=int, default=1, help="pipeline stages")
+    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid) (default: %(default)s)")
+    a("--pp", type=int, default=1, help="pipeline stages (default: %(default)s)")
     a("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: uniform, extra "
                                         "layers to the first stages so the last, with the head, is lightest)")
-    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
-    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
-    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
+    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule (default: %(default)s)")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group (default: %(default)s)")
+    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB) (default: %(default)s)")
     a("--reduce-dtype", default=None, choices=["fp32", "bf16"],
       help="dtype of gradient reductions and ZeRO-2/3 accumulation (default: the compute dtype)")
-    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
+    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use (default: %(default)s)")
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
-    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
+    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k (default: %(default)s)")
     args = p.parse_args(argv)
     args.seq_len = args.seq_len or (sft.DEFAULT_SEQ_LEN if args.sft else 256)
     args.lr = args.lr or (2e-4 if args.sft else 1e-3)
