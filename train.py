@@ -218,9 +218,6 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     if args.batch_size % (dp_size * args.micro_batches):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
                       f"--micro-batches {args.micro_batches}")
-    if args.pp > 1 and cfg.tie_word_embeddings and args.zero >= 1:
-        errors.append("tied embeddings with --pp > 1 need --zero 0: ZeRO shards the two tied copies' "
-                      "gradients differently on the first and last stage")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
     if args.sft and args.pp > 1 and not args.data:
@@ -329,7 +326,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
 
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid: Grid) -> Z.DataParallel:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
-    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only."""
+    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
@@ -337,7 +335,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
     counted = lambda n: pp_counted(n) and (n in shards or grid.tp_rank == 0)  # noqa: E731
     return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                        norm_groups=[grid.tp_group, grid.pp_group], counted=counted)
+                        norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                        tied=PP.tied_copy(model), embed_group=grid.embed_group)
 
 
 def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
@@ -401,12 +400,11 @@ def main(argv: list[str] | None = None) -> None:
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
             loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync)
-        with stage(f"gradient reduction (dp / ZeRO-{args.zero}, tied embeddings)", grid):
+        with stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
-            PP.sync_tied_grads(model, grid.embed_group)  # the last stage's copy of a tied embedding
             dist.all_reduce(loss, group=grid.dp_group)
         lr = lr_at(step, args)
-        with stage("optimizer step (grad-norm all-reduce, parameter all-gather)", grid):
+        with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             grad_norm = opt.step(lr)
         if grid.device.type == "cuda":
             torch.cuda.synchronize()

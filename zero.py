@@ -15,7 +15,8 @@ What it does
         for k, micro in enumerate(micro_batches):
             with opt.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
                 normalized_loss(model(x, labels=y, reduction="sum"), step_targets).backward()
-        grad_norm = opt.step(lr)     # finish() the reductions, clip, AdamW, publish, zero_grad
+        grad_norm = opt.step(lr)     # finish() the reductions, sum a tied copy (pp), clip,
+                                     # AdamW, publish, zero_grad
         ...; opt.teardown()          # removes every hook (see "Invariants")
 
     Sharding is 1-D: the parameters of a bucket (stages 1-2: ~bucket_mb MB in reverse order, as in
@@ -53,6 +54,11 @@ Invariants
       run inside backward (a checkpoint recompute) gather but never free. A tied embedding stays
       gathered from the head's backward to the embedding's. Each rank materializes the full model
       first, then shards it.
+    - Tied embeddings with pp > 1 (`tied=pp.tied_copy(model)`, Megatron's embedding group): the
+      first stage's embedding and the last stage's copy each lie ALONE in a bucket (stages 1-2) or
+      unit (stage 3) of the same size and padding, so dp rank r owns the same elements of both.
+      step() all-reduces that dp-summed piece (stage 0: the whole .grad) over the 2-rank embedding
+      group: both copies take bit-identical steps.
 
 Builds on: precision.py, dp.py
 """
@@ -106,7 +112,7 @@ class ReduceScatterSync(GradSync):
 
     def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
                  pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 on_reduced: Callable[[int], None] | None = None):
+                 on_reduced: Callable[[int], None]):
         self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
         self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
         super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets)
@@ -125,8 +131,7 @@ class ReduceScatterSync(GradSync):
                 self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
         out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
         self._pending[b] = (reduce_scatter(out, flat, self.group, self.world), out, flat)
-        if self.on_reduced is not None:
-            self.on_reduced(b)
+        self.on_reduced(b)
 
     def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
         if self.keep_full:
@@ -148,12 +153,16 @@ class DataParallel(MixedPrecisionOptimizer):
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group, *,
                  bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
                  norm_groups: Iterable[dist.ProcessGroup] = (),
-                 counted: Callable[[str], bool] = lambda name: True):
+                 counted: Callable[[str], bool] = lambda name: True,
+                 tied: nn.Parameter | None = None, embed_group: Group = None):
         self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
+        named = list(named_params)
+        self.tied = next((i for i, (_, p) in enumerate(named) if p is tied), None)  # its position
+        self.embed_group = embed_group
         groups = ([group] if self.stage and self.world > 1 else []) + list(norm_groups)
-        super().__init__(named_params, cfg, dtype, groups, counted)
+        super().__init__(named, cfg, dtype, groups, counted)
         self.sync = self._make_sync()
 
     def _make_sync(self) -> GradSync:
@@ -170,6 +179,16 @@ class DataParallel(MixedPrecisionOptimizer):
     def step(self, lr: float) -> float:
         self.finish()
         return super().step(lr)
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        return self._sum_tied(super()._master_grads())
+
+    def _sum_tied(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Sum this rank's piece of the tied copy's gradient with the same piece on the other stage
+        (the embedding group): both copies get the same gradient, hence the same AdamW step."""
+        if self.tied is not None and grads[self.tied] is not None:  # None on both: no backward ran
+            dist.all_reduce(grads[self.tied], group=self.embed_group)
+        return grads
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """Full parameters inside the context (for export/eval); only stage 3 needs to gather."""
@@ -189,7 +208,11 @@ class ZeroOptimizer(DataParallel):
 
     def _buckets(self) -> list[Bucket]:
         itemsize = (self.reduce_dtype or self.dtype).itemsize
-        return make_buckets(self.params, int(self.bucket_mb * 2**20), itemsize, pad_to=self.world)
+        buckets = make_buckets(self.params, int(self.bucket_mb * 2**20), itemsize, pad_to=self.world)
+        # the tied copy gets a bucket of its own: the same size and padding on both stages
+        rest = [[i for i in b.index if i != self.tied] for b in buckets]
+        tied = [] if self.tied is None else [[self.tied]]
+        return [layout(index, self.params, self.world) for index in rest + tied if index]
 
     def _make_master(self) -> list[torch.Tensor]:
         """Lay every bucket out flat in the compute dtype (the parameters become views into it, so
@@ -226,7 +249,7 @@ class ZeroOptimizer(DataParallel):
         return self.sync.no_sync() if self.stage == 1 else contextlib.nullcontext()
 
     def _master_grads(self) -> list[torch.Tensor | None]:
-        grads: list[torch.Tensor | None] = []
+        grads: list[torch.Tensor | None] = []  # this rank's pieces, dp-summed
         for p, pc in zip(self.params, self.pieces):
             if self.stage == 1:
                 g = None if p.grad is None else p.grad.view(-1)[pc.start:pc.start + pc.n]
@@ -234,7 +257,7 @@ class ZeroOptimizer(DataParallel):
                 shard = self.sync.grad_shards[pc.bucket]
                 g = None if shard is None else shard[pc.shard_start:pc.shard_start + pc.n]
             grads.append(None if g is None else g.float())
-        return grads
+        return self._sum_tied(grads)
 
     def _shards_from_master(self, shards: list[torch.Tensor]) -> None:
         """Write each master piece, cast to the compute dtype, into its place in the shards."""
@@ -292,9 +315,10 @@ class Zero3Optimizer(ZeroOptimizer):
         for site in self.sites:
             mine = [where[id(p)] for mod in site for p in mod.parameters() if id(p) in where]
             new = [i for i in dict.fromkeys(mine) if i not in owner]
-            if new:
-                owner.update({i: len(units) for i in new})
-                units.append(new)
+            for unit in ([i for i in new if i != self.tied], [i for i in new if i == self.tied]):
+                if unit:  # the tied copy is a unit of its own
+                    owner.update({i: len(units) for i in unit})
+                    units.append(unit)
             self.site_units.append(sorted({owner[i] for i in mine}))
         stray = [n for i, n in enumerate(self.names) if i not in owner]
         if stray:
@@ -393,17 +417,24 @@ def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
                dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
                reduce_dtype: torch.dtype | None = None, prefetch: int = 1,
                norm_groups: Iterable[dist.ProcessGroup] = (),
-               counted: Callable[[str], bool] = lambda name: True) -> DataParallel:
+               counted: Callable[[str], bool] = lambda name: True,
+               tied: nn.Parameter | None = None, embed_group: Group = None) -> DataParallel:
     """The step object for ZeRO `stage` (0 = plain DP) over `dp_group`, built on a model whose
     parameters hold their fp32 values (after materialize, tp, ac). norm_groups/counted: the tp/pp
     groups and replica predicate of the grad norm (the dp group is added when grads are sharded).
-    bucket_mb: gradient bucket size (stages 0-2); prefetch: units gathered ahead (stage 3)."""
+    bucket_mb: gradient bucket size (stages 0-2); prefetch: units gathered ahead (stage 3).
+    tied: this pipeline stage's copy of an embedding tied across the first and last stage (None
+    elsewhere; pp.tied_copy(model) gives it): step() sums its gradient over `embed_group`."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if bucket_mb <= 0 or prefetch < 0:
         raise ValueError(f"bucket_mb must be > 0 and prefetch >= 0, got {bucket_mb} and {prefetch}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted)
+    if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
+        raise ValueError("tied must be a trainable parameter of the model and comes with the "
+                         "embedding group of the first and last stage (pp.tied_embedding_ranks)")
+    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
+              tied=tied, embed_group=embed_group)
     if stage == 0:
         return DataParallel(named, cfg, dtype, dp_group, **kw)
     if stage < 3:

@@ -11,6 +11,9 @@ Tolerances (fp32 unless stated), and why:
   parameters relative to the largest parameter.
 - dp=4 and tp×dp: 1e-5 relative, against stage 0 and the single process (gloo's 4-rank sums depend on
   buffer layout; tp adds its own all-reduces).
+- Tied embeddings, pp=2 × dp=2 (× tp=2), every stage: 1e-5 relative against the single process on
+  the whole global batch (loss, grad norm, final weights; measured <= 5e-7); the two copies
+  bitwise equal after every step (the same summed pieces, the same norm, elementwise AdamW).
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ import precision as P
 import tp as TP
 import zero as Z
 from dist import run_ranks
+from pp import (norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy,
+                tied_embedding_ranks)
 from test_dp import CFG, G, LR, N_ROWS, dataset, make_model, reference, rel, train
+from test_pp import LR as PP_LR, OPT as PP_OPT, TIED, batches, group_of, ref_name, targets, train_ref
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
@@ -269,6 +275,78 @@ def test_zero_tp2_dp4():
             assert rel(losses, ref[0]) <= 1e-5 and rel(norms, ref[1]) <= 1e-5, (losses, ref[0])
 
 
+def grid_groups(rank: int, tp: int, dp_size: int, pp: int) -> list:
+    """train.py's grid (tp innermost, then dp, then pp): this rank's tp, dp, pp and embedding group."""
+    at = lambda p, d, t: p * dp_size * tp + d * tp + t  # noqa: E731
+    lists = ([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp_size)],
+             [[at(p, d, t) for d in range(dp_size)] for p in range(pp) for t in range(tp)],
+             [[at(p, d, t) for p in range(pp)] for d in range(dp_size) for t in range(tp)],
+             tied_embedding_ranks(tp * dp_size * pp, pp))
+    return [group_of(rank, ranks) for ranks in lists]
+
+
+def _pp2_tied(rank: int, world: int, tp: int, runs: list[tuple[int, bool, int]]) -> dict:
+    """Tied embeddings, pp=2 (layers [3, 1]) × dp × tp, 1F1B over this dp rank's 3 micro-batches,
+    AdamW with clipping; `runs` = (ZeRO stage, pass `tied`, steps). Per run: losses, grad norms,
+    whether the two copies were bitwise equal after each step, and the final weights (tp=1)."""
+    tp_g, dp_g, pp_g, emb = grid_groups(rank, tp, world // (2 * tp), 2)
+    tp_rank, pp_rank = dist.get_rank(tp_g), dist.get_rank(pp_g)
+    dp_rank, dp_size = dist.get_rank(dp_g), dist.get_world_size(dp_g)
+    out = {}
+    for stage, tie, steps in runs:
+        m = split_stage(M.build(TIED), pp_rank, 2, partition(TIED.num_hidden_layers, 2, [3, 1]))
+        shards = TP.apply_tp(m, tp_g)
+        M.materialize(m, "cpu", seed=3, shards=shards)
+        pp_counted = norm_counted(m)
+        opt = Z.apply_zero(m, stage, dp_g, PP_OPT, bucket_mb=0.001, norm_groups=[tp_g, pp_g],
+                           counted=lambda n: pp_counted(n) and (n in shards or tp_rank == 0),
+                           tied=tied_copy(m) if tie else None, embed_group=emb)
+        losses, norms, equal = [], [], []
+        for i in range(steps):
+            glob = batches(6, seed=300 + i)  # uneven masks: micro-batch i drops ~15·i % of its labels
+            k = len(glob) // dp_size
+            loss = run_pipeline(m, one_f_one_b(k, pp_rank, 2), glob[k * dp_rank: k * dp_rank + k], pp_g,
+                                targets(glob), no_sync=opt.no_sync)
+            opt.finish()
+            dist.all_reduce(loss, group=dp_g)
+            losses.append(float(loss))
+            norms.append(opt.step(PP_LR))
+            with opt.gathered():
+                copies = [torch.empty_like(tied_copy(m)) for _ in range(2)]
+                dist.all_gather(copies, tied_copy(m).detach(), group=emb)
+                weights = {ref_name(m, n): p.detach().clone() for n, p in m.named_parameters()}
+            equal.append(torch.equal(*copies))
+        opt.teardown()
+        out[stage, tie] = (losses, norms, equal, weights if tp == 1 else None)
+    return out
+
+
+def check_tied(results: list[dict], steps: int) -> None:
+    """Against the single process on the whole global batch: loss and grad norm <= 1e-5 relative at
+    every step (the sums run in another order over micro-batches, dp, tp and the two copies), final
+    weights <= 1e-5 per tensor (||a - b|| / ||b||); the copies bitwise equal after every step."""
+    losses, norms, weights = train_ref(TIED, [batches(6, seed=300 + i) for i in range(steps)], True)
+    weights = {n: w.detach() for n, w in weights.items()}
+    for r in results:
+        for (stage, tie), (got_l, got_n, equal, got_w) in r.items():
+            if not tie:  # the control: without the sum the copies part at the first step
+                assert equal == [False], equal
+                continue
+            assert equal == [True] * steps, (stage, equal)
+            assert rel(got_l, losses) <= 1e-5 and rel(got_n, norms) <= 1e-5, (stage, got_l, losses)
+            for n, w in (got_w or {}).items():
+                assert float((w - weights[n]).norm() / weights[n].norm()) <= 1e-5, (stage, n)
+
+
+def test_zero_tied_embeddings_pp2_dp2():
+    runs = [(stage, True, 5) for stage in range(4)] + [(1, False, 1)]
+    check_tied(run_ranks(_pp2_tied, 4, 1, runs), 5)
+
+
+def test_zero_tied_embeddings_tp2_pp2_dp2():
+    check_tied(run_ranks(_pp2_tied, 8, 2, [(2, True, 5), (3, True, 5)]), 5)
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage reachable by Python's gc, each storage once — including
     tensors kept alive only by C++-held hook closures (the objects are still gc-tracked)."""
@@ -321,6 +399,10 @@ def test_zero_teardown_leaves_nothing_alive():
             assert out[f"control{stage}"], stage  # the test can fail: without teardown hooks leak
 
 
-def test_bad_stage():
+def test_bad_input():
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
         Z.apply_zero(make_model(), 4, None, P.OptimConfig())
+    m = make_model()  # no embedding group; a parameter of another model (the group is never used)
+    for tied, group in ((m.lm_head.weight, None), (torch.nn.Parameter(torch.zeros(1)), object())):
+        with pytest.raises(ValueError, match="tied must be a trainable parameter .* embedding group"):
+            Z.apply_zero(m, 1, None, P.OptimConfig(), tied=tied, embed_group=group)
