@@ -1,0 +1,441 @@
+"""Checkpoints: atomic, layout-independent, and safe to load (safetensors + JSON, nothing unpickled).
+
+What it does
+    `save_checkpoint` writes the training state of every rank: the fp32 master weights, AdamW's
+    moments and step, this rank's RNG state, and the caller's JSON `extra` (step, sampler position,
+    args...). `load_checkpoint` puts it back into an optimizer built under ANY layout (tp, pp, dp,
+    ZeRO stage): everything is stored by HF parameter name, each piece with the place it holds in
+    the global tensor, so a checkpoint saved under tp2·pp2·dp2·ZeRO-2 resumes under dp4·ZeRO-3 or in
+    a single process. The compute parameters are not stored: they are the masters (fp32) or their
+    cast (`opt._publish()` redoes it after loading).
+
+        <dir>/step_00000100/
+            meta.json              step, layout, global shapes, extra, every file with its size
+            rank00000.json         rank 0's coordinates, RNG state, index of the pieces it wrote
+            rank00000.safetensors  those pieces: "<hf name>/master", "/exp_avg", "/exp_avg_sq"
+            rank00001.json ...     (a rank that owns nothing writes only its .json)
+
+    An index entry says where its 1-D pieces sit: the tp `shard` (dim, start, size) of the local
+    parameter (None: replicated over tp), the local shape, and the flat range [start, start+n) of
+    the local parameter (a ZeRO rank's piece; the whole parameter in stage 0).
+
+Reference
+    Megatron-LM's distributed checkpointing and PyTorch DCP (torch.distributed.checkpoint) keep the
+    same idea: shards stored with their global offsets and resharded on load.
+
+Run
+    torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --save ckpt --save-every 100 --keep 3
+    torchrun --nproc_per_node 4 train.py --zero 3 --save ckpt --resume auto   # same run, other layout
+
+Invariants
+    - Every element is written once, by its owner: stage 0 (masters are whole local parameters,
+      replicated over dp): dp rank 0 only; ZeRO 1-3: every dp rank its own piece; a parameter
+      replicated over tp: tp rank 0 only; the last pipeline stage's copy of a tied embedding
+      (`lm_head.weight`): never (the first stage's embedding is the truth, and the copy is loaded
+      from it). tp vocab padding rows (at/after the true vocab) are never stored and load as zero.
+    - No rank gathers the model. On load a rank reads, one name at a time, only the saved tp slices
+      that overlap its own (all ZeRO pieces of such a slice: at most one full tensor in memory),
+      then cuts out its local tensor and its piece.
+    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; after a barrier the lead rank
+      writes meta.json last, renames the folder and fsyncs the parent (so all ranks must see one
+      shared filesystem). A crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores
+      and `prune` removes; older checkpoints are never touched by a save (saving the same step
+      again moves the old folder to `.old` until the new one is in place).
+    - Loading parses JSON and safetensors only (no pickle: a foreign checkpoint cannot run code).
+      A missing, truncated or mismatched file raises naming the file, before any tensor is copied.
+    - RNG states come back only under the very same layout (same tp, dp, pp: every rank finds its
+      own); otherwise they are left alone and `Restored.rng_restored` is False.
+
+Builds on: model.py
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model import LlamaConfig, Shard, global_shapes
+
+FORMAT = "attotron-checkpoint-1"
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
+STEP_DIR = re.compile(r"step_(\d{8})")
+EMBED = "model.embed_tokens.weight"
+
+Box = list[tuple[int, int]]  # per dim [lo, hi) of a region of a global tensor
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the grid (tp innermost, then dp, then pp) and the grid's sizes."""
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+
+    @property
+    def rank(self) -> int:
+        return (self.pp_rank * self.dp + self.dp_rank) * self.tp + self.tp_rank
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+
+
+@dataclass
+class Restored:
+    step: int
+    extra: dict
+    saved_layout: dict  # {"tp", "dp", "pp", "zero"} of the run that saved
+    rng_restored: bool
+
+
+# ------------------------------------------------------------------------------------- geometry
+def _tied_copy(name: str, cfg: LlamaConfig) -> bool:
+    """A last pipeline stage's own copy of the tied embedding (on a single stage it IS the
+    embedding and named_parameters() lists it only as model.embed_tokens.weight)."""
+    return name == "lm_head.weight" and cfg.tie_word_embeddings
+
+
+def _box(full: tuple[int, ...], shard: Shard | None) -> Box:
+    """The region of the global tensor a local tensor holds, padding rows excluded."""
+    box = [(0, n) for n in full]
+    if shard is not None:
+        box[shard.dim] = (shard.start, min(shard.start + shard.size, full[shard.dim]))
+    return box
+
+
+def _size(box: Box) -> list[int]:
+    return [max(hi - lo, 0) for lo, hi in box]
+
+
+def _overlap(a: Box, b: Box) -> Box:
+    return [(max(lo1, lo2), min(hi1, hi2)) for (lo1, hi1), (lo2, hi2) in zip(a, b)]
+
+
+def _empty(box: Box) -> bool:
+    return any(hi <= lo for lo, hi in box)
+
+
+def _check_local(name: str, local: tuple[int, ...], full: tuple[int, ...], shard: Shard | None) -> int:
+    """Validate a local shape against its global shape; return how many of its flat elements are
+    real (not padding). Padding rows come last along dim 0, so the real ones are a flat prefix."""
+    want = list(full)
+    if shard is not None:
+        want[shard.dim] = shard.size
+    if list(local) != want:
+        raise ValueError(f"{name}: local shape {list(local)} does not fit global shape {list(full)} "
+                         f"with shard {shard}")
+    real = math.prod(_size(_box(full, shard)))
+    if real < math.prod(local) and shard.dim != 0:
+        raise ValueError(f"{name}: padding along dim {shard.dim} is not supported (only dim 0)")
+    return real
+
+
+# ------------------------------------------------------------------------------------- files
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _rng_state(device: torch.device) -> dict[str, list[int]]:
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+# ------------------------------------------------------------------------------------- save
+def _check_layout(layout: Layout, group: dist.ProcessGroup | None) -> None:
+    sizes = (layout.tp, layout.dp, layout.pp)
+    ranks = (layout.tp_rank, layout.dp_rank, layout.pp_rank)
+    if not all(0 <= r < s for r, s in zip(ranks, sizes)):
+        raise ValueError(f"layout {layout}: every rank must lie in [0, size)")
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world != math.prod(sizes):
+        raise ValueError(f"layout tp·dp·pp = {math.prod(sizes)} ranks, but the group has {world}")
+
+
+def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
+           layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The pieces this rank writes (CPU copies) and their index entries (see the invariants)."""
+    shapes = global_shapes(cfg)
+    pieces = getattr(opt, "pieces", None)  # ZeRO 1-3: master i = flat piece of local param i
+    if pieces is None and layout.dp_rank != 0:
+        return {}, []  # stage 0: a dp replica of what dp rank 0 writes
+    tensors, entries = {}, []
+    for i, name in enumerate(opt.names):
+        shard = shards.get(name)
+        if _tied_copy(name, cfg) or (shard is None and layout.tp_rank != 0):
+            continue
+        local = tuple(opt.params[i].shape)
+        real = _check_local(name, local, shapes[name], shard)
+        start, n = (pieces[i].start, pieces[i].n) if pieces is not None else (0, math.prod(local))
+        n = min(start + n, real) - start  # padding rows are never stored
+        if n <= 0:
+            continue
+        master = opt.master[i]
+        state = opt.optimizer.state.get(master, {})
+        values = {"master": master} | {k: state[k] for k in KINDS[1:] if k in state}
+        for kind, t in values.items():
+            tensors[f"{name}/{kind}"] = t.detach().reshape(-1)[:n].to("cpu", copy=True)  # (n,)
+        where = None if shard is None else [shard.dim, shard.start, shard.size]
+        entries.append({"name": name, "shard": where,
+                        "local_shape": list(local), "start": start, "n": n, "kinds": list(values),
+                        "step": float(state["step"]) if "step" in state else None})
+    return tensors, entries
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: LlamaConfig,
+                    shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
+                    group: dist.ProcessGroup | None = None) -> Path:
+    """Write `<ckpt_dir>/step_<step>` atomically; every rank of `group` (default: all) calls it.
+    opt: precision.MixedPrecisionOptimizer or a zero.py optimizer (any stage); shards: apply_tp's
+    map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank. While
+    writing, a rank holds a CPU copy of its own share (masters + moments). Returns the final path."""
+    _check_layout(layout, group)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    final = Path(ckpt_dir) / f"step_{step:08d}"
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    lead = layout.rank == 0
+    meta = {"format": FORMAT, "step": step, "layout": {**layout.sizes(), "zero": getattr(opt, "stage", 0)},
+            "shapes": {k: list(v) for k, v in global_shapes(cfg).items()}, "extra": extra or {}}
+    json.dumps(meta)  # a non-JSON-able extra fails here, before anything is written
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this step
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    tensors, entries = _owned(opt, cfg, shards, layout)
+    name = f"rank{layout.rank:05d}"
+    if tensors:
+        save_file(tensors, tmp / f"{name}.safetensors")
+        _fsync(tmp / f"{name}.safetensors")
+    device = opt.master[0].device if opt.master else torch.device("cpu")
+    _write_json(tmp / f"{name}.json", {"coords": layout.__dict__, "entries": entries,
+                                       "rng": _rng_state(device)})
+    _barrier(group)  # every rank's files are durable
+    if lead:
+        meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
+        _fsync(tmp)  # the folder's entries (file names) are durable too
+        if final.exists():  # the same step saved again: swap, so a crash keeps one of the two
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)  # nobody moves on (or prunes) before the rename
+    return final
+
+
+def _complete(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first."""
+    d = Path(ckpt_dir)
+    found = [(int(m.group(1)), p) for p in d.glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
+    return sorted((s, p) for s, p in found if (p / "meta.json").is_file())
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ckpt_dir (for `--resume auto`), or None."""
+    done = _complete(ckpt_dir)
+    return done[-1][1] if done else None
+
+
+def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints, and the debris of crashed saves
+    (.tmp/.old folders). Call it on one rank, between saves. Returns what was removed."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    d = Path(ckpt_dir)
+    debris = [p for p in d.glob("step_*") if re.fullmatch(r"step_\d{8}\.(tmp|old)", p.name)]
+    gone = [p for _, p in _complete(ckpt_dir)[:-keep]] + debris
+    for p in gone:
+        shutil.rmtree(p)
+    return gone
+
+
+# ------------------------------------------------------------------------------------- load
+class _Index:
+    """All ranks' index entries of one checkpoint: name → saved tp slice → its pieces (by start)."""
+
+    def __init__(self, path: Path, meta: dict, stack: contextlib.ExitStack):
+        self.path, self.stack, self.files = path, stack, {}
+        self.shapes = {k: tuple(v) for k, v in meta["shapes"].items()}
+        for fname, size in meta["files"].items():
+            f = path / fname
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: missing (meta.json lists it)")
+            if f.stat().st_size != size:
+                raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {size} (truncated?)")
+        self.slices: dict[str, dict[tuple | None, list[tuple[Path, dict]]]] = {}
+        for fname in sorted(f for f in meta["files"] if f.endswith(".json")):
+            tensors = path / fname.replace(".json", ".safetensors")
+            for e in _read_json(path / fname)["entries"]:
+                shard = None if e["shard"] is None else tuple(e["shard"])
+                self.slices.setdefault(e["name"], {}).setdefault(shard, []).append((tensors, e))
+        for pieces in (p for by_shard in self.slices.values() for p in by_shard.values()):
+            pieces.sort(key=lambda fe: fe[1]["start"])
+
+    def tensor(self, file: Path, key: str, n: int, read: bool = True) -> torch.Tensor | None:
+        """The 1-D tensor `key` of `file` (read=False: only check that it is there with length n)."""
+        if file not in self.files:
+            try:
+                self.files[file] = self.stack.enter_context(safe_open(str(file), "pt"))
+            except Exception as e:  # safetensors' own error type for a damaged header
+                raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        f = self.files[file]
+        if key not in f.keys():
+            raise ValueError(f"{file}: has no tensor {key!r} (its .json index lists it)")
+        shape = f.get_slice(key).get_shape()
+        if list(shape) != [n]:
+            raise ValueError(f"{file}: {key} has shape {list(shape)}, its index says [{n}]")
+        return f.get_tensor(key) if read else None
+
+    def check(self, key: str) -> list[str]:
+        """Before anything is copied: the saved slices of `key` tile the global tensor, each slice's
+        pieces tile it, and every piece is in its file with its length. Returns the stored kinds."""
+        full, by_shard = self.shapes[key], self.slices[key]
+        kinds = next(iter(by_shard.values()))[0][1]["kinds"]
+        boxes = []
+        for shard, pieces in by_shard.items():
+            local = pieces[0][1]["local_shape"]
+            real = _check_local(key, tuple(local), full, Shard(*shard) if shard else None)
+            done = 0
+            for file, e in pieces:
+                if e["start"] != done or e["local_shape"] != local or e["kinds"] != kinds:
+                    raise ValueError(f"{key}: saved pieces of slice {shard} do not tile it at element "
+                                     f"{done} (entry in {file.with_suffix('.json')}: {e})")
+                for kind in kinds:
+                    self.tensor(file, f"{key}/{kind}", e["n"], read=False)
+                done += e["n"]
+            if done != real:
+                raise ValueError(f"{key}: saved pieces of slice {shard} hold {done} of {real} elements "
+                                 f"(files {sorted({str(f) for f, _ in pieces})})")
+            boxes.append(_box(full, Shard(*shard) if shard else None))
+        disjoint = all(_empty(_overlap(a, b)) for k, a in enumerate(boxes) for b in boxes[:k])
+        if not disjoint or sum(math.prod(_size(b)) for b in boxes) != math.prod(full):
+            raise ValueError(f"{key}: the saved slices {list(by_shard)} do not tile the global shape "
+                             f"{list(full)} (checkpoint {self.path})")
+        return kinds
+
+    def region(self, key: str, kind: str, box: Box) -> torch.Tensor:
+        """`box` of the global tensor `key` (values of `kind`), from the saved slices overlapping it."""
+        full = self.shapes[key]
+        out = torch.empty(_size(box))
+        for shard, pieces in self.slices[key].items():
+            src_box = _box(full, Shard(*shard) if shard else None)
+            overlap = _overlap(box, src_box)
+            if _empty(overlap):
+                continue  # a slice this rank does not need: not read
+            parts = [self.tensor(file, f"{key}/{kind}", e["n"]) for file, e in pieces]
+            src = parts[0] if len(parts) == 1 else torch.cat(parts)
+            src = src.view(_size(src_box))  # the saved local tensor without its padding rows
+            if overlap == box == src_box:
+                return src  # exactly the saved slice (same tp layout, or replicated): no copy
+            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
+                src[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, src_box))]
+        return out
+
+    def piece(self, key: str, kind: str, box: Box, local: tuple[int, ...], start: int,
+              n: int) -> torch.Tensor:
+        """Flat elements [start, start+n) of this rank's local tensor (padding rows zero)."""
+        if n == 0:
+            return torch.empty(0)  # a ZeRO rank owning nothing of this parameter reads nothing
+        region = self.region(key, kind, box)  # (box sizes): the local tensor without its padding
+        if tuple(region.shape) != local:  # padding rows: zero
+            padded = torch.zeros(local)
+            padded[tuple(slice(0, s) for s in region.shape)] = region
+            region = padded
+        return region.reshape(-1)[start:start + n]
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
+                    layout: Layout) -> Restored:
+    """Fill `opt`'s masters and AdamW state (any layout, any ZeRO stage) from a checkpoint folder,
+    publish them to the compute parameters (a collective for ZeRO: all ranks call this), and
+    restore this rank's RNG when the layout is the saved one."""
+    _check_layout(layout, None)
+    path = Path(path)
+    meta = _read_json(path / "meta.json")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path / 'meta.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    now = {k: list(v) for k, v in global_shapes(cfg).items()}
+    bad = [f"{k}: saved {meta['shapes'].get(k)}, config {now.get(k)}"
+           for k in sorted(set(now) | set(meta["shapes"])) if meta["shapes"].get(k) != now.get(k)]
+    if bad:
+        raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: "
+                         + "; ".join(bad))
+    pieces = getattr(opt, "pieces", None)
+    # AdamW keeps its step count on the CPU unless it is capturable or fused
+    on_device = any(opt.optimizer.defaults.get(k) for k in ("capturable", "fused"))
+    with contextlib.ExitStack() as stack:
+        index = _Index(path, meta, stack)
+        keys = [EMBED if _tied_copy(n, cfg) else n for n in opt.names]  # a tied copy loads the embedding
+        missing = sorted({k for k in keys if k not in index.slices})
+        if missing:
+            raise ValueError(f"{path}: no saved pieces for {missing}")
+        for name, key, p in zip(opt.names, keys, opt.params):
+            _check_local(name, tuple(p.shape), index.shapes[key], shards.get(name))
+        kinds = {key: index.check(key) for key in dict.fromkeys(keys)}  # all checks before any copy
+        for i, (name, key) in enumerate(zip(opt.names, keys)):
+            local, master = tuple(opt.params[i].shape), opt.master[i]
+            start, n = (pieces[i].start, pieces[i].n) if pieces is not None else (0, math.prod(local))
+            box = _box(index.shapes[key], shards.get(name))
+            values = {kind: index.piece(key, kind, box, local, start, n).view(master.shape)
+                      for kind in kinds[key]}
+            master.copy_(values.pop("master"))
+            step = next(iter(index.slices[key].values()))[0][1]["step"]
+            if step is None:  # saved before the first step: no moments yet
+                opt.optimizer.state.pop(master, None)
+            else:
+                opt.optimizer.state[master] = {
+                    "step": torch.tensor(step, dtype=torch.float32,
+                                         device=master.device if on_device else "cpu"),
+                    **{k: v.to(master.device, master.dtype, copy=True) for k, v in values.items()}}
+    opt._publish()  # masters → compute params (a copy, an all-gather, or ZeRO-3's param shards)
+    same = meta["layout"]["tp"] == layout.tp and meta["layout"]["dp"] == layout.dp \
+        and meta["layout"]["pp"] == layout.pp
+    if same:
+        rng = _read_json(path / f"rank{layout.rank:05d}.json")["rng"]
+        torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
+        device = opt.master[0].device if opt.master else torch.device("cpu")
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8), device)
+    return Restored(meta["step"], meta["extra"], meta["layout"], same)
