@@ -32,7 +32,6 @@ import json
 import math
 import os
 import resource
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import ac as AC
+import checkpoint as CK
 import data
 import dp
 import model as M
@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
+    a("--save", default=None, help="checkpoint dir (step_XXXXXXXX/ folders: safetensors + JSON)")
+    a("--save-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    a("--resume", default=None, help="a checkpoint folder, or 'auto' = the newest complete one in --save "
+                                     "(any layout can resume any other)")
+    a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
     a("--log-every", type=int, default=1, help="print a log line every N steps (default: %(default)s)")
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
@@ -139,14 +144,16 @@ def setup(timeout_s: float = 600.0) -> Grid:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "RANK" in os.environ:
-            init, rank, world = "env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:  # torchrun
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            # a torchrun restart (--max-restarts) reuses the agent's store: namespace each attempt,
+            # or the new ranks may read a dead rank's address and fail to connect (torch 2.13, gloo)
+            store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                init, rank, world = f"tcp://127.0.0.1:{s.getsockname()[1]}", 0, 1
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+            store, rank, world = dist.HashStore(), 0, 1
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=timeout)
     return Grid(dist.get_rank(), dist.get_world_size(), device)
 
 
@@ -226,6 +233,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every) \
             and not args.sft:
         errors.append("--packing / --overlong / --skip-bad / --eval-every go with --sft")
+    if args.resume == "auto" and not args.save:
+        errors.append("--resume auto needs --save DIR (where to look)")
+    if args.save_every < 0 or args.keep < 1:
+        errors.append(f"need --save-every >= 0 and --keep >= 1, got {args.save_every} and {args.keep}")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
@@ -355,6 +366,36 @@ def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaCon
     dist.barrier()
 
 
+def open_metrics(path: str, start: int):
+    """A resumed run keeps the records up to its checkpoint and drops those of steps it will redo."""
+    kept = []
+    if start and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start]
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
+def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
+           layout: CK.Layout, sampler: dp.DPSampler, grid: Grid) -> int:
+    """Load --resume (or the newest complete checkpoint for 'auto') into the optimizer, parameters
+    and sampler; return the step to continue from (0 when there is nothing to resume)."""
+    path = CK.latest_checkpoint(args.save) if args.resume == "auto" else args.resume
+    if not path:
+        if args.resume == "auto" and grid.rank == 0:
+            print(f"note: no complete checkpoint in {args.save}: starting fresh", flush=True)
+        return 0
+    try:
+        got = CK.load_checkpoint(path, opt, cfg, shards, layout)
+        sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"cannot resume from {path}: {e}", grid)
+    if grid.rank == 0:
+        print(f"resumed from {path} at step {got.step} (saved as {got.saved_layout})"
+              + ("" if got.rng_restored else "; RNG states not restored (other layout)"), flush=True)
+    return got.step
+
+
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -377,11 +418,13 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e), grid)
     model, shards = build_model(args, cfg, grid)
     opt = make_optimizer(args, model, shards, grid)
+    layout = CK.Layout(grid.tp, grid.dp, grid.pp, grid.tp_rank, grid.dp_rank, grid.pp_rank)
+    start = resume(args, opt, cfg, shards, layout, sampler, grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.pp_rank, args.pp)
     pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
-    metrics = open(args.metrics, "w") if args.metrics and log else None
+    metrics = open_metrics(args.metrics, start) if args.metrics and log else None
     tokens_per_step = args.batch_size * args.seq_len
     fpt = flops_per_token(cfg, args.seq_len)
     peak_flops = 989e12 if grid.device.type == "cuda" else None  # H100/H200 dense bf16
@@ -393,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: {args.micro_batches} micro-batches < {args.pp} stages: the pipeline bubble is "
                   f"{(args.pp - 1) / (args.micro_batches + args.pp - 1):.0%} of the step", flush=True)
     t_start, bad = time.time(), 0
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         t0 = time.time()
         micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid.device)
         with stage("counting the step's target tokens (dp all-reduce)", grid):
@@ -406,6 +449,12 @@ def main(argv: list[str] | None = None) -> None:
         lr = lr_at(step, args)
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             grad_norm = opt.step(lr)
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            with stage("checkpoint save", grid):
+                extra = {"sampler": sampler.state_dict(), "args": vars(args)}
+                CK.save_checkpoint(args.save, step + 1, opt, cfg, shards, layout, extra)
+            if log:
+                CK.prune(args.save, args.keep)
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0

@@ -57,7 +57,7 @@ def losses(path: Path) -> list[float]:
 
 
 def assert_curve(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
-    assert len(got) == len(want) == 5
+    assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert abs(g - w) <= rtol * abs(w), (got, want)
 
@@ -232,3 +232,59 @@ def test_collective_timeout_names_the_stage(setup_dirs):
     with pytest.raises(RuntimeError, match=r"rank 0: distributed operation failed during counting "
                                            r"the step's target tokens"):
         run_ranks(_late_main, 2, args_for(d, "--timeout", "2", metrics="late.jsonl"), timeout=60)
+
+
+def test_resume_same_layout_is_bit_identical_and_cross_layout_close(setup_dirs, reference):
+    """tp2·pp2·dp2·ZeRO-2: 2 steps + save, then resume for steps 3-5 — in the same layout the curve
+    continues bit for bit; under dp4·ZeRO-3 and in one process it stays within 1e-5."""
+    d = setup_dirs
+    layout = LAYOUTS["tp2-pp2-zero2-ac"][1]
+    ck = str(d / "ck")
+    run_ranks(_main, 8, args_for(d, *layout, "--save", ck, "--steps", "2", metrics="r.jsonl"), timeout=240)
+    assert sorted(p.name for p in (d / "ck").iterdir()) == ["step_00000002"]
+    straight = losses(d / "tp2-pp2-zero2-ac.jsonl") if (d / "tp2-pp2-zero2-ac.jsonl").exists() else None
+    run_ranks(_main, 8, args_for(d, *layout, "--resume", ck + "/step_00000002", metrics="r.jsonl"),
+              timeout=240)
+    if straight is None:
+        run_ranks(_main, 8, args_for(d, *layout, metrics="s.jsonl"), timeout=240)
+        straight = losses(d / "s.jsonl")
+    assert losses(d / "r.jsonl") == straight  # steps 1-2 kept, 3-5 redone: exactly equal
+    for world, extra in ((4, ["--zero", "3"]), (1, [])):
+        (d / "x.jsonl").unlink(missing_ok=True)
+        run_ranks(_main, world, args_for(d, *extra, "--resume", ck + "/step_00000002", metrics="x.jsonl"),
+                  timeout=240)
+        assert_curve(losses(d / "x.jsonl"), reference[2:])
+    # export straight from a checkpoint, no training
+    run_ranks(_main, 1, args_for(d, "--resume", ck + "/step_00000002", "--steps", "0",
+                                 "--export-hf", str(d / "from_ck")))
+    assert (d / "from_ck" / "model.safetensors").is_file()
+
+
+def test_killed_rank_restarts_from_last_checkpoint(setup_dirs, reference):
+    """torchrun --max-restarts 1: a worker killed mid-run brings the group down, torchrun restarts
+    it, and --resume auto continues from the newest complete checkpoint to the same curve."""
+    import signal
+    import time
+    d = setup_dirs
+    ck = d / "ck_fault"
+    # torchrun keeps its store across restarts; train.setup namespaces each attempt in it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "1", "train.py",
+           *args_for(d, "--steps", "40", "--save", str(ck), "--save-every", "3", "--resume", "auto",
+                     "--timeout", "60", metrics="fault.jsonl")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, killed = time.time() + 240, None
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        if (ck / "step_00000003").is_dir():
+            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+            killed = int(kids.split()[-1])
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=300)
+    assert killed is not None and proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out and "step_0000000" in out
+    rows = losses(d / "fault.jsonl")
+    assert len(rows) == 40
+    run_ranks(_main, 2, args_for(d, "--steps", "40", metrics="nofault.jsonl"), timeout=240)
+    assert rows == losses(d / "nofault.jsonl")  # same layout: the restart is invisible in the curve

@@ -1,0 +1,48 @@
+"""bench.py --quick on 4 gloo ranks (~15 s): every ours-vs-PyTorch row is present and both sides computed
+the same result, and every table of the report is there. Timings are never asserted (the GUIDE: speed
+is measured in the benchmark, not tested).
+
+The agreement checked is bench.py's own: the global grad norm of the first step (both sides still hold
+the same weights) and the losses of the first three steps (all of --quick's) within 1e-5 relative
+(fp32; the sides differ only in summation order: gloo's reduction order, DTensor's and the pipelining
+schedule's accumulation order).
+The grad norm is part of it because AdamW's update m/sqrt(v) is blind to a wrongly scaled gradient
+(say DDP's mean left unscaled), while the norm is not.
+"""
+from __future__ import annotations
+
+import torch
+
+from dist import run_ranks
+
+ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "pp gpipe", "pp 1f1b", "ac full", "ac selective", "sft ffd"]
+TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persistent bytes per rank",
+          "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU"]
+
+
+def _bench(rank: int, world: int, out: str) -> dict:
+    import bench
+    return bench.main(["--quick", "--out", out])
+
+
+def test_quick_every_row_same_result(tmp_path):
+    out = tmp_path / "bench.md"
+    result = run_ranks(_bench, 4, str(out), timeout=240)[0]  # rank 0 holds every row
+    rows = {r["feature"]: r for r in result["rows"]}
+    assert list(rows) == ROWS
+    for name, r in rows.items():
+        assert r["ok"] and max(r["loss_err"], r["norm_err"]) <= 1e-5, (name, r["loss_err"], r["norm_err"])
+        assert r["ours_ms"] > 0 and r["peer_ms"] > 0
+    text = out.read_text()
+    assert text.strip() == result["markdown"].strip()
+    for title in TABLES:
+        assert f"## {title}" in text, title
+    for name in ROWS:
+        assert f"| {name} |" in text, name
+    if not torch.cuda.is_available():
+        assert "skipped (no CUDA)" in text
+    # the layout table: every ZeRO layout ± AC and PP with ZeRO, each its formula up to the padding
+    # of flat buffers to a multiple of dp (< dp elements per bucket: far below 0.1% here)
+    layouts = [line for line in text.splitlines() if line.startswith(("| baseline", "| ZeRO", "| PP2"))]
+    assert len(layouts) == 10
+    assert all(abs(float(line.split("|")[9]) - 1) < 1e-3 for line in layouts), layouts
