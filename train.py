@@ -53,26 +53,36 @@ import zero as Z
 
 
 # ------------------------------------------------------------------------------------------ flags
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Show a flag's default in --help when it has a meaningful one (not None / off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpWithDefaults)
     a = p.add_argument
-    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init (default: %(default)s)")
+    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
     a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
-    a("--batch-size", type=int, default=16, help="global sequences per optimizer step (default: %(default)s)")
-    a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank (default: %(default)s)")
-    a("--steps", type=int, default=50, help="optimizer steps (default: %(default)s)")
+    a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
+    a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank")
+    a("--steps", type=int, default=50, help="optimizer steps")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
                                               "post-training wants a lower rate than pretraining)")
     a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
-    a("--warmup", type=int, default=10, help="linear warm-up steps (default: %(default)s)")
-    a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases) (default: %(default)s)")
-    a("--clip", type=float, default=1.0, help="max global grad norm (0 = off) (default: %(default)s)")
-    a("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (masters stay fp32) (default: %(default)s)")
-    a("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
+    a("--warmup", type=int, default=10, help="linear warm-up steps")
+    a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
+    a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    a("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (masters stay fp32)")
+    a("--seed", type=int, default=0, help="init and data-order seed")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--save", default=None, help="checkpoint dir (step_XXXXXXXX/ folders: safetensors + JSON)")
@@ -80,33 +90,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", default=None, help="a checkpoint folder, or 'auto' = the newest complete one in --save "
                                      "(any layout can resume any other)")
     a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
-    a("--log-every", type=int, default=1, help="print a log line every N steps (default: %(default)s)")
+    a("--log-every", type=int, default=1, help="print a log line every N steps")
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
-    a("--packing", default="ffd", choices=["ffd", "none"], help="--sft: FFD-pack conversations or one per row (default: %(default)s)")
+    a("--packing", default="ffd", choices=["ffd", "none"],
+      help="--sft: FFD-pack conversations or one per row")
     a("--overlong", default="truncate", choices=["truncate", "drop"],
-      help="--sft: what to do with conversations longer than --seq-len (counted and reported) (default: %(default)s)")
+      help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
     a("--eval-every", type=int, default=0,
-      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end (default: %(default)s)")
+      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end")
     a("--timeout", type=float, default=600.0,
-      help="seconds a collective may wait before the run stops with a message naming the stage (default: %(default)s)")
+      help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--max-bad-steps", type=int, default=3,
-      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped) (default: %(default)s)")
+      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
     # parallelism: world = tp · dp · pp, dp is what is left
-    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid) (default: %(default)s)")
-    a("--pp", type=int, default=1, help="pipeline stages (default: %(default)s)")
+    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
+    a("--pp", type=int, default=1, help="pipeline stages")
     a("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: uniform, extra "
                                         "layers to the first stages so the last, with the head, is lightest)")
-    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule (default: %(default)s)")
-    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group (default: %(default)s)")
-    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB) (default: %(default)s)")
+    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
+    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
     a("--reduce-dtype", default=None, choices=["fp32", "bf16"],
       help="dtype of gradient reductions and ZeRO-2/3 accumulation (default: the compute dtype)")
-    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use (default: %(default)s)")
+    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
-    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k (default: %(default)s)")
+    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
     args = p.parse_args(argv)
     args.seq_len = args.seq_len or (sft.DEFAULT_SEQ_LEN if args.sft else 256)
     args.lr = args.lr or (2e-4 if args.sft else 1e-3)
@@ -120,12 +131,7 @@ class Grid:
     rank: int
     world: int
     device: torch.device
-    tp: int = 1
-    dp: int = 1
-    pp: int = 1
-    tp_rank: int = 0
-    dp_rank: int = 0
-    pp_rank: int = 0
+    at: CK.Layout = CK.Layout()  # sizes and this rank's coordinates (also what checkpoints record)
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
@@ -162,8 +168,7 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0) -> None:
     order (new_group is collective), and keeps the ones it belongs to."""
     w = grid.world
     dpn = w // (tp * pp)
-    grid.tp, grid.dp, grid.pp = tp, dpn, pp
-    grid.tp_rank, grid.dp_rank, grid.pp_rank = grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn)
+    grid.at = CK.Layout(tp, dpn, pp, grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn))
 
     def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         found = None
@@ -172,7 +177,7 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0) -> None:
             found = g if grid.rank in ranks else found
         return found
 
-    at = lambda p, d, t: p * dpn * tp + d * tp + t  # noqa: E731 - the grid formula, named once
+    at = lambda p, d, t: CK.Layout(tp, dpn, pp, t, d, p).rank  # noqa: E731
     grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
     grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
     grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
@@ -327,7 +332,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
     """Steps 3-7 of the composition order (module docstring)."""
     model = M.build(cfg)
     ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
-    PP.split_stage(model, grid.pp_rank, args.pp, ranges)
+    PP.split_stage(model, grid.at.pp_rank, args.pp, ranges)
     shards = TP.apply_tp(model, grid.tp_group)
     M.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
     if args.ac or args.ac_mode:
@@ -343,7 +348,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
-    counted = lambda n: pp_counted(n) and (n in shards or grid.tp_rank == 0)  # noqa: E731
+    counted = lambda n: pp_counted(n) and (n in shards or grid.at.tp_rank == 0)  # noqa: E731
     return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
@@ -357,9 +362,9 @@ def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaCon
     with opt.gathered():  # ZeRO-3: full parameters inside
         local = {n: p.detach().clone() for n, p in model.named_parameters()}
     full = TP.gather_full(local, shards, grid.tp_group, cfg)
-    if grid.dp_rank == 0 and grid.tp_rank == 0:  # one pp group holds global rank 0
+    if grid.at.dp_rank == 0 and grid.at.tp_rank == 0:  # one pp group holds global rank 0
         cpu = {n: t.cpu() for n, t in full.items()}
-        stages = [None] * grid.pp if grid.rank == 0 else None
+        stages = [None] * grid.at.pp if grid.rank == 0 else None
         dist.gather_object(cpu, stages, dst=0, group=grid.pp_group)
         if grid.rank == 0:
             M.save_hf({k: v for st in stages for k, v in st.items()}, cfg, out)
@@ -377,7 +382,7 @@ def open_metrics(path: str, start: int):
 
 
 def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
-           layout: CK.Layout, sampler: dp.DPSampler, grid: Grid) -> int:
+           sampler: dp.DPSampler, grid: Grid) -> int:
     """Load --resume (or the newest complete checkpoint for 'auto') into the optimizer, parameters
     and sampler; return the step to continue from (0 when there is nothing to resume)."""
     path = CK.latest_checkpoint(args.save) if args.resume == "auto" else args.resume
@@ -386,7 +391,7 @@ def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, sh
             print(f"note: no complete checkpoint in {args.save}: starting fresh", flush=True)
         return 0
     try:
-        got = CK.load_checkpoint(path, opt, cfg, shards, layout)
+        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at)
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:
         fail(f"cannot resume from {path}: {e}", grid)
@@ -412,15 +417,14 @@ def main(argv: list[str] | None = None) -> None:
         ds.check_vocab(cfg.vocab_size)
         make_grid(grid, args.tp, args.pp, args.timeout)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
-        sampler = dp.DPSampler(len(ds), args.batch_size, grid.dp_rank, grid.dp, args.seed,
+        sampler = dp.DPSampler(len(ds), args.batch_size, grid.at.dp_rank, grid.at.dp, args.seed,
                                remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
     model, shards = build_model(args, cfg, grid)
     opt = make_optimizer(args, model, shards, grid)
-    layout = CK.Layout(grid.tp, grid.dp, grid.pp, grid.tp_rank, grid.dp_rank, grid.pp_rank)
-    start = resume(args, opt, cfg, shards, layout, sampler, grid)
-    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.pp_rank, args.pp)
+    start = resume(args, opt, cfg, shards, sampler, grid)
+    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)
     pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
@@ -430,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     peak_flops = 989e12 if grid.device.type == "cuda" else None  # H100/H200 dense bf16
     if log:
         print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
-              f"world {grid.world} = tp {grid.tp} × dp {grid.dp} × pp {grid.pp} · zero {args.zero} · "
+              f"world {grid.world} = tp {grid.at.tp} × dp {grid.at.dp} × pp {grid.at.pp} · "
+              f"zero {args.zero} · "
               f"{args.dtype} on {grid.device.type}", flush=True)
         if 1 < args.pp > args.micro_batches:
             print(f"note: {args.micro_batches} micro-batches < {args.pp} stages: the pipeline bubble is "
@@ -452,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             with stage("checkpoint save", grid):
                 extra = {"sampler": sampler.state_dict(), "args": vars(args)}
-                CK.save_checkpoint(args.save, step + 1, opt, cfg, shards, layout, extra)
+                CK.save_checkpoint(args.save, step + 1, opt, cfg, shards, grid.at, extra)
             if log:
                 CK.prune(args.save, args.keep)
         if grid.device.type == "cuda":
@@ -473,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
             mfu = f"{100 * tps * fpt / (peak_flops * grid.world):.1f}%" if peak_flops else "n/a"
             print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
-                  f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · peak mem {peak_memory_mb(grid.device):,.0f} MB"
+                  f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
+                  f"peak mem {peak_memory_mb(grid.device):,.0f} MB"
                   f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
