@@ -35,14 +35,15 @@ import json
 import math
 import os
 import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 IGNORE_INDEX = -100
@@ -376,6 +377,16 @@ def _narrow(full_size: int, shard: Shard, read: Callable[[int, int], torch.Tenso
     return out
 
 
+@contextmanager
+def open_safetensors(path: Path) -> Iterator:
+    """safe_open with the file named in the error when it is truncated or not safetensors at all."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
 class SafetensorsDir:
     """Read-only view of an HF safetensors directory: one file or sharded with an index."""
 
@@ -385,7 +396,7 @@ class SafetensorsDir:
         if index.is_file():
             self.files = {k: d / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         elif single.is_file():
-            with safe_open(single, "pt") as f:
+            with open_safetensors(single) as f:
                 self.files = {k: single for k in f.keys()}
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")
@@ -395,8 +406,8 @@ class SafetensorsDir:
 
     def read(self, name: str, shard: Shard | None, local: torch.Tensor, full_shape: tuple) -> torch.Tensor:
         if name not in self.files:
-            raise KeyError(f"{name} not found in the checkpoint")
-        with safe_open(self.files[name], "pt") as f:
+            raise ValueError(f"{name} not found in the checkpoint")
+        with open_safetensors(self.files[name]) as f:
             sl = f.get_slice(name)
             if tuple(sl.get_shape()) != tuple(full_shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != config {full_shape}")

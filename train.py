@@ -421,7 +421,10 @@ def main(argv: list[str] | None = None) -> None:
                                remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
-    model, shards = build_model(args, cfg, grid)
+    try:
+        model, shards = build_model(args, cfg, grid)
+    except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
+        fail(str(e), grid)
     opt = make_optimizer(args, model, shards, grid)
     start = resume(args, opt, cfg, shards, sampler, grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)

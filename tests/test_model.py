@@ -169,3 +169,17 @@ def test_config_errors_and_roundtrip(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(good))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         M.load_hf(tmp_path)
+
+
+def test_truncated_or_incomplete_checkpoint_is_named(tmp_path):
+    ref = hf_model(num_key_value_heads=2)
+    ref.save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:300])
+    with pytest.raises(ValueError, match=r"model.safetensors: corrupt or truncated"):
+        M.load_hf(tmp_path)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    (tmp_path / "hf" / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match="listed in the index are missing"):
+        M.load_hf(tmp_path / "hf")

@@ -195,7 +195,12 @@ def test_validation_messages():
 
 
 def test_bad_flags_exit_nonzero_with_one_message(tmp_path):
+    tiny = M.PRESETS["tiny"]
+    M.save_hf(dict(M.materialize(M.build(tiny), "cpu").named_parameters()), tiny, tmp_path / "bad")
+    weights = tmp_path / "bad" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     for argv, text in ([["--tp", "2"], "world size 1 is not divisible"],
+                       [["--init-from", str(tmp_path / "bad")], "model.safetensors: corrupt or truncated"],
                        [["--init-from", str(tmp_path / "nope")], "config.json not found"],
                        [["--data", str(tmp_path / "missing.txt")], "missing.txt"]):
         r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
