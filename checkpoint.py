@@ -215,9 +215,8 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
         for kind, t in values.items():
             tensors[f"{name}/{kind}"] = t.detach().reshape(-1)[:n].to("cpu", copy=True)  # (n,)
         where = None if shard is None else [shard.dim, shard.start, shard.size]
-        entries.append({"name": name, "shard": where,
-                        "local_shape": list(local), "start": start, "n": n, "kinds": list(values),
-                        "step": float(state["step"]) if "step" in state else None})
+        entries.append({"name": name, "shard": where, "local_shape": list(local), "start": start, "n": n,
+                        "kinds": list(values), "step": float(state["step"]) if "step" in state else None})
     return tensors, entries
 
 
@@ -266,8 +265,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
 
 def _complete(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint, oldest first."""
-    d = Path(ckpt_dir)
-    found = [(int(m.group(1)), p) for p in d.glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
     return sorted((s, p) for s, p in found if (p / "meta.json").is_file())
 
 
@@ -282,8 +280,7 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
     (.tmp/.old folders). Call it on one rank, between saves. Returns what was removed."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    d = Path(ckpt_dir)
-    debris = [p for p in d.glob("step_*") if re.fullmatch(r"step_\d{8}\.(tmp|old)", p.name)]
+    debris = [p for p in Path(ckpt_dir).glob("step_*") if re.fullmatch(r"step_\d{8}\.(tmp|old)", p.name)]
     gone = [p for _, p in _complete(ckpt_dir)[:-keep]] + debris
     for p in gone:
         shutil.rmtree(p)
@@ -303,11 +300,11 @@ class _Index:
                 raise FileNotFoundError(f"{f}: missing (meta.json lists it)")
             if f.stat().st_size != size:
                 raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {size} (truncated?)")
-        self.slices: dict[str, dict[tuple | None, list[tuple[Path, dict]]]] = {}
+        self.slices: dict[str, dict[Shard | None, list[tuple[Path, dict]]]] = {}
         for fname in sorted(f for f in meta["files"] if f.endswith(".json")):
             tensors = path / fname.replace(".json", ".safetensors")
             for e in _read_json(path / fname)["entries"]:
-                shard = None if e["shard"] is None else tuple(e["shard"])
+                shard = None if e["shard"] is None else Shard(*e["shard"])
                 self.slices.setdefault(e["name"], {}).setdefault(shard, []).append((tensors, e))
         for pieces in (p for by_shard in self.slices.values() for p in by_shard.values()):
             pieces.sort(key=lambda fe: fe[1]["start"])
@@ -327,39 +324,40 @@ class _Index:
             raise ValueError(f"{file}: {key} has shape {list(shape)}, its index says [{n}]")
         return f.get_tensor(key) if read else None
 
-    def check(self, key: str) -> list[str]:
+    def check(self, key: str) -> dict:
         """Before anything is copied: the saved slices of `key` tile the global tensor, each slice's
-        pieces tile it, and every piece is in its file with its length. Returns the stored kinds."""
+        pieces tile it, and every piece is in its file with its length. Returns the first entry
+        (all agree on the stored kinds; its step is the parameter's)."""
         full, by_shard = self.shapes[key], self.slices[key]
-        kinds = next(iter(by_shard.values()))[0][1]["kinds"]
+        first = next(iter(by_shard.values()))[0][1]
         boxes = []
         for shard, pieces in by_shard.items():
             local = pieces[0][1]["local_shape"]
-            real = _check_local(key, tuple(local), full, Shard(*shard) if shard else None)
+            real = _check_local(key, tuple(local), full, shard)
             done = 0
             for file, e in pieces:
-                if e["start"] != done or e["local_shape"] != local or e["kinds"] != kinds:
+                if e["start"] != done or e["local_shape"] != local or e["kinds"] != first["kinds"]:
                     raise ValueError(f"{key}: saved pieces of slice {shard} do not tile it at element "
                                      f"{done} (entry in {file.with_suffix('.json')}: {e})")
-                for kind in kinds:
+                for kind in e["kinds"]:
                     self.tensor(file, f"{key}/{kind}", e["n"], read=False)
                 done += e["n"]
             if done != real:
                 raise ValueError(f"{key}: saved pieces of slice {shard} hold {done} of {real} elements "
                                  f"(files {sorted({str(f) for f, _ in pieces})})")
-            boxes.append(_box(full, Shard(*shard) if shard else None))
+            boxes.append(_box(full, shard))
         disjoint = all(_empty(_overlap(a, b)) for k, a in enumerate(boxes) for b in boxes[:k])
         if not disjoint or sum(math.prod(_size(b)) for b in boxes) != math.prod(full):
             raise ValueError(f"{key}: the saved slices {list(by_shard)} do not tile the global shape "
                              f"{list(full)} (checkpoint {self.path})")
-        return kinds
+        return first
 
     def region(self, key: str, kind: str, box: Box) -> torch.Tensor:
         """`box` of the global tensor `key` (values of `kind`), from the saved slices overlapping it."""
         full = self.shapes[key]
         out = torch.empty(_size(box))
         for shard, pieces in self.slices[key].items():
-            src_box = _box(full, Shard(*shard) if shard else None)
+            src_box = _box(full, shard)
             overlap = _overlap(box, src_box)
             if _empty(overlap):
                 continue  # a slice this rank does not need: not read
@@ -372,17 +370,13 @@ class _Index:
                 src[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, src_box))]
         return out
 
-    def piece(self, key: str, kind: str, box: Box, local: tuple[int, ...], start: int,
-              n: int) -> torch.Tensor:
-        """Flat elements [start, start+n) of this rank's local tensor (padding rows zero)."""
+    def piece(self, key: str, kind: str, box: Box, start: int, n: int) -> torch.Tensor:
+        """Flat elements [start, start+n) of this rank's local tensor, whose real elements (`box`)
+        are a flat prefix: padding rows come last, and are zero."""
         if n == 0:
             return torch.empty(0)  # a ZeRO rank owning nothing of this parameter reads nothing
-        region = self.region(key, kind, box)  # (box sizes): the local tensor without its padding
-        if tuple(region.shape) != local:  # padding rows: zero
-            padded = torch.zeros(local)
-            padded[tuple(slice(0, s) for s in region.shape)] = region
-            region = padded
-        return region.reshape(-1)[start:start + n]
+        real = self.region(key, kind, box).reshape(-1)[start:start + n]
+        return torch.cat([real, real.new_zeros(n - real.numel())])
 
 
 @torch.no_grad()
@@ -413,15 +407,15 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
             raise ValueError(f"{path}: no saved pieces for {missing}")
         for name, key, p in zip(opt.names, keys, opt.params):
             _check_local(name, tuple(p.shape), index.shapes[key], shards.get(name))
-        kinds = {key: index.check(key) for key in dict.fromkeys(keys)}  # all checks before any copy
+        saved = {key: index.check(key) for key in dict.fromkeys(keys)}  # all checks before any copy
         for i, (name, key) in enumerate(zip(opt.names, keys)):
-            local, master = tuple(opt.params[i].shape), opt.master[i]
-            start, n = (pieces[i].start, pieces[i].n) if pieces is not None else (0, math.prod(local))
+            master = opt.master[i]
+            start, n = (pieces[i].start, pieces[i].n) if pieces is not None else (0, opt.params[i].numel())
             box = _box(index.shapes[key], shards.get(name))
-            values = {kind: index.piece(key, kind, box, local, start, n).view(master.shape)
-                      for kind in kinds[key]}
+            values = {kind: index.piece(key, kind, box, start, n).view(master.shape)
+                      for kind in saved[key]["kinds"]}
             master.copy_(values.pop("master"))
-            step = next(iter(index.slices[key].values()))[0][1]["step"]
+            step = saved[key]["step"]
             if step is None:  # saved before the first step: no moments yet
                 opt.optimizer.state.pop(master, None)
             else:
@@ -430,8 +424,7 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
                                          device=master.device if on_device else "cpu"),
                     **{k: v.to(master.device, master.dtype, copy=True) for k, v in values.items()}}
     opt._publish()  # masters → compute params (a copy, an all-gather, or ZeRO-3's param shards)
-    same = meta["layout"]["tp"] == layout.tp and meta["layout"]["dp"] == layout.dp \
-        and meta["layout"]["pp"] == layout.pp
+    same = {k: meta["layout"][k] for k in ("tp", "dp", "pp")} == layout.sizes()
     if same:
         rng = _read_json(path / f"rank{layout.rank:05d}.json")["rng"]
         torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))

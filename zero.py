@@ -15,9 +15,8 @@ What it does
         for k, micro in enumerate(micro_batches):
             with opt.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
                 normalized_loss(model(x, labels=y, reduction="sum"), step_targets).backward()
-        grad_norm = opt.step(lr)     # finish() the reductions, sum a tied copy (pp), clip,
-                                     # AdamW, publish, zero_grad
-        ...; opt.teardown()          # removes every hook (see "Invariants")
+        grad_norm = opt.step(lr)  # finish(), sum a tied copy (pp), clip, AdamW, publish, zero_grad
+        ...; opt.teardown()       # removes every hook (see "Invariants")
 
     Sharding is 1-D: the parameters of a bucket (stages 1-2: ~bucket_mb MB in reverse order, as in
     dp.py) or unit (stage 3) lie back to back in one flat buffer padded to a multiple of N; dp rank r
@@ -89,26 +88,20 @@ class Piece:
     n: int
 
 
-def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Group, world: int):
-    """Async SUM reduce-scatter / all-gather of flat buffers; N = 1 is a plain copy (no work)."""
+def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
+    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
+    buffers, async; N = 1 is a plain copy (no work: returns None)."""
     if world == 1:
-        out.copy_(flat)
+        out.copy_(inp)
         return None
-    return dist.reduce_scatter_single(out, flat, group=group, async_op=True)
-
-
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group, world: int):
-    if world == 1:
-        full.copy_(shard)
-        return None
-    return dist.all_gather_single(full, shard, group=group, async_op=True)
+    return collective(out, inp, group=group, async_op=True)
 
 
 class ReduceScatterSync(GradSync):
     """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer. keep_full (stage 1): .grad is the accumulation
-    buffer and the sum lands in its owned slice; else (stages 2-3) .grad is dropped as soon as it is
-    packed and the sums accumulate in `grad_shards`. `on_reduced(b)` runs after each launch."""
+    [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
+    .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
+    packed, the sums accumulate). `on_reduced(b)` runs after each launch."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
                  pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
@@ -130,7 +123,7 @@ class ReduceScatterSync(GradSync):
             for i in self.buckets[b].index:
                 self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
         out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (reduce_scatter(out, flat, self.group, self.world), out, flat)
+        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
         self.on_reduced(b)
 
     def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
@@ -229,8 +222,7 @@ class ZeroOptimizer(DataParallel):
             for i, off in zip(bucket.index, bucket.offsets):
                 p, n = self.params[i], self.params[i].numel()
                 a, z = max(off, lo), min(off + n, lo + S)
-                self.pieces[i] = Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
-                pc = self.pieces[i]
+                pc = self.pieces[i] = Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
                 flat_p = p.detach().reshape(-1)  # (n,) fp32 initial values
                 master[i] = flat_p[pc.start:pc.start + pc.n].float().clone()
                 full[off:off + n].copy_(flat_p)
@@ -269,7 +261,8 @@ class ZeroOptimizer(DataParallel):
         shards = [torch.zeros(f.numel() // self.world, dtype=self.dtype, device=f.device)
                   for f in self.flat_params]  # (S,) each; the padding stays zero
         self._shards_from_master(shards)
-        works = [all_gather(full, s, self.group, self.world) for full, s in zip(self.flat_params, shards)]
+        works = [launch(dist.all_gather_single, full, shard, self.group, self.world)
+                 for full, shard in zip(self.flat_params, shards)]
         for w in works:
             if w is not None:
                 w.wait()
@@ -337,9 +330,9 @@ class Zero3Optimizer(ZeroOptimizer):
     # ---- gather / free -------------------------------------------------------------------------
     def _gather(self, u: int, wait: bool = True) -> None:
         if not self._full[u]:
-            full = self.flat_params[u]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self._inflight[u] = all_gather(full, self.param_shards[u], self.group, self.world)
+            full, shard = self.flat_params[u], self.param_shards[u]
+            full.untyped_storage().resize_(full.nbytes)
+            self._inflight[u] = launch(dist.all_gather_single, full, shard, self.group, self.world)
             self._full[u] = True
         if wait:
             self._wait(u)
