@@ -301,7 +301,8 @@ def simulate(schedules: Sequence[Sequence[Action]], f_cost: float = 1, b_cost: f
 
 # ----------------------------------------------------------------------------------------- executor
 def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_targets: int,
-                group: dist.ProcessGroup | None, stage: int, n: int, device: torch.device) -> None:
+                group: dist.ProcessGroup | None, stage: int, n: int, device: torch.device,
+                seq_shards: int) -> None:
     """Local checks, then one tiny all_gather so that every pp peer raises the same error rather
     than some of them waiting forever for a message of another shape."""
     m = len(microbatches)
@@ -314,6 +315,8 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_ta
         problem = f"input_ids must be (B, S) token ids, got shape {shape}"
     elif any(s != shape for s in shapes):
         problem = f"every micro-batch tensor must have the shape {shape} of the first, got {shapes}"
+    elif shape[1] % seq_shards:
+        problem = f"sequence length {shape[1]} does not split into {seq_shards} sequence shards"
     for a in actions:
         pieces = [] if a.kind in (F, B) else p2p_ops(a, stage)
         ids = [a.microbatch] + [q[3] for q in pieces]
@@ -336,13 +339,15 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_ta
 
 def run_pipeline(model: nn.Module, actions: Sequence[Action], microbatches: Sequence[dict],
                  pp_group: dist.ProcessGroup | None, step_targets: int | torch.Tensor,
-                 no_sync: Callable[[], ContextManager] | None = None) -> torch.Tensor:
+                 no_sync: Callable[[], ContextManager] | None = None,
+                 seq_shards: int = 1) -> torch.Tensor:
     """Run this stage's `actions` over `microbatches` (dicts of (B, S) tensors: input_ids, labels,
     optional position_ids; identical on every pp peer), accumulating gradients in .grad.
 
     step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
     no_sync: the dp/ZeRO object's context that defers its gradient reduction (hook-based dp such as
     dp.GradSync reduces during backward); every backward but this stage's last runs inside it.
+    seq_shards: tp under sequence parallelism (tp.py): stages exchange (B, S/seq_shards, H) shards.
     Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
     from the last stage to every pp peer; sum it over dp for the global loss.
     pp_group None (or of size 1) runs the whole model locally without communication."""
@@ -351,8 +356,9 @@ def run_pipeline(model: nn.Module, actions: Sequence[Action], microbatches: Sequ
     first, last = stage == 0, stage == n - 1
     param = next(model.parameters())
     targets = int(step_targets)
-    _check_step(microbatches, actions, targets, pp_group, stage, n, param.device)
-    act_shape = (*microbatches[0]["input_ids"].shape, model.config.hidden_size)  # (B, S, H)
+    _check_step(microbatches, actions, targets, pp_group, stage, n, param.device, seq_shards)
+    rows, seq = microbatches[0]["input_ids"].shape  # (not B, S: B names the backward action here)
+    act_shape = (rows, seq // seq_shards, model.config.hidden_size)  # (B, S/seq_shards, H)
 
     inputs: dict[int, torch.Tensor] = {}   # received activations: leaves that collect the input grad
     outputs: dict[int, torch.Tensor] = {}  # this stage's outputs (hidden states, or the loss) until B

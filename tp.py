@@ -20,12 +20,29 @@ What it does
     q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
     never straddle ranks because tp divides both counts).
 
+Sequence parallelism (`apply_tp(model, tp_group, sequence_parallel=True)`)
+    Between the blocks (residual stream, adds, RMSNorms) each rank keeps only its S/tp tokens,
+    (B, S/tp, H), instead of all S on every rank. The embedding and o/down reduce-scatter along the
+    sequence instead of all-reducing; each RMSNorm (SequenceParallelRMSNorm) all-gathers its output
+    once for the column layers reading it (q/k/v, gate/up, lm_head), which then skip copy_to_region:
+      gather_from_sequence_region        forward all-gather dim 1   backward reduce-scatter
+      reduce_scatter_to_sequence_region  forward reduce-scatter     backward all-gather
+    A ring all-reduce is a reduce-scatter plus an all-gather, so the bytes moved are plain TP's. The
+    replicated norm weights and row biases now meet S/tp tokens: they enter through copy_to_region,
+    so autograd all-reduces their gradients (small, one per parameter and backward) before any dp/ZeRO
+    hook reads them. Attention runs on the gathered sequence; without position_ids the model numbers
+    only the S/tp tokens it holds, so a pre-hook on self_attn gives it cos/sin of 0..S-1. Saved
+    activations lose the norms' inputs and statistics; the gathered column inputs stay full length
+    (Megatron saves the shard and gathers again in backward). S must be a multiple of tp.
+
 Reference
     Shoeybi et al. 2019, "Megatron-LM" (column/row pairs, vocab-parallel embedding and cross-entropy);
-    Narayanan et al. 2021 (tp inside a node, composed with dp and pp).
+    Narayanan et al. 2021 (tp inside a node, composed with dp and pp); Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", §4.2.2 (sequence parallelism).
 
 Run
     torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20
+    torchrun --nproc_per_node 4 train.py --model tiny --tp 2 --pp 2 --sp --steps 20
 
 Invariants
     - Degree 1 is the plain model: `apply_tp` on a group of one rank changes nothing and returns {}
@@ -34,7 +51,8 @@ Invariants
       shard map {name: Shard} of every sharded parameter, which `model.materialize(shards=...)` uses to
       read only this rank's slice from safetensors or to slice the seeded full init — so every tp
       starts from the same weights. Parameters absent from the map are replicated, and their
-      gradients are identical on all tp ranks (count them once, e.g. on tp rank 0, in a grad norm).
+      gradients are identical on all tp ranks (count them once, e.g. on tp rank 0, in a grad norm),
+      with or without sequence parallelism.
     - The vocab is padded to a multiple of tp. Padded rows are zero, their logits are -inf in the
       loss (no probability mass, so they get zero gradient and stay zero under AdamW), and neither
       `logits_fn` nor `gather_full` ever shows them: users see the true vocab size.
@@ -54,7 +72,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import IGNORE_INDEX, Llama, LlamaConfig, Shard, global_shapes
+from model import IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, global_shapes
 
 Group = dist.ProcessGroup | None
 
@@ -63,10 +81,10 @@ def _size_rank(group: Group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, x.contiguous(), group=group)
-    return torch.cat(pieces, dim=-1)  # (..., tp * n)
+    return torch.cat(pieces, dim=dim)  # tp * n along dim, in rank order
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -79,6 +97,19 @@ def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.clone()  # a Function must not change its input (or a gradient autograd hands it) in place
     dist.all_reduce(out, group=group)
+    return out
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, S, H) partial sums on every rank → (B, S/tp, H): this rank's tokens of the sum."""
+    tp = dist.get_world_size(group)
+    B, S, H = x.shape
+    if S % tp:
+        raise ValueError(f"sequence parallelism: a sequence of {S} tokens does not split into tp={tp} "
+                         f"equal shards (the sequence length must be a multiple of tp)")
+    flat = x.reshape(B, tp, S // tp, H).transpose(0, 1).contiguous()  # (tp, B, S/tp, H): rank r's at r
+    out = x.new_empty(B, S // tp, H)
+    dist.reduce_scatter_single(out.view(-1), flat.view(-1), group=group)  # gloo wants flat buffers
     return out
 
 
@@ -114,7 +145,7 @@ class GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_last(x, group)
+        return _all_gather(x, group, -1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -131,7 +162,33 @@ class ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_last(grad, ctx.group), None
+        return _all_gather(grad, ctx.group, -1), None
+
+
+class GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather along the sequence (dim 1) in forward, reduce-scatter along it in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, group, 1)  # (B, S/tp, H) → (B, S, H)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_seq(grad, ctx.group), None  # partial dL/dx (column layers) summed
+
+
+class ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Reduce-scatter along the sequence (dim 1) in forward, all-gather along it in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)  # (B, S, H) partial sums → (B, S/tp, H)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group, 1), None
 
 
 # On one rank every op is the identity: return the input object itself (no copy, no autograd node).
@@ -151,6 +208,14 @@ def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else ScatterToRegion.apply(x, group)
 
 
+def gather_from_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else ReduceScatterToSequenceRegion.apply(x, group)
+
+
 # ------------------------------------------------------------------------------------- layers
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """The vocab rounded up to a multiple of tp, so every rank holds an equal slice."""
@@ -167,12 +232,14 @@ def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
 
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r, where this rank holds output features [start, start+n) of W and b.
-    The input is the full (replicated) x; the output stays split along its last dim."""
+    The input is the full (replicated) x; the output stays split along its last dim. sequence_parallel:
+    x comes from a SequenceParallelRMSNorm's all-gather, whose backward sums dL/dx: no copy here."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.start, self.n = _slice(group, out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.n, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.n, device=device, dtype=dtype)) if bias else None
@@ -182,17 +249,21 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # backward: every rank's dL/dx is a partial sum over its output features → all-reduce
-        return F.linear(copy_to_region(x, self.group), self.weight, self.bias)  # (..., n)
+        x = x if self.sequence_parallel else copy_to_region(x, self.group)
+        return F.linear(x, self.weight, self.bias)  # (..., n)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b, where this rank holds input features [start, start+n) of W and gets
-    x_r (the split output of a column layer). The bias is replicated and added once, after the sum."""
+    x_r (the split output of a column layer). The bias is replicated and added once, after the sum.
+    sequence_parallel: the sum is reduce-scattered along the sequence, and the bias, now meeting only
+    this rank's tokens, enters through copy_to_region (its gradient is all-reduced)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.start, self.n = _slice(group, in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.n, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
@@ -201,18 +272,23 @@ class RowParallelLinear(nn.Module):
         return {"weight": Shard(1, self.start, self.n)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(F.linear(x, self.weight), self.group)  # (B, S/tp, out)
+            return y if self.bias is None else y + copy_to_region(self.bias, self.group)
         y = reduce_from_region(F.linear(x, self.weight), self.group)  # (..., out) full sum on every rank
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """This rank holds rows [start, start+n) of the (padded) table. An id outside the slice looks up
-    row 0 and is then zeroed, so after the all-reduce each token has exactly its one real row."""
+    row 0 and is then zeroed, so after the all-reduce each token has exactly its one real row.
+    sequence_parallel: a reduce-scatter instead, so each rank keeps its S/tp tokens: (B, S/tp, H)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.num_embeddings = num_embeddings  # the true vocab size; rows past it are zero padding
         vocab = padded_vocab(num_embeddings, dist.get_world_size(group))
         self.start, self.n = _slice(group, vocab, "padded vocab")
@@ -226,7 +302,37 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.n)
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, S, H)
         h = h.masked_fill(outside[..., None], 0.0)  # zero rows also block gradient to row 0
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(h, self.group)  # (B, S/tp, H)
         return reduce_from_region(h, self.group)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """model.RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
+    column-parallel layers after it: (B, S/tp, H) → (B, S, H). The replicated weight sees only this
+    rank's tokens, so it enters through copy_to_region: backward all-reduces its gradient over tp."""
+
+    def __init__(self, norm: RMSNorm, group: Group):
+        with torch.device("meta"):  # like the other new layers; materialize fills it
+            super().__init__(norm.weight.shape[0], norm.eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # the same ops as model.RMSNorm: bit-identical per token
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = copy_to_region(self.weight, self.group) * xf.to(x.dtype)  # (B, S/tp, H)
+        return gather_from_sequence_region(y, self.group)  # (B, S, H)
+
+
+def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> tuple | None:
+    """self_attn pre-hook (sequence parallel): without position_ids the model numbers only the S/tp
+    tokens it holds, 0..S/tp-1; attention needs cos/sin of the gathered sequence, 0..S-1 (given
+    position_ids cover it already). Recomputed per layer: 2·S·head_dim values, shared over the batch."""
+    x, cos, sin, mask = args  # x: (B, S, H) gathered; cos, sin: (B, S or S/tp, hd)
+    if cos.shape[1] == x.shape[1]:
+        return None
+    cos, sin = rotary(torch.arange(x.shape[1], device=x.device)[None], cos.dtype)  # (1, S, hd) each
+    return x, cos, sin, mask
 
 
 # ------------------------------------------------------------------------------------- loss, logits
@@ -289,11 +395,14 @@ def gather_logits(logits: torch.Tensor, *, group: Group, vocab_size: int) -> tor
 
 
 # ------------------------------------------------------------------------------------- the model
-def tp_validate(cfg: LlamaConfig, tp: int) -> None:
+def tp_validate(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
     """Raise ValueError naming the numbers if this config cannot be split over tp ranks (the vocab
-    needs no check: it is padded)."""
+    needs no check: it is padded). seq_len: check it too, for sequence parallelism."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"sequence parallelism: tp={tp} must divide the sequence length {seq_len} "
+                         f"(each rank holds seq_len/tp tokens between the blocks)")
     bad = [f"{k}={v}" for k, v in (("num_attention_heads", cfg.num_attention_heads),
                                    ("num_key_value_heads", cfg.num_key_value_heads),
                                    ("intermediate_size", cfg.intermediate_size)) if v % tp]
@@ -302,9 +411,11 @@ def tp_validate(cfg: LlamaConfig, tp: int) -> None:
                          f"heads, whole kv heads and an equal share of the MLP)")
 
 
-def apply_tp(model: Llama, tp_group: Group) -> dict[str, Shard]:
+def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> dict[str, Shard]:
     """Replace the model's layers by their tensor-parallel versions (in place, on the meta device)
-    and return {hf_name: Shard} for every sharded parameter; pass it to `model.materialize`."""
+    and return {hf_name: Shard} for every sharded parameter; pass it to `model.materialize`.
+    sequence_parallel: Megatron's sequence parallelism on top (module docstring); the sequence
+    length must then be a multiple of tp."""
     tp, _ = _size_rank(tp_group)
     if tp == 1:
         return {}  # the plain model is the tp=1 model
@@ -312,9 +423,12 @@ def apply_tp(model: Llama, tp_group: Group) -> dict[str, Shard]:
     tp_validate(cfg, tp)
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("apply_tp must run on the meta-device model, before model.materialize")
-    new = dict(group=tp_group, device="meta")  # new layers are meta too; materialize fills them
+    # new layers are meta too; materialize fills them
+    new = dict(group=tp_group, device="meta", sequence_parallel=sequence_parallel)
     for layer in model.model.layers.values():
         a, m = layer.self_attn, layer.mlp
+        if sequence_parallel:
+            a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
         for parent, name in ((a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (m, "gate_proj"), (m, "up_proj")):
             old = getattr(parent, name)
             setattr(parent, name, ColumnParallelLinear(old.in_features, old.out_features,
@@ -326,6 +440,11 @@ def apply_tp(model: Llama, tp_group: Group) -> dict[str, Shard]:
     embed = model.model.embed_tokens
     if embed is not None:
         embed = model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **new)
+    if sequence_parallel:  # every RMSNorm: the two of each layer and the final one
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if type(child) is RMSNorm:
+                    setattr(parent, name, SequenceParallelRMSNorm(child, tp_group))
     if model.lm_head is not None:
         head = ColumnParallelLinear(cfg.hidden_size, padded_vocab(cfg.vocab_size, tp), False, **new)
         if cfg.tie_word_embeddings and embed is not None:

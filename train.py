@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
     # parallelism: world = tp · dp · pp, dp is what is left
     a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
+    a("--sp", action="store_true", help="sequence parallelism with --tp: norms and residuals hold "
+                                        "seq-len/tp tokens per rank (Megatron)")
     a("--pp", type=int, default=1, help="pipeline stages")
     a("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: uniform, extra "
                                         "layers to the first stages so the last, with the head, is lightest)")
@@ -220,7 +222,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
         return errors
     dp_size = grid.world // (args.tp * args.pp)
     try:
-        TP.tp_validate(cfg, args.tp)
+        TP.tp_validate(cfg, args.tp, seq_len=args.seq_len if args.sp else None)
     except ValueError as e:
         errors.append(str(e))
     try:
@@ -232,9 +234,9 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
                       f"--micro-batches {args.micro_batches}")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
-    if args.sft and args.pp > 1 and not args.data:
-        errors.append("the built-in SFT eval generates with the whole model: use --pp 1 with --sft "
-                      "(or give --data, which has no eval set)")
+    if args.sft and (args.pp > 1 or args.sp) and not args.data:
+        errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
+                      "and no --sp with --sft (or give --data, which has no eval set)")
     if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every) \
             and not args.sft:
         errors.append("--packing / --overlong / --skip-bad / --eval-every go with --sft")
@@ -333,7 +335,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
     model = M.build(cfg)
     ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
     PP.split_stage(model, grid.at.pp_rank, args.pp, ranges)
-    shards = TP.apply_tp(model, grid.tp_group)
+    shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     M.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
@@ -450,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
-            loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync)
+            loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync,
+                                   seq_shards=args.tp if args.sp else 1)
         with stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
             dist.all_reduce(loss, group=grid.dp_group)

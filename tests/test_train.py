@@ -77,11 +77,13 @@ LAYOUTS = {
     "tp2-pp2-zero0-gpipe": (8, ["--tp", "2", "--pp", "2", "--schedule", "gpipe"]),
     "tp2-pp2-zero1": (8, ["--tp", "2", "--pp", "2", "--zero", "1"]),
     "tp2-pp2-zero3-acfull": (8, ["--tp", "2", "--pp", "2", "--zero", "3", "--ac-mode", "full"]),
+    "tp2-pp2-sp-zero1-ac": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "1", "--ac"]),
     # 4 ranks
     "tp4": (4, ["--tp", "4"]),
     "pp4": (4, ["--pp", "4", "--micro-batches", "4"]),
     "dp4-zero3": (4, ["--zero", "3"]),
     "tp2-dp2-zero1": (4, ["--tp", "2", "--zero", "1"]),
+    "tp2-dp2-sp-zero3": (4, ["--tp", "2", "--sp", "--zero", "3"]),
     "pp2-dp2-zero2": (4, ["--pp", "2", "--zero", "2", "--pp-layers", "3,1"]),
 }
 
@@ -189,6 +191,7 @@ def test_validation_messages():
     tied = M.LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
     assert validate(["--pp", "2", "--zero", "1"], 2, tied) == ""  # tied copies are summed under ZeRO
     assert "--ac-every" in validate(["--ac-every", "2"], 1)
+    assert "tp=2 must divide the sequence length 31" in validate(["--tp", "2", "--sp", "--seq-len", "31"], 2)
     # several problems are reported together, not one per run
     many = validate(["--seq-len", "100", "--batch-size", "3", "--micro-batches", "2"], 1)
     assert "--seq-len" in many and "--batch-size" in many
