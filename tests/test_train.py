@@ -231,7 +231,7 @@ def _late_main(rank: int, world: int, argv: list[str]) -> None:
     import time
     if rank == 1:  # a straggler: never reaches the first collective of the step in time
         real = train.dp.DPSampler.next_batch
-        train.dp.DPSampler.next_batch = lambda self: time.sleep(8) or real(self)
+        train.dp.DPSampler.next_batch = lambda self: time.sleep(15) or real(self)
     train.main(argv)
 
 
@@ -239,7 +239,7 @@ def test_collective_timeout_names_the_stage(setup_dirs):
     d = setup_dirs
     with pytest.raises(RuntimeError, match=r"rank 0: distributed operation failed during counting "
                                            r"the step's target tokens"):
-        run_ranks(_late_main, 2, args_for(d, "--timeout", "2", metrics="late.jsonl"), timeout=60)
+        run_ranks(_late_main, 2, args_for(d, "--timeout", "5", metrics="late.jsonl"), timeout=60)
 
 
 def test_resume_same_layout_is_bit_identical_and_cross_layout_close(setup_dirs, reference):
