@@ -61,7 +61,8 @@ def test_gradients_equal_transformers(pair):
     hf_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in ours.named_parameters():
         assert_close(p.grad, hf_grads[name])
-    ref.zero_grad(), ours.zero_grad()
+    ref.zero_grad()
+    ours.zero_grad()
 
 
 def test_save_reloads_in_transformers_identically(pair, tmp_path):
