@@ -12,6 +12,9 @@ What it does
     post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
     grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
     earlier layers. `finish()` waits and copies the sums back into `.grad` before the optimizer step.
+    With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
+    adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
+    accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
     `global_count` all-reduces the step's target-token count.
 
 Reference
@@ -26,7 +29,9 @@ Invariants
       by the GLOBAL target count of the step (precision.normalized_loss with `global_count`), so the
       sum of the dp gradients is exactly the gradient of the mean loss over the global batch, however
       the targets are spread over ranks and micro-batches.
-    - dp = 1 is an exact no-op: no hooks, no buffers, no copies; `finish()` returns at once.
+    - dp = 1 is an exact no-op: no hooks, no buffers, no copies; `finish()` returns at once. Unless
+      fp32 accumulation is asked for (bf16 grads, reduce_dtype=torch.float32): then the hooks run at
+      dp = 1 too (the all-reduce is skipped), as ZeRO 1-3 accumulate in fp32 at N = 1 as well.
     - Every hook handle is kept and `remove()` drops them all: a hook closure holds this object,
       which holds the parameters, which hold the hook in C++ — a cycle Python's gc cannot see.
     - All ranks must produce a gradient for every parameter in each synced backward (as DDP without
@@ -172,8 +177,9 @@ class GradSync:
         sync.finish()                         # wait, copy the sums into .grad
         optimizer.step(); ...; sync.remove()  # at teardown
 
-    reduce_dtype: the dtype of the flat buffers (None: the grads' dtype; torch.float32 sums bf16
-    grads in fp32 and rounds once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
+    reduce_dtype: the dtype of the flat buffers (None: the grads' dtype; torch.float32 with bf16
+    grads accumulates the micro-steps and sums over dp in fp32: `main_grad(i)` holds the fp32 sum,
+    `.grad` that sum rounded once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None):
@@ -185,6 +191,12 @@ class GradSync:
             itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
             buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
         self.buckets = buckets
+        # wide: accumulate in reduce_dtype flat buffers ("main grads", one per bucket, made lazily)
+        self.wide = bool(self.params) and reduce_dtype is not None and \
+            reduce_dtype.itemsize > self.params[0].dtype.itemsize
+        self.main: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._where = {i: (b, off) for b, bk in enumerate(self.buckets)
+                       for i, off in zip(bk.index, bk.offsets)}  # param → (bucket, offset)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self._sync = True
         self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
@@ -192,12 +204,12 @@ class GradSync:
         if self.hooked():
             for b, bucket in enumerate(self.buckets):
                 for i in bucket.index:
-                    hook = partial(self._on_grad, b)
+                    hook = partial(self._on_grad, b, i)
                     self.handles.append(self.params[i].register_post_accumulate_grad_hook(hook))
 
     def hooked(self) -> bool:
-        """dp = 1 needs no communication at all: no hooks, so nothing touches the gradients."""
-        return self.world > 1
+        """dp = 1 needs no communication at all: no hooks (unless accumulating in fp32)."""
+        return self.world > 1 or self.wide
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -208,7 +220,10 @@ class GradSync:
         finally:
             self._sync = previous
 
-    def _on_grad(self, b: int, param: nn.Parameter) -> None:
+    def _on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
+        if self.wide:  # every micro-step: .grad → the bucket's fp32 buffer, so autograd never adds in bf16
+            self.main_grad(i, create=True).add_(param.grad)
+            param.grad = None
         if not self._sync:
             return
         self._ready[b] += 1
@@ -218,6 +233,8 @@ class GradSync:
 
     def _pack(self, b: int) -> torch.Tensor:
         """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,)."""
+        if self.wide:
+            return self.main[b]  # already flat: reduced in place
         bucket = self.buckets[b]
         first = self.params[bucket.index[0]].grad
         flat = torch.empty(bucket.size, dtype=self.reduce_dtype or first.dtype, device=first.device)
@@ -231,13 +248,29 @@ class GradSync:
         if b in self._pending:
             raise RuntimeError(TWICE.format(b))
         flat = self._pack(b)
-        self._pending[b] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
+        self._pending[b] = (work, flat)
 
     def _land(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.buckets[b]
         for i, off in zip(bucket.index, bucket.offsets):
-            g = self.params[i].grad
-            g.copy_(flat[off:off + g.numel()].view_as(g))
+            p = self.params[i]
+            if self.wide:  # the fp32 sum stays in main; .grad gets it rounded once (for any optimizer)
+                p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
+            else:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+
+    def main_grad(self, i: int, create: bool = False) -> torch.Tensor | None:
+        """Parameter i's fp32 gradient sum in its bucket's main buffer (None before any backward)."""
+        b, off = self._where[i]
+        p = self.params[i]
+        if self.main[b] is None and create:
+            self.main[b] = torch.zeros(self.buckets[b].size, dtype=self.reduce_dtype, device=p.device)
+        return None if self.main[b] is None else self.main[b][off:off + p.numel()].view_as(p)
+
+    def clear(self) -> None:
+        """Drop the main buffers (the optimizer's zero_grad): the next step accumulates from zero."""
+        self.main = [None] * len(self.buckets)
 
     def finish(self) -> None:
         """Wait for every launched reduction and write the results back. Idempotent."""
@@ -264,6 +297,7 @@ class GradSync:
                 work.wait()
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
+        self.clear()
 
 
 def remove_handles(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

@@ -44,7 +44,11 @@ Invariants
     - Stage 1 keeps the full .grad as accumulation buffer and honours no_sync; after finish() only
       the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stages 2-3
       reduce-scatter at every backward (no_sync is a no-op: keeping full grads would defeat them) and
-      accumulate in the grad shard; reduce_dtype=torch.float32 makes that accumulation fp32.
+      accumulate in the grad shard; reduce_dtype=torch.float32 makes that accumulation fp32. With
+      bf16 compute and reduce_dtype=torch.float32, stages 0-1 accumulate in fp32 too: dp.GradSync's
+      full-size fp32 main buffers (4Ψ instead of the 2Ψ bf16 .grad, as Megatron's main_grad) are
+      reduced once per step; stage 0 also lands the rounded sum in .grad (2Ψ until zero_grad), stage
+      1 keeps only its reduce-scattered fp32 shard, as stage 2.
     - Every hook handle (post-accumulate-grad, module forward, output-grad) is kept and `teardown()`
       removes them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot
       see (the seed's leak). After teardown a stage-3 model's parameters are released (unusable).
@@ -109,6 +113,7 @@ class ReduceScatterSync(GradSync):
         self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
         self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
         super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets)
+        self.wide &= keep_full  # stages 2-3 accumulate in fp32 grad shards already
 
     def hooked(self) -> bool:
         return True  # N = 1 runs the same path; the collectives become copies
@@ -127,15 +132,20 @@ class ReduceScatterSync(GradSync):
         self.on_reduced(b)
 
     def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
-        if self.keep_full:
+        if self.keep_full and not self.wide:
             for i in self.buckets[b].index:
                 pc = self.pieces[i]
                 self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
                     out[pc.shard_start:pc.shard_start + pc.n])
         elif self.grad_shards[b] is None:
             self.grad_shards[b] = out
+            self.main[b] = None  # stage 1 + fp32 accumulation: the reduced shard is all it keeps
         else:
             self.grad_shards[b] += out
+
+    def clear(self) -> None:
+        super().clear()
+        self.grad_shards = [None] * len(self.buckets)
 
 
 class DataParallel(MixedPrecisionOptimizer):
@@ -174,6 +184,8 @@ class DataParallel(MixedPrecisionOptimizer):
         return super().step(lr)
 
     def _master_grads(self) -> list[torch.Tensor | None]:
+        if self.sync.wide:  # the fp32 sums (micro-steps and dp), not the bf16-rounded .grad
+            return self._sum_tied([self.sync.main_grad(i) for i in range(len(self.params))])
         return self._sum_tied(super()._master_grads())
 
     def _sum_tied(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -182,6 +194,10 @@ class DataParallel(MixedPrecisionOptimizer):
         if self.tied is not None and grads[self.tied] is not None:  # None on both: no backward ran
             dist.all_reduce(grads[self.tied], group=self.embed_group)
         return grads
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.sync.clear()
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """Full parameters inside the context (for export/eval); only stage 3 needs to gather."""
@@ -243,7 +259,7 @@ class ZeroOptimizer(DataParallel):
     def _master_grads(self) -> list[torch.Tensor | None]:
         grads: list[torch.Tensor | None] = []  # this rank's pieces, dp-summed
         for p, pc in zip(self.params, self.pieces):
-            if self.stage == 1:
+            if self.stage == 1 and not self.sync.wide:
                 g = None if p.grad is None else p.grad.view(-1)[pc.start:pc.start + pc.n]
             else:
                 shard = self.sync.grad_shards[pc.bucket]
@@ -266,10 +282,6 @@ class ZeroOptimizer(DataParallel):
         for w in works:
             if w is not None:
                 w.wait()
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        self.sync.grad_shards = [None] * len(self.buckets)
 
 
 def _in_backward() -> bool:
@@ -449,7 +461,8 @@ def persistent_bytes(opt: DataParallel) -> dict[str, int]:
 
     state = [opt.optimizer.state.get(m, {}) for m in opt.master]
     return {"params": total([*opt.params, *getattr(opt, "param_shards", [])]),
-            "grads": total([p.grad for p in opt.params] + getattr(opt.sync, "grad_shards", [])),
+            "grads": total([p.grad for p in opt.params] + getattr(opt.sync, "grad_shards", [])
+                           + opt.sync.main),
             "master": total(opt.master),
             "adam_m": total(s.get("exp_avg") for s in state),
             "adam_v": total(s.get("exp_avg_sq") for s in state)}
