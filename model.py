@@ -467,8 +467,9 @@ def build(cfg: LlamaConfig) -> Llama:
 def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.PathLike,
             max_shard_bytes: int = 4 << 30) -> None:
     """Write full (gathered) tensors as an HF dir: config.json + safetensors (sharded with an index
-    when larger than max_shard_bytes). Tied models write no `lm_head.weight`. Files are written
-    under temporary names and renamed, so a crash never leaves a half-written model."""
+    when larger than max_shard_bytes). Tied models write no `lm_head.weight`. Every file is written
+    under a temporary name and renamed, and config.json comes last: a fresh directory that has a
+    config.json is complete (overwriting an older export in place is not atomic as a whole)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     expected = global_shapes(cfg)
@@ -492,10 +493,16 @@ def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                  "weight_map": {k: n for n, s in writes for k in s}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        _write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
     d = cfg.to_hf()
     d["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(d, indent=2))
+    _write_text(out / "config.json", json.dumps(d, indent=2))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def load_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu") -> Llama:

@@ -16,6 +16,7 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        never depend on the layout), recompute RoPE buffers
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names)
     8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3
+    9. checkpoint.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
