@@ -70,6 +70,7 @@ import pp as PP
 import precision as P
 import tp as TP
 import train
+import weights as W
 import zero as Z
 
 SECTIONS = ("dp", "zero", "tp", "pp", "ac", "memory", "sft", "mfu")
@@ -139,7 +140,7 @@ class Ctx:
 
     def fresh(self, edit: Callable[[M.Llama], M.Llama] = lambda m: m) -> M.Llama:
         """The model from the seed; `edit` runs on the meta-device model first (a pipeline split)."""
-        return M.materialize(edit(M.build(self.cfg)), self.device, seed=self.args.seed)
+        return W.materialize(edit(M.build(self.cfg)), self.device, seed=self.args.seed)
 
     def race(self, sides: dict[str, Side], loss_from: int | None = None,
              distributed: bool = True) -> dict[str, tuple[float, list]]:
@@ -259,7 +260,7 @@ def sec_tp(ctx: Ctx) -> None:
     group = [dist.new_group(list(range(r * t, r * t + t))) for r in range(ctx.world // t)][ctx.rank // t]
     ours = M.build(ctx.cfg)
     shards = TP.apply_tp(ours, group)
-    M.materialize(ours, ctx.device, seed=ctx.args.seed, shards=shards)
+    W.materialize(ours, ctx.device, seed=ctx.args.seed, shards=shards)
     lead = dist.get_rank(group) == 0  # replicated params (norms) counted once in the grad norm
     opt = P.MixedPrecisionOptimizer(ours.named_parameters(), ctx.ocfg, norm_groups=[group],
                                     counted=lambda n: n in shards or lead)

@@ -9,7 +9,7 @@ What it does
 Run
     torchrun --nproc_per_node 1 bench.py --only mfu --mfu-batch 4 --mfu-seq-len 2048
 
-Builds on: bench.py, model.py, precision.py, train.py
+Builds on: bench.py, model.py, precision.py, train.py, weights.py
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import model as M
 import precision as P
 import train
+import weights as W
 
 if TYPE_CHECKING:  # bench.py imports this file and passes its Ctx in
     from bench import Ctx, Side
@@ -36,7 +37,7 @@ def sec_mfu(ctx: Ctx) -> None:
     elif ctx.rank == 0:
         import transformers
         cfg, S, b = M.PRESETS["1b"], ctx.args.mfu_seq_len, ctx.args.mfu_batch
-        ours = M.materialize(M.build(cfg), ctx.device, seed=ctx.args.seed)
+        ours = W.materialize(M.build(cfg), ctx.device, seed=ctx.args.seed)
         with ctx.device:  # initialised on the GPU (fast), then overwritten with our weights
             hf = transformers.AutoModelForCausalLM.from_config(
                 transformers.LlamaConfig.from_dict(cfg.to_hf()), attn_implementation="sdpa")

@@ -48,7 +48,7 @@ Invariants
     - Degree 1 is the plain model: `apply_tp` on a group of one rank changes nothing and returns {}
       (bit-identical by construction), and each comm op returns its input object itself.
     - Parameter names stay HF's (`model.layers.0.self_attn.q_proj.weight`); `apply_tp` returns the
-      shard map {name: Shard} of every sharded parameter, which `model.materialize(shards=...)` uses to
+      shard map {name: Shard} of every sharded parameter, which `weights.materialize(shards=...)` uses to
       read only this rank's slice from safetensors or to slice the seeded full init — so every tp
       starts from the same weights. Parameters absent from the map are replicated, and their
       gradients are identical on all tp ranks (count them once, e.g. on tp rank 0, in a grad norm),
@@ -413,7 +413,7 @@ def tp_validate(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
 
 def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> dict[str, Shard]:
     """Replace the model's layers by their tensor-parallel versions (in place, on the meta device)
-    and return {hf_name: Shard} for every sharded parameter; pass it to `model.materialize`.
+    and return {hf_name: Shard} for every sharded parameter; pass it to `weights.materialize`.
     sequence_parallel: Megatron's sequence parallelism on top (module docstring); the sequence
     length must then be a multiple of tp."""
     tp, _ = _size_rank(tp_group)
@@ -422,7 +422,7 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
     cfg = model.config
     tp_validate(cfg, tp)
     if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError("apply_tp must run on the meta-device model, before model.materialize")
+        raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
     # new layers are meta too; materialize fills them
     new = dict(group=tp_group, device="meta", sequence_parallel=sequence_parallel)
     for layer in model.model.layers.values():

@@ -50,6 +50,7 @@ import pp as PP
 import precision as P
 import sft
 import tp as TP
+import weights as W
 import zero as Z
 
 
@@ -337,7 +338,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
     ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
     PP.split_stage(model, grid.at.pp_rank, args.pp, ranges)
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
-    M.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    W.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
     return model, shards
@@ -370,7 +371,7 @@ def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaCon
         stages = [None] * grid.at.pp if grid.rank == 0 else None
         dist.gather_object(cpu, stages, dst=0, group=grid.pp_group)
         if grid.rank == 0:
-            M.save_hf({k: v for st in stages for k, v in st.items()}, cfg, out)
+            W.save_hf({k: v for st in stages for k, v in st.items()}, cfg, out)
     dist.barrier()
 
 

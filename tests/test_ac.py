@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ac import SavedActivationMeter, apply_ac, checkpointed, remove_ac
 from dist import run_ranks
-from model import PRESETS, LlamaConfig, build, materialize
+from model import PRESETS, LlamaConfig, build
+from weights import materialize
 
 CFG = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=4)  # h 64, 4 heads, 2 kv, i 176
 B, S = 2, 16

@@ -30,6 +30,7 @@ import dp
 import model as M
 import precision as P
 import tp as T
+import weights as W
 import zero as Z
 from dist import run_ranks
 from pp import norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy
@@ -65,7 +66,7 @@ def make(cfg: M.LlamaConfig, lay: C.Layout, g: dict, zero: int, dtype: torch.dty
     if lay.pp > 1:
         split_stage(m, lay.pp_rank, lay.pp, partition(cfg.num_hidden_layers, lay.pp))
     shards = T.apply_tp(m, g["tp"]) if lay.tp > 1 else {}
-    M.materialize(m, "cpu", seed=0, shards=shards)
+    W.materialize(m, "cpu", seed=0, shards=shards)
     tied = norm_counted(m)
     counted = lambda n: (n in shards or lay.tp_rank == 0) and tied(n)  # noqa: E731
     norm_groups = [g[k] for k, size in (("tp", lay.tp), ("pp", lay.pp)) if size > 1]

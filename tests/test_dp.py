@@ -19,6 +19,7 @@ import dp
 import model as M
 import precision as P
 from dist import run_ranks
+import weights as W
 
 CFG = M.LlamaConfig(vocab_size=96, hidden_size=30, intermediate_size=60, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -26,7 +27,7 @@ SEQ, N_ROWS, G, STEPS, LR = 16, 40, 8, 5, 1e-2
 
 
 def make_model(seed: int = 0, **over) -> M.Llama:
-    return M.materialize(M.build(replace(CFG, **over)), "cpu", seed=seed)
+    return W.materialize(M.build(replace(CFG, **over)), "cpu", seed=seed)
 
 
 def dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

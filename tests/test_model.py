@@ -10,6 +10,7 @@ from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import model as M
+import weights as W
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -38,7 +39,7 @@ def pair(request, tmp_path_factory):
     ref = hf_model(**CASES[request.param])
     d = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(d)
-    return ref, M.load_hf(d), d
+    return ref, W.load_hf(d), d
 
 
 def test_logits_and_loss_equal_transformers(pair):
@@ -67,7 +68,7 @@ def test_gradients_equal_transformers(pair):
 
 def test_save_reloads_in_transformers_identically(pair, tmp_path):
     ref, ours, _ = pair
-    M.save_hf(dict(ours.named_parameters()), ours.config, tmp_path)
+    W.save_hf(dict(ours.named_parameters()), ours.config, tmp_path)
     files = json.loads((tmp_path / "config.json").read_text())
     assert files["tie_word_embeddings"] == ours.config.tie_word_embeddings
     from safetensors import safe_open
@@ -82,8 +83,8 @@ def test_sharded_checkpoint_roundtrip(tmp_path):
     ref = hf_model(num_key_value_heads=2)
     ref.save_pretrained(tmp_path / "hf", max_shard_size="50KB")  # several files + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    ours = M.load_hf(tmp_path / "hf")
-    M.save_hf(dict(ours.named_parameters()), ours.config, tmp_path / "ours", max_shard_bytes=40_000)
+    ours = W.load_hf(tmp_path / "hf")
+    W.save_hf(dict(ours.named_parameters()), ours.config, tmp_path / "ours", max_shard_bytes=40_000)
     assert (tmp_path / "ours" / "model.safetensors.index.json").is_file()
     back = LlamaForCausalLM.from_pretrained(tmp_path / "ours")
     for name, t in ref.state_dict().items():
@@ -99,13 +100,13 @@ def test_rope_buffers_recomputed_after_to_empty(pair):
     m = M.build(ours.config)
     m.to_empty(device="cpu")
     m.model.rotary_emb.inv_freq.fill_(1.0)  # what garbage could look like
-    M.materialize(m, "cpu", hf_dir=str(d))
+    W.materialize(m, "cpu", hf_dir=str(d))
     assert torch.equal(m.model.rotary_emb.inv_freq, hf_rope.inv_freq)
 
 
 def test_packed_rows_equal_separate_documents():
     torch.manual_seed(0)
-    m = M.materialize(M.build(M.PRESETS["tiny"]), "cpu", seed=3)
+    m = W.materialize(M.build(M.PRESETS["tiny"]), "cpu", seed=3)
     lens = [7, 12, 5]
     docs = [torch.randint(0, 260, (n + 1,)) for n in lens]
     ids = torch.cat([d[:-1] for d in docs])[None]
@@ -124,9 +125,9 @@ def test_packed_rows_equal_separate_documents():
 
 def test_init_depends_only_on_seed_and_name():
     cfg = M.PRESETS["tiny"]
-    a = M.materialize(M.build(cfg), "cpu", seed=5)
-    b = M.materialize(M.build(cfg), "cpu", seed=5)
-    c = M.materialize(M.build(cfg), "cpu", seed=6)
+    a = W.materialize(M.build(cfg), "cpu", seed=5)
+    b = W.materialize(M.build(cfg), "cpu", seed=5)
+    c = W.materialize(M.build(cfg), "cpu", seed=6)
     for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(p, q)
         assert n.endswith("norm.weight") or not torch.equal(p, r)
@@ -134,7 +135,7 @@ def test_init_depends_only_on_seed_and_name():
     m = M.build(cfg)
     m.model.layers["1"].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(88, 64, device="meta"))
     shard = {"model.layers.1.mlp.up_proj.weight": M.Shard(0, 88, 88)}
-    M.materialize(m, "cpu", seed=5, shards=shard)
+    W.materialize(m, "cpu", seed=5, shards=shard)
     assert torch.equal(m.model.layers["1"].mlp.up_proj.weight, a.model.layers["1"].mlp.up_proj.weight[88:])
     std = a.model.layers["0"].self_attn.q_proj.weight.std().item()
     assert abs(std - cfg.initializer_range) < 0.002
@@ -146,7 +147,7 @@ def test_padded_shard_reads_zero_past_the_end(pair):
     m.model.embed_tokens.weight = torch.nn.Parameter(torch.empty(50, 64, device="meta"))  # rows 50..99
     if m.lm_head is not None and not ours.config.tie_word_embeddings:
         m.lm_head = None
-    M.materialize(m, "cpu", hf_dir=str(d), shards={"model.embed_tokens.weight": M.Shard(0, 50, 50)})
+    W.materialize(m, "cpu", hf_dir=str(d), shards={"model.embed_tokens.weight": M.Shard(0, 50, 50)})
     w = m.model.embed_tokens.weight
     assert torch.equal(w[:47], ref.model.embed_tokens.weight[50:]) and not w[47:].any()
 
@@ -169,7 +170,7 @@ def test_config_errors_and_roundtrip(tmp_path):
         M.load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(good))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
-        M.load_hf(tmp_path)
+        W.load_hf(tmp_path)
 
 
 def test_truncated_or_incomplete_checkpoint_is_named(tmp_path):
@@ -178,9 +179,9 @@ def test_truncated_or_incomplete_checkpoint_is_named(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(f.read_bytes()[:300])
     with pytest.raises(ValueError, match=r"model.safetensors: corrupt or truncated"):
-        M.load_hf(tmp_path)
+        W.load_hf(tmp_path)
     ref.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     (tmp_path / "hf" / sorted(set(index["weight_map"].values()))[-1]).unlink()
     with pytest.raises(FileNotFoundError, match="listed in the index are missing"):
-        M.load_hf(tmp_path / "hf")
+        W.load_hf(tmp_path / "hf")

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from dist import run_ranks
-from model import LlamaConfig, build, materialize
+from model import LlamaConfig, build
+from weights import materialize
 from pp import (SCHEDULES, Action, B, F, RECV_B, RECV_F, SEND_B, SEND_B_RECV_F, SEND_F, SEND_F_RECV_B,
                 gpipe, norm_counted, one_f_one_b, partition, run_pipeline, simulate, split_stage,
                 sync_tied_grads, tied_copy, tied_embedding_ranks)

@@ -5,12 +5,13 @@ import torch
 
 import model as M
 import precision as P
+import weights as W
 
 CFG = M.PRESETS["tiny"]
 
 
 def fresh(seed: int = 1) -> M.Llama:
-    return M.materialize(M.build(CFG), "cpu", seed=seed)
+    return W.materialize(M.build(CFG), "cpu", seed=seed)
 
 
 def batch(seed: int, rows: int = 4, seq: int = 33) -> torch.Tensor:

@@ -14,7 +14,8 @@ import torch
 
 import sft
 from data import ByteTokenizer
-from model import LlamaConfig, build, materialize
+from model import LlamaConfig, build
+from weights import materialize
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
 
 TOK = ByteTokenizer()

@@ -24,6 +24,7 @@ from ac import SavedActivationMeter
 from dist import run_ranks
 from precision import MixedPrecisionOptimizer, count_targets, normalized_loss
 from test_tp import CONFIGS, OPT, SEED, STEPS, from_numpy, make_batch, rel, to_numpy, tp_groups
+import weights as W
 
 
 def _check_ops(g: dist.ProcessGroup) -> None:
@@ -48,7 +49,7 @@ def _stages(g: dist.ProcessGroup) -> None:
     (B, S/tp, H), this rank's tokens of the plain model's hidden states; stage 1 = layer 1 + norm +
     head fed that shard gives the plain loss — with and without position_ids."""
     cfg, r, tp = CONFIGS["B"], dist.get_rank(g), dist.get_world_size(g)
-    plain = M.materialize(M.build(cfg), "cpu", seed=SEED)
+    plain = W.materialize(M.build(cfg), "cpu", seed=SEED)
     ids, labels, packed = make_batch(cfg)
     first, last = M.build(cfg), M.build(cfg)
     del first.model.layers["1"]
@@ -56,7 +57,7 @@ def _stages(g: dist.ProcessGroup) -> None:
     del last.model.layers["0"]
     last.model.embed_tokens = None
     for stage in (first, last):
-        M.materialize(stage, "cpu", seed=SEED, shards=T.apply_tp(stage, g, sequence_parallel=True))
+        W.materialize(stage, "cpu", seed=SEED, shards=T.apply_tp(stage, g, sequence_parallel=True))
     with torch.no_grad():
         for pos in (None, packed):
             S = ids.shape[1]
@@ -74,7 +75,7 @@ def _meter_layer(g: dist.ProcessGroup, sp: bool, B: int, S: int) -> int:
     """Bytes one decoder layer (CFG_B at this tp) saves for backward, given full-length cos/sin."""
     cfg = CONFIGS["B"]
     model = M.build(cfg)
-    M.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g, sequence_parallel=sp))
+    W.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g, sequence_parallel=sp))
     tp, r = dist.get_world_size(g), dist.get_rank(g)
     x = torch.randn(B, S, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     x = (x.chunk(tp, 1)[r] if sp else x).clone().requires_grad_()  # its own storage, as in training
@@ -97,7 +98,7 @@ def _ops_stages_errors(rank: int, world: int) -> dict:
     assert T.gather_from_sequence_region(x, g1) is x and T.reduce_scatter_to_sequence_region(x, g1) is x
     # a sequence that does not split into tp shards: refused by the embedding, before any collective
     model = M.build(CONFIGS["B"])
-    M.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g4, sequence_parallel=True))
+    W.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g4, sequence_parallel=True))
     ids, labels, _ = make_batch(CONFIGS["B"], S=14)
     with pytest.raises(ValueError, match=r"sequence of 14 tokens does not split into tp=4"):
         model(ids, labels=labels)
@@ -151,7 +152,7 @@ def _sp_rank(rank: int, world: int, cfg_name: str) -> dict:
     cfg, g = CONFIGS[cfg_name], tp_groups(rank, world, world)
     model = M.build(cfg)
     shards = T.apply_tp(model, g, sequence_parallel=True)
-    M.materialize(model, "cpu", seed=SEED, shards=shards)
+    W.materialize(model, "cpu", seed=SEED, shards=shards)
     out = _run(model, shards, g, cfg)
     for key in ("grads", "plain_grads"):
         out["full_" + key] = T.gather_full(out[key], shards, g, cfg)
@@ -162,7 +163,7 @@ def _sp_rank(rank: int, world: int, cfg_name: str) -> dict:
 @functools.lru_cache
 def _reference(cfg_name: str) -> dict:
     cfg = CONFIGS[cfg_name]
-    return _run(M.materialize(M.build(cfg), "cpu", seed=SEED), {}, None, cfg)
+    return _run(W.materialize(M.build(cfg), "cpu", seed=SEED), {}, None, cfg)
 
 
 @pytest.mark.parametrize("cfg_name,tp", [("A", 2), ("B", 4)])

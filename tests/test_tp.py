@@ -27,6 +27,7 @@ import model as M
 import tp as T
 from dist import run_ranks
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
+import weights as W
 
 # A: GQA with kv == tp=2, biases (row-parallel bias added once), vocab 257 (padded to 258), untied.
 CFG_A = M.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -205,7 +206,7 @@ def _no_full_vocab(g: dist.ProcessGroup) -> tuple[int, int, int]:
                         num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=64, tie_word_embeddings=True)
     model = M.build(cfg)
-    M.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g))
+    W.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g))
     ids, labels, _ = make_batch(cfg, 2, 16)
     with MaxShape() as rec:
         model(ids, labels=labels, reduction="sum").backward()
@@ -218,7 +219,7 @@ def _pipeline_stages(g: dist.ProcessGroup) -> None:
     """apply_tp on pipeline stages (tied model): stage 0 = embed + layer 0, stage 1 = layer 1 + norm
     + its own copy of the tied head. Each equals the same part of the plain model."""
     cfg = CFG_B
-    plain = M.materialize(M.build(cfg), "cpu", seed=SEED)
+    plain = W.materialize(M.build(cfg), "cpu", seed=SEED)
     ids, labels, _ = make_batch(cfg)
     with torch.no_grad():
         h_ref = plain.model.layers["0"](plain.model.embed_tokens(ids), *plain.model.rotary_emb(
@@ -233,7 +234,7 @@ def _pipeline_stages(g: dist.ProcessGroup) -> None:
         shards = T.apply_tp(stage, g)
         assert set(shards) <= set(dict(stage.named_parameters())) and want <= set(shards)
         assert not any(k.startswith("model.layers.1" if stage is first else "model.layers.0") for k in shards)
-        M.materialize(stage, "cpu", seed=SEED, shards=shards)
+        W.materialize(stage, "cpu", seed=SEED, shards=shards)
     with torch.no_grad():
         h = first(ids)
         x = plain.model.layers["1"](h_ref, *plain.model.rotary_emb(
@@ -257,7 +258,7 @@ def _errors_and_tp1(g1: dist.ProcessGroup, g2: dist.ProcessGroup, g4: dist.Proce
         T.apply_tp(model, g4)
     assert type(model.model.layers["0"].self_attn.k_proj) is nn.Linear
     # after materialize it is too late: weights would be silently re-shaped
-    model = M.materialize(M.build(CFG_A), "cpu")
+    model = W.materialize(M.build(CFG_A), "cpu")
     with pytest.raises(ValueError, match="meta"):
         T.apply_tp(model, g2)
 
@@ -321,7 +322,7 @@ def _tp_rank(rank: int, world: int, cfg_name: str) -> dict:
     g = tp_groups(rank, world, world)
     model = M.build(cfg)
     shards = T.apply_tp(model, g)
-    M.materialize(model, "cpu", seed=SEED, shards=shards)
+    W.materialize(model, "cpu", seed=SEED, shards=shards)
     out = _train(model, shards, g, cfg)
     out["full_grads"] = T.gather_full(out["grads"], shards, g, cfg)
     out["full_init"] = T.gather_full(out["init"], shards, g, cfg)
@@ -335,7 +336,7 @@ def _tp_rank(rank: int, world: int, cfg_name: str) -> dict:
 @functools.lru_cache
 def _reference(cfg_name: str) -> dict:
     cfg = CONFIGS[cfg_name]
-    return _train(M.materialize(M.build(cfg), "cpu", seed=SEED), {}, None, cfg)
+    return _train(W.materialize(M.build(cfg), "cpu", seed=SEED), {}, None, cfg)
 
 
 @pytest.mark.parametrize("cfg_name,tp", [("A", 2), ("B", 2), ("B", 4)])
@@ -378,7 +379,7 @@ def test_model_matches_single_process(cfg_name, tp):
 # ------------------------------------------------------------------------------------ transformers
 class ReadLog:
     """Stands in for safetensors' safe_open and records the shape of every tensor read from disk."""
-    real, reads = M.safe_open, []
+    real, reads = W.safe_open, []
 
     def __init__(self, *args, **kwargs):
         self.f = self.real(*args, **kwargs)
@@ -409,16 +410,16 @@ class ReadLog:
 def _load_and_export(rank: int, world: int, hf_dir: str, out_dir: str, ids: torch.Tensor) -> dict:
     model = M.build(M.load_config(hf_dir))
     shards = T.apply_tp(model, None)
-    M.safe_open = ReadLog
+    W.safe_open = ReadLog
     try:
-        M.materialize(model, "cpu", hf_dir=hf_dir, shards=shards)
+        W.materialize(model, "cpu", hf_dir=hf_dir, shards=shards)
     finally:
-        M.safe_open = ReadLog.real
+        W.safe_open = ReadLog.real
     with torch.no_grad():
         logits = model(ids)
     state = T.gather_full(dict(model.named_parameters()), shards, None, model.config)
     if rank == 0:
-        M.save_hf(state, model.config, out_dir)
+        W.save_hf(state, model.config, out_dir)
     return {"logits": to_numpy(logits), "reads": ReadLog.reads, "shards": shards}
 
 

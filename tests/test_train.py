@@ -19,6 +19,7 @@ import model as M
 import sft
 import train
 from dist import run_ranks
+import weights as W
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 heads and 4 kv heads so tp=4 divides them; 4 layers so pp=4 has one each
@@ -29,11 +30,11 @@ CFG = M.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_h
 @pytest.fixture(scope="module")
 def setup_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
-    m = M.materialize(M.build(CFG), "cpu", seed=11)
-    M.save_hf(dict(m.named_parameters()), CFG, d / "init")
+    m = W.materialize(M.build(CFG), "cpu", seed=11)
+    W.save_hf(dict(m.named_parameters()), CFG, d / "init")
     tied = M.LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
-    m = M.materialize(M.build(tied), "cpu", seed=12)
-    M.save_hf(dict(m.named_parameters()), tied, d / "init_tied")
+    m = W.materialize(M.build(tied), "cpu", seed=12)
+    W.save_hf(dict(m.named_parameters()), tied, d / "init_tied")
     text = "".join(open(p, encoding="utf-8").read() for p in sorted((ROOT).glob("*.py")))
     (d / "corpus.txt").write_text(text[:60_000])
     data.prepare(d / "corpus.txt", d / "data")
@@ -141,8 +142,8 @@ def test_export_after_parallel_run_loads_in_transformers(setup_dirs, reference):
         run_ranks(_main, 8, args_for(d, *LAYOUTS["tp2-pp2-zero2-ac"][1], "--export-hf",
                                      str(d / "export8"), metrics="x.jsonl"), timeout=240)
     hf = LlamaForCausalLM.from_pretrained(d / "export8").eval()
-    ours = M.load_hf(d / "export8")
-    ref = M.load_hf(d / "ref_export")
+    ours = W.load_hf(d / "export8")
+    ref = W.load_hf(d / "ref_export")
     x = torch.randint(0, 260, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf(x).logits, ours(x))  # same weights, same op order
@@ -199,7 +200,7 @@ def test_validation_messages():
 
 def test_bad_flags_exit_nonzero_with_one_message(tmp_path):
     tiny = M.PRESETS["tiny"]
-    M.save_hf(dict(M.materialize(M.build(tiny), "cpu").named_parameters()), tiny, tmp_path / "bad")
+    W.save_hf(dict(W.materialize(M.build(tiny), "cpu").named_parameters()), tiny, tmp_path / "bad")
     weights = tmp_path / "bad" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     for argv, text in ([["--tp", "2"], "world size 1 is not divisible"],

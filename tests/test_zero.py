@@ -31,6 +31,7 @@ import dp
 import model as M
 import precision as P
 import tp as TP
+import weights as W
 import zero as Z
 from dist import run_ranks
 from pp import (norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy,
@@ -228,7 +229,7 @@ def tp_dp(rank: int, tp_group, dp_group) -> list:
     for stage in range(4):
         m = M.build(CFG)
         shards = TP.apply_tp(m, tp_group)
-        M.materialize(m, "cpu", seed=0, shards=shards)
+        W.materialize(m, "cpu", seed=0, shards=shards)
         curves.append(run(stage, dp_group, clip=0.5, micro=2, model=m, norm_groups=[tp_group],
                           counted=lambda n: n in shards or tp_rank == 0)[:2])
     return curves
@@ -296,7 +297,7 @@ def _pp2_tied(rank: int, world: int, tp: int, runs: list[tuple[int, bool, int]])
     for stage, tie, steps in runs:
         m = split_stage(M.build(TIED), pp_rank, 2, partition(TIED.num_hidden_layers, 2, [3, 1]))
         shards = TP.apply_tp(m, tp_g)
-        M.materialize(m, "cpu", seed=3, shards=shards)
+        W.materialize(m, "cpu", seed=3, shards=shards)
         pp_counted = norm_counted(m)
         opt = Z.apply_zero(m, stage, dp_g, PP_OPT, bucket_mb=0.001, norm_groups=[tp_g, pp_g],
                            counted=lambda n: pp_counted(n) and (n in shards or tp_rank == 0),
