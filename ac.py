@@ -46,8 +46,8 @@ Invariants
       version counter, so if x is a saved matmul output, replaying the all-reduce on the cached
       value in backward would reduce it twice — silently. The policy therefore keeps the collective
       (does not replay it) exactly when the tensor it writes is one the policy kept. A collective into
-      a fresh tensor (tp.py all-reduces a clone) is replayed: one more all-reduce per row-parallel
-      layer in backward; an out-of-place functional collective would be kept instead.
+      a fresh tensor the policy did not keep is replayed (one more collective in backward); an
+      out-of-place functional collective (`torch.ops._c10d_functional`, as tp.py uses) is kept.
 
 Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for this layer)
     s tokens, b batch, h hidden, a heads, g = n_kv/a, i = intermediate; bf16 activations, RMSNorm

@@ -9,13 +9,23 @@ What it does
       embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
       lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
                                              the vocab-parallel cross-entropy below
-    The layer pairs column→row need one all-reduce per block in forward and one in backward; a reader
-    sees every collective in the four autograd Functions below, each with its backward:
+    Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
+    in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
       reduce_from_region  forward all-reduce         backward identity      (output of row layers)
       gather_from_region  forward all-gather last dim backward split        (logits for users)
       scatter_to_region   forward split last dim     backward all-gather    (a row layer fed a full
                                                                              input; sequence parallel)
+    Collectives per step at tp > 1 (tests/test_tp.py counts them on gloo), per decoder layer:
+      forward   2 all-reduces: the outputs of o_proj and down_proj (reduce_from_region)
+      backward  2 all-reduces: one per column GROUP — a pre-hook on self_attn / mlp enters the block's
+                input into the region once (`_enter_region`), so autograd first sums the partial input
+                gradients of q, k, v (gate, up) and the sum is all-reduced once, as Megatron's fused
+                qkv / fc1 weights would; a copy per column layer would make it 5
+      + selective AC: nothing more (row outputs come from a functional collective the policy keeps);
+        full AC: 1 more, o_proj's in the recompute (the recompute stops before down_proj's)
+    and per step outside the layers: forward 1 (embedding) + 3 per-token scalars of the loss (row
+    max, target logit, sum of exps); backward 1 (the head's input).
     Attention needs no change: model.py derives head counts from weight shapes, and column-splitting
     q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
     never straddle ranks because tp divides both counts).
@@ -95,9 +105,11 @@ def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    out = x.clone()  # a Function must not change its input (or a gradient autograd hands it) in place
-    dist.all_reduce(out, group=group)
-    return out
+    """The sum over the group in a NEW tensor: a Function must not change its input (or a gradient
+    autograd hands it) in place. The functional, out-of-place collective is also one selective AC
+    keeps (ac.SAVE_OPS): a recompute reuses its output instead of all-reducing again."""
+    name = (group or dist.group.WORLD).group_name
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", name))
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -232,14 +244,16 @@ def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
 
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r, where this rank holds output features [start, start+n) of W and b.
-    The input is the full (replicated) x; the output stays split along its last dim. sequence_parallel:
-    x comes from a SequenceParallelRMSNorm's all-gather, whose backward sums dL/dx: no copy here."""
+    The input is the full (replicated) x; the output stays split along its last dim. copy_input:
+    enter the tp region here (copy_to_region: backward all-reduces dL/dx). apply_tp turns it off for
+    the column layers of a block, whose shared input enters the region once for all of them (see
+    `_enter_region`), or is gathered by a SequenceParallelRMSNorm, whose backward sums dL/dx."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 sequence_parallel: bool = False):
+                 copy_input: bool = True):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.copy_input = group, copy_input
         self.start, self.n = _slice(group, out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.n, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.n, device=device, dtype=dtype)) if bias else None
@@ -249,7 +263,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # backward: every rank's dL/dx is a partial sum over its output features → all-reduce
-        x = x if self.sequence_parallel else copy_to_region(x, self.group)
+        x = copy_to_region(x, self.group) if self.copy_input else x
         return F.linear(x, self.weight, self.bias)  # (..., n)
 
 
@@ -322,6 +336,13 @@ class SequenceParallelRMSNorm(RMSNorm):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = copy_to_region(self.weight, self.group) * xf.to(x.dtype)  # (B, S/tp, H)
         return gather_from_sequence_region(y, self.group)  # (B, S, H)
+
+
+def _enter_region(block: nn.Module, args: tuple, *, group: Group) -> tuple:
+    """self_attn / mlp pre-hook (no sequence parallelism): the block's input enters the tp region
+    once, so the partial input gradients of all its column layers (q, k, v or gate, up) are summed
+    by autograd first and all-reduced ONCE in backward — not once per column layer (5 per layer)."""
+    return (copy_to_region(args[0], group), *args[1:])
 
 
 def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> tuple | None:
@@ -425,14 +446,18 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
         raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
     # new layers are meta too; materialize fills them
     new = dict(group=tp_group, device="meta", sequence_parallel=sequence_parallel)
+    column = dict(group=tp_group, device="meta", copy_input=False)  # the block enters the region
     for layer in model.model.layers.values():
         a, m = layer.self_attn, layer.mlp
-        if sequence_parallel:
+        if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
             a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
+        else:
+            a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
+            m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
         for parent, name in ((a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (m, "gate_proj"), (m, "up_proj")):
             old = getattr(parent, name)
             setattr(parent, name, ColumnParallelLinear(old.in_features, old.out_features,
-                                                       old.bias is not None, **new))
+                                                       old.bias is not None, **column))
         for parent, name in ((a, "o_proj"), (m, "down_proj")):
             old = getattr(parent, name)
             setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
@@ -446,7 +471,8 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
                 if type(child) is RMSNorm:
                     setattr(parent, name, SequenceParallelRMSNorm(child, tp_group))
     if model.lm_head is not None:
-        head = ColumnParallelLinear(cfg.hidden_size, padded_vocab(cfg.vocab_size, tp), False, **new)
+        head = ColumnParallelLinear(cfg.hidden_size, padded_vocab(cfg.vocab_size, tp), False, tp_group,
+                                    device="meta", copy_input=not sequence_parallel)
         if cfg.tie_word_embeddings and embed is not None:
             head.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
         model.lm_head = head

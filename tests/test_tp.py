@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import ac as AC
 import model as M
 import tp as T
 from dist import run_ranks
@@ -263,6 +266,33 @@ def _errors_and_tp1(g1: dist.ProcessGroup, g2: dist.ProcessGroup, g4: dist.Proce
         T.apply_tp(model, g2)
 
 
+def _collectives(g: dist.ProcessGroup, layers: int, ac_mode: str | None) -> tuple[Counter, Counter]:
+    """The gloo collectives this rank runs in one forward and in its backward, by name (profiler
+    events: each one really ran, so a selective-AC replay served from its cache is not counted)."""
+    cfg = dataclasses.replace(CFG_A, num_hidden_layers=layers)
+    model = M.build(cfg)
+    W.materialize(model, "cpu", seed=SEED, shards=T.apply_tp(model, g))
+    if ac_mode:
+        AC.apply_ac(model, ac_mode)
+    ids, labels, _ = make_batch(cfg)
+    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+        loss = model(ids, labels=labels, reduction="sum")
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        loss.backward()
+    return tuple(Counter(e.name for e in p.events() if e.name.startswith("gloo:")) for p in (fwd, bwd))
+
+
+def _collective_counts(g: dist.ProcessGroup) -> dict:
+    """{ac mode: (forward, backward)} collectives per decoder layer — half the difference between 3
+    layers and 1 — and of the rest (embedding, head, loss) — 1 layer minus one layer's."""
+    out = {}
+    for mode in (None, "selective", "full"):
+        one, three = _collectives(g, 1, mode), _collectives(g, 3, mode)
+        layer = [Counter({k: (c3[k] - c1[k]) // 2 for k in c3}) for c1, c3 in zip(one, three)]
+        out[mode] = {"layer": layer, "rest": [c1 - per for c1, per in zip(one, layer)]}
+    return out
+
+
 def _ops_and_layers(rank: int, world: int) -> tuple[int, int, int]:
     g1 = tp_groups(rank, world, 1)
     g2 = tp_groups(rank, world, 2)
@@ -272,15 +302,24 @@ def _ops_and_layers(rank: int, world: int) -> tuple[int, int, int]:
         _check_layers(g)
     _pipeline_stages(g2)
     _errors_and_tp1(g1, g2, g4)
-    return _no_full_vocab(g2)
+    return _no_full_vocab(g2), _collective_counts(g2)
 
 
 def test_comm_ops_layers_loss_errors_tp2_tp4():
-    for dim, numel, control in run_ranks(_ops_and_layers, 4):
+    for (dim, numel, control), counts in run_ranks(_ops_and_layers, 4):
         n, tokens = 500, 32  # vocab 999 padded to 1000: 500 rows per rank; batch 2 x 16
         assert dim <= n, f"a tensor with a dim of {dim} > the vocab slice {n}"
         assert numel <= tokens * n, f"a tensor of {numel} elements > tokens x vocab slice"
         assert control >= 999  # the same recorder sees the full-vocab logits of the plain loss
+        # tp.py's docstring: per layer 2 all-reduces forward (o, down) and 2 backward (one per column
+        # group: q/k/v, gate/up); selective AC keeps the forward's outputs; full AC's recompute repeats
+        # o_proj's, not down_proj's (non-reentrant checkpoint stops once it rebuilt what backward reads).
+        # The rest: forward = the embedding's + the loss's 3 per-token all-reduces, backward = the head's.
+        ar = "gloo:all_reduce"
+        for mode, backward in ((None, 2), ("selective", 2), ("full", 3)):
+            layer, rest = counts[mode]["layer"], counts[mode]["rest"]
+            assert layer == [Counter({ar: 2}), Counter({ar: backward})], (mode, layer)
+            assert rest == [Counter({ar: 4}), Counter({ar: 1})], (mode, rest)
 
 
 def test_validate_names_the_numbers():
