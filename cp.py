@@ -1,0 +1,293 @@
+"""Context parallelism: the sequence itself split over ranks, attention computed as a ring.
+
+What it does
+    With cp ranks, every activation of a decoder layer holds S/cp tokens per rank: embeddings, norms,
+    MLPs and projections are per-token and need nothing. Only attention mixes tokens. `ring_attention`
+    computes exact causal attention of this rank's queries against ALL keys/values: the K/V blocks
+    travel around the cp ring (point-to-point, the next block in flight while the current one is
+    computed), each block's partial result is merged with log-sum-exp rescaling, and backward runs a
+    second ring in which each block's dK/dV travel with it back to their owner.
+
+Load balance: zigzag sharding
+    Causal attention is a triangle: splitting S into cp contiguous pieces would give the last rank
+    cp times the work of the first. Instead S is cut into 2·cp chunks and rank r holds chunks r and
+    2·cp−1−r (`shard_sequence`): an early and a late one. Every ring step then costs every rank the
+    same two chunk×chunk blocks (below). Inputs, labels and position ids (hence RoPE) are sharded the
+    same way; the loss stays the sum of token losses over the GLOBAL target count (precision.py), the
+    count summed over cp ranks as over dp ranks.
+
+The merge (forward)
+    For one query row, attention over the union of disjoint key blocks j with per-block results
+    o_j = Σ_k softmax_j(s)·v and l_j = log Σ_k exp(s_k) (s = q·k·scale) is exactly
+        l = log Σ_j exp(l_j),   o = Σ_j exp(l_j − l) · o_j
+    (each block's softmax had denominator exp(l_j); rescaling to the common exp(l) adds them up).
+    Which blocks exist: rank r's query chunks are (r, 2cp−1−r); at ring step j it holds the K/V of
+    rank t = r−j (mod cp), chunks (t, 2cp−1−t). Chunk a attends to chunk b fully if b < a, causally
+    (the diagonal) if b == a, not at all if b > a. So
+        j = 0 (t == r):  (r, r) diagonal, (2cp−1−r, r) full, (2cp−1−r, 2cp−1−r) diagonal
+        t < r:           both query chunks against key chunk t (full)
+        t > r:           query chunk 2cp−1−r against both key chunks (full)
+    — two chunk×chunk blocks per step on every rank after the first: balanced.
+
+The backward, derived
+    With P = exp(s − l) (the FINAL l: the softmax over all blocks), O the final output, dO its
+    gradient and D = rowsum(dO ∘ O):  dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dQ = dS K·scale,
+    dK = dSᵀ Q·scale. Every term restricted to one key block uses only that block's K, V and the
+    row-wise l, D of the final result, so the per-block backward of a flash kernel, fed the final O
+    and l instead of the block's own, returns exactly that block's share of dQ, dK, dV. dQ sums
+    locally over the ring; a block's dK/dV accumulate as it travels (each holder adds its share) and
+    one last hop brings them home to the owner. Saved for backward: q, k, v, O and l of this rank's
+    S/cp tokens — O(S/cp) per rank, nothing S²-sized.
+
+Kernels
+    Each block runs a fused attention that returns l: on CPU `aten._scaled_dot_product_flash_
+    attention_for_cpu` (+ its backward), on CUDA in bf16/fp16 `aten._scaled_dot_product_flash_
+    attention`; anything else uses the plain math of the derivation above (`_math_block`). GQA: K/V
+    travel with their n_kv heads (cp·nkv/nh of the bytes of full heads); each block expands them to
+    the query heads and sums the gradients back.
+
+Ring or Ulysses
+    Built here: the ring. DeepSpeed-Ulysses instead all-to-alls (B, S/cp, heads) → (B, S, heads/cp)
+    before attention and back after: 4 all-to-alls per layer of the activations, independent of cp in
+    bytes per link, attention run locally on whole sequences. Ulysses wins when heads ≥ cp, links are
+    all-to-all fast (one node) and S is moderate; the ring wins at very long S (its P2P hides behind
+    S²/cp² compute per step), with few kv heads (GQA: Ulysses is capped at n_kv ranks), and across
+    nodes (neighbour traffic only).
+
+Reference
+    Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context";
+    Dao 2023 (FlashAttention-2: the log-sum-exp bookkeeping of the backward); zigzag balancing as in
+    Megatron-LM's context parallelism and zhuzilin/ring-flash-attention; Jacobs et al. 2023
+    (DeepSpeed-Ulysses).
+
+Run
+    torchrun --nproc_per_node 4 train.py --cp 2 --tp 2 --seq-len 512
+
+Invariants
+    - cp = 1 is the plain model: `ring_attention` on a group of one is `F.scaled_dot_product_attention
+      (is_causal=True)` itself, and `shard_sequence` returns its input.
+    - Exact: the ring's output and gradients equal single-process causal SDPA up to float summation
+      order (tests/test_cp.py, fp32 ≤ 1e-5).
+    - Packed documents (position ids restarting inside a row) are rejected: the block masks here
+      are causal only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Group = dist.ProcessGroup | None
+
+
+# ------------------------------------------------------------------------------------- sharding
+def _cp_size_rank(group: Group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2·cp sequence chunks rank `rank` holds: an early and a late one."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a full sequence along `dim`: (.., S, ..) → (.., S/cp, ..), chunk r then
+    chunk 2cp−1−r. S must be a multiple of 2·cp."""
+    if cp == 1:
+        return x
+    S = x.shape[dim]
+    if S % (2 * cp):
+        raise ValueError(f"context parallelism: sequence length {S} is not a multiple of 2·cp = {2 * cp}")
+    chunks = x.chunk(2 * cp, dim=dim)
+    a, b = zigzag_chunks(cp, rank)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def unshard_sequence(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard (rank order): the inverse of shard_sequence."""
+    cp = len(pieces)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, piece in enumerate(pieces):
+        a, b = zigzag_chunks(cp, r)
+        chunks[a], chunks[b] = piece.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------- one block
+def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, h, n, d) over one key block k, v (B, h, m, d): (out, l), l = log Σ exp(s)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, n, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)  # (B, h, n)
+    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def _math_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of dq, dk, dv given the FINAL out and l (module docstring)."""
+    qf, kf, vf, do = q.float(), k.float(), v.float(), dout.float()
+    s = (qf @ kf.transpose(-1, -2)) * scale  # (B, h, n, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    p = (s - lse[..., None]).exp()  # (B, h, n, m) probabilities under the final normalizer
+    D = (do * out.float()).sum(-1, keepdim=True)  # (B, h, n, 1)
+    ds = p * (do @ vf.transpose(-1, -2) - D)  # (B, h, n, m)
+    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ do
+
+
+def _fused(q: torch.Tensor) -> str | None:
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        return "cuda"
+    return None
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, h, n, d), l (B, h, n) fp32) of q over one key block (heads already expanded)."""
+    kind = _fused(q)
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kind == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return _math_block(q, k, v, causal, scale)
+
+
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kind = _fused(q)
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kind == "cuda":
+        empty = torch.empty(0, dtype=torch.int32, device=q.device)  # no cumulative lengths: dense batch
+        seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unused
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed,
+            scale=scale)
+    return _math_block_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, n_kv, m, d) → (B, heads, m, d): query head h reads kv head h // (heads / n_kv) (GQA)."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, heads, m, d) gradient of an expanded kv → (B, n_kv, m, d): sum over each GQA group."""
+    B, h, m, d = grad.shape
+    return grad if h == kv_heads else grad.view(B, kv_heads, h // kv_heads, m, d).sum(2)
+
+
+def _pairs(step: int, rank: int, cp: int) -> list[tuple[int, int, bool]]:
+    """(query half, key half, causal) blocks at ring step `step` (module docstring): half 0 is the
+    early chunk, 1 the late one, of this rank's queries and of the K/V block it holds."""
+    if step == 0:
+        return [(0, 0, True), (1, 0, False), (1, 1, True)]
+    if step <= rank:  # the block came from an earlier rank: t < r
+        return [(0, 0, False), (1, 0, False)]
+    return [(1, 0, False), (1, 1, False)]  # t > r
+
+
+# ------------------------------------------------------------------------------------- the ring
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> tuple:
+    """Post: send `send` to the next rank, receive the same shape from the previous one. Returns
+    (works, received buffer); wait on the works before reading the buffer or freeing `send`."""
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % cp),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % cp)]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's zigzag-sharded q (B, nh, s, d) over every rank's k, v
+    (B, nkv, s, d), s = S/cp (module docstring: the merge and the backward)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                scale: float) -> torch.Tensor:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        heads, c = q.shape[1], q.shape[2] // 2
+        qs = q.split(c, dim=2)  # the early and the late query chunk, (B, nh, c, d) each
+        out: list[torch.Tensor | None] = [None, None]  # per query chunk: merged output, fp32
+        lse: list[torch.Tensor | None] = [None, None]  # per query chunk: merged log-sum-exp, fp32
+        kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d): one message per step
+        for step in range(cp):
+            works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
+            ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)  # next block in flight meanwhile
+            for i, j, causal in _pairs(step, rank, cp):
+                o, l = _block(qs[i], ks[j], vs[j], causal, scale)
+                if out[i] is None:
+                    out[i], lse[i] = o.float(), l
+                else:  # l = log(e^l_acc + e^l_new); each part rescaled to the common normalizer
+                    new = torch.logaddexp(lse[i], l)
+                    out[i] = out[i] * (lse[i] - new).exp()[..., None] + o.float() * (l - new).exp()[..., None]
+                    lse[i] = new
+            _wait(works)
+            kv = nxt if nxt is not None else kv
+        o = torch.cat(out, dim=2).to(q.dtype)  # (B, nh, s, d)
+        l = torch.cat(lse, dim=2)  # (B, nh, s)
+        ctx.save_for_backward(q, k, v, o, l)
+        ctx.group, ctx.scale = group, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple:
+        q, k, v, o, l = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // 2
+        qs, os_, ls, dos = q.split(c, 2), o.split(c, 2), l.split(c, 2), dout.contiguous().split(c, 2)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = dq.split(c, dim=2)
+        kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d) travels as in forward
+        hop: tuple = ([], None)  # the dK/dV hop posted last step: (works, buffer it receives)
+        for step in range(cp):
+            works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
+            ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)
+            dks = [torch.zeros_like(ks[0], dtype=torch.float32) for _ in range(2)]  # (B, nh, c, d)
+            dvs = [torch.zeros_like(vs[0], dtype=torch.float32) for _ in range(2)]
+            for i, j, causal in _pairs(step, rank, cp):
+                dq_ij, dk_ij, dv_ij = _block_backward(dos[i], qs[i], ks[j], vs[j], os_[i], ls[i], causal, scale)
+                dqs[i].add_(dq_ij)
+                dks[j] += dk_ij
+                dvs[j] += dv_ij
+            # the dK/dV this block gathered on earlier ranks arrived while we computed; add ours and
+            # pass them on with the block (the last hop takes them home to their owner)
+            _wait(hop[0])
+            dkv = hop[1] if hop[1] is not None else torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv[0] += _fold(torch.cat(dks, dim=2), kv_heads)
+            dkv[1] += _fold(torch.cat(dvs, dim=2), kv_heads)
+            hop = _exchange(dkv, group, cp, rank)  # `dkv` stays referenced until hop is waited on
+            _wait(works)
+            kv = nxt if nxt is not None else kv
+        _wait(hop[0])
+        dkv = hop[1]  # (2, B, nkv, s, d): this rank's own dK, dV, summed over every rank's queries
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence for zigzag-sharded q (B, nh, S/cp, hd), k, v
+    (B, nkv, S/cp, hd). On a group of one it is plain causal SDPA (exactly)."""
+    cp, _ = _cp_size_rank(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttention.apply(q, k, v, group, scale)
