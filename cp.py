@@ -214,71 +214,97 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's zigzag-sharded q (B, nh, s, d) over every rank's k, v
-    (B, nkv, s, d), s = S/cp (module docstring: the merge and the backward)."""
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, nh, s, d), l (B, nh, s) fp32) of this rank's queries over every rank's K/V."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    heads, c = q.shape[1], q.shape[2] // 2
+    qs = q.split(c, dim=2)  # the early and the late query chunk, (B, nh, c, d) each
+    out: list[torch.Tensor | None] = [None, None]  # per query chunk: merged output, fp32
+    lse: list[torch.Tensor | None] = [None, None]  # per query chunk: merged log-sum-exp, fp32
+    kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d): one message per step
+    for step in range(cp):
+        works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
+        ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)  # next block in flight meanwhile
+        for i, j, causal in _pairs(step, rank, cp):
+            o, l = _block(qs[i], ks[j], vs[j], causal, scale)
+            if out[i] is None:
+                out[i], lse[i] = o.float(), l
+            else:  # l = log(e^l_acc + e^l_new); each part rescaled to the common normalizer
+                new = torch.logaddexp(lse[i], l)
+                out[i] = out[i] * (lse[i] - new).exp()[..., None] + o.float() * (l - new).exp()[..., None]
+                lse[i] = new
+        _wait(works)
+        kv = nxt if nxt is not None else kv
+    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                scale: float) -> torch.Tensor:
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        heads, c = q.shape[1], q.shape[2] // 2
-        qs = q.split(c, dim=2)  # the early and the late query chunk, (B, nh, c, d) each
-        out: list[torch.Tensor | None] = [None, None]  # per query chunk: merged output, fp32
-        lse: list[torch.Tensor | None] = [None, None]  # per query chunk: merged log-sum-exp, fp32
-        kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d): one message per step
-        for step in range(cp):
-            works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
-            ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)  # next block in flight meanwhile
-            for i, j, causal in _pairs(step, rank, cp):
-                o, l = _block(qs[i], ks[j], vs[j], causal, scale)
-                if out[i] is None:
-                    out[i], lse[i] = o.float(), l
-                else:  # l = log(e^l_acc + e^l_new); each part rescaled to the common normalizer
-                    new = torch.logaddexp(lse[i], l)
-                    out[i] = out[i] * (lse[i] - new).exp()[..., None] + o.float() * (l - new).exp()[..., None]
-                    lse[i] = new
-            _wait(works)
-            kv = nxt if nxt is not None else kv
-        o = torch.cat(out, dim=2).to(q.dtype)  # (B, nh, s, d)
-        l = torch.cat(lse, dim=2)  # (B, nh, s)
-        ctx.save_for_backward(q, k, v, o, l)
-        ctx.group, ctx.scale = group, scale
-        return o
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple:
-        q, k, v, o, l = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // 2
-        qs, os_, ls, dos = q.split(c, 2), o.split(c, 2), l.split(c, 2), dout.contiguous().split(c, 2)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dqs = dq.split(c, dim=2)
-        kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d) travels as in forward
-        hop: tuple = ([], None)  # the dK/dV hop posted last step: (works, buffer it receives)
-        for step in range(cp):
-            works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
-            ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)
-            dks = [torch.zeros_like(ks[0], dtype=torch.float32) for _ in range(2)]  # (B, nh, c, d)
-            dvs = [torch.zeros_like(vs[0], dtype=torch.float32) for _ in range(2)]
-            for i, j, causal in _pairs(step, rank, cp):
-                dq_ij, dk_ij, dv_ij = _block_backward(dos[i], qs[i], ks[j], vs[j], os_[i], ls[i], causal, scale)
-                dqs[i].add_(dq_ij)
-                dks[j] += dk_ij
-                dvs[j] += dv_ij
-            # the dK/dV this block gathered on earlier ranks arrived while we computed; add ours and
-            # pass them on with the block (the last hop takes them home to their owner)
-            _wait(hop[0])
-            dkv = hop[1] if hop[1] is not None else torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0] += _fold(torch.cat(dks, dim=2), kv_heads)
-            dkv[1] += _fold(torch.cat(dvs, dim=2), kv_heads)
-            hop = _exchange(dkv, group, cp, rank)  # `dkv` stays referenced until hop is waited on
-            _wait(works)
-            kv = nxt if nxt is not None else kv
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   o: torch.Tensor, l: torch.Tensor, group: dist.ProcessGroup,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's shard: a second ring (module docstring, "The backward")."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // 2
+    qs, os_, ls, dos = q.split(c, 2), o.split(c, 2), l.split(c, 2), dout.contiguous().split(c, 2)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dqs = dq.split(c, dim=2)
+    kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d) travels as in forward
+    hop: tuple = ([], None)  # the dK/dV hop posted last step: (works, buffer it receives)
+    for step in range(cp):
+        works, nxt = _exchange(kv, group, cp, rank) if step < cp - 1 else ([], None)
+        ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)
+        dks = [torch.zeros_like(ks[0], dtype=torch.float32) for _ in range(2)]  # (B, nh, c, d)
+        dvs = [torch.zeros_like(vs[0], dtype=torch.float32) for _ in range(2)]
+        for i, j, causal in _pairs(step, rank, cp):
+            dq_ij, dk_ij, dv_ij = _block_backward(dos[i], qs[i], ks[j], vs[j], os_[i], ls[i], causal, scale)
+            dqs[i].add_(dq_ij)
+            dks[j] += dk_ij
+            dvs[j] += dv_ij
+        # the dK/dV this block gathered on earlier ranks arrived while we computed; add ours and
+        # pass them on with the block (the last hop takes them home to their owner)
         _wait(hop[0])
-        dkv = hop[1]  # (2, B, nkv, s, d): this rank's own dK, dV, summed over every rank's queries
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dkv = hop[1] if hop[1] is not None else torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkv[0] += _fold(torch.cat(dks, dim=2), kv_heads)
+        dkv[1] += _fold(torch.cat(dvs, dim=2), kv_heads)
+        hop = _exchange(dkv, group, cp, rank)  # `dkv` stays referenced until hop is waited on
+        _wait(works)
+        kv = nxt if nxt is not None else kv
+    _wait(hop[0])
+    dkv = hop[1]  # (2, B, nkv, s, d): this rank's own dK, dV, summed over every rank's queries
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+# One opaque op for autograd, activation checkpointing and torch.compile: selective AC sees a
+# single op (so it never caches the per-block results inside, which would be O(S) per rank) and
+# recomputes the whole ring if a checkpointed layer needs it; compile does not trace into the P2P.
+@torch.library.custom_op("attotron::ring_attention", mutates_args=())
+def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, _resolve(group_name), scale)
+
+
+@_ring_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _save(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, group_name, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)  # O(S/cp) per rank: this shard's q, k, v, out, l
+    ctx.group_name, ctx.scale = group_name, scale
+
+
+def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    q, k, v, o, l = ctx.saved_tensors  # dlse: l is an output only for backward's sake (no gradient)
+    return (*_ring_backward(dout, q, k, v, o, l, _resolve(ctx.group_name), ctx.scale), None, None)
+
+
+_ring_op.register_autograd(_backward, setup_context=_save)
+
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
@@ -290,4 +316,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, scale)
+    return _ring_op(q, k, v, group.group_name, scale)[0]
