@@ -3,10 +3,14 @@
 What it does
     `prepare` tokenizes a corpus — a .txt file (one document), a .jsonl file (one document per line,
     its "text" field) or a folder of such files — appends EOS after every document and writes one flat
-    stream `tokens.bin` (uint16 when the vocab fits, else uint32) plus `meta.json`. `TokenDataset`
-    serves rows of seq_len+1 tokens by index, read lazily through a memmap. `default_corpus` is the
-    data used without --data: the running Python's stdlib sources (real text on every machine),
-    byte-tokenized by `ByteTokenizer` (no download), prepared once into a cache folder.
+    stream `tokens.bin` (uint16 when the vocab fits, else uint32) plus `meta.json`. With
+    `val_fraction` > 0 that share of the DOCUMENTS goes to a second stream, `val.bin`, the held-out
+    split of the validation loss. `TokenDataset` serves rows of seq_len+1 tokens of either split by
+    index, read lazily through a memmap. `is_prepared` says whether a prepared folder still matches
+    its source (every file's size, mtime and a sampled content hash; the tokenizer's files; the
+    options). `default_corpus` is the data used without --data: the running Python's stdlib sources
+    (real text on every machine), byte-tokenized by `ByteTokenizer` (no download), prepared once
+    into a cache folder.
 
 Reference
     nanoGPT's flat uint16 token file with EOS separators (data/openwebtext/prepare.py); ByT5's byte
@@ -16,22 +20,37 @@ Run
     torchrun --nproc_per_node 1 train.py --data corpus.txt      (a .jsonl file or a folder works too)
 
 Invariants
-    - The stream is a pure function of (files, tokenizer, max_bytes): a folder's .txt/.jsonl files in
-      sorted relative-path order (recursive), documents in file order, EOS after each non-empty
-      document; max_bytes keeps the first max_bytes bytes of document text.
-    - A folder is prepared iff meta.json exists and its token count matches tokens.bin's size. Both
-      are written under temporary names and renamed, tokens first, meta last: a crashed prepare
-      leaves no meta.json and never passes for a finished one.
+    - The streams are a pure function of (files, tokenizer, max_bytes, val_fraction): a folder's
+      .txt/.jsonl files in sorted relative-path order (recursive), documents in file order, EOS after
+      each non-empty document; max_bytes keeps the first max_bytes bytes of document text. Document i
+      (0-based, over the whole corpus) is held out iff floor((i+1)·f) > floor(i·f), f = val_fraction:
+      whole documents, spread evenly over the corpus (a folder sorted by path would otherwise hold
+      out one topic), so no row of one split shares a token with the other. A .txt file is one
+      document: it alone gives no held-out split.
+    - A folder is prepared iff meta.json exists and its token counts match tokens.bin's (and
+      val.bin's) size. All are written under temporary names and renamed, tokens first, meta last: a
+      crashed prepare leaves no meta.json and never passes for a finished one; a full disk removes
+      the partial files and says so.
+    - Staleness (`is_prepared`): meta.json records a fingerprint of the source — per file its
+      relative path, size, mtime and a SHA-256 of 16 sampled 64 KiB chunks (the whole file when it
+      is under 1 MiB) — and of the tokenizer folder's files. Any edit that changes the size or the
+      mtime is caught; a same-size copy with its mtime preserved (cp -p, rsync -a, tar) is caught by
+      the sample. Hashing whole files would also catch an in-place edit that keeps the size, restores
+      the mtime and misses every sampled chunk, at the price of reading the whole corpus at every
+      launch (minutes for 100 GB); the sample reads at most 1 MiB per file.
     - Row i = tokens[i*S : i*S + S + 1]: neighbouring rows share one boundary token, so each token
       is a target at most once. No shuffling here: the order is the sampler's job (dp.py).
     - Missing paths raise FileNotFoundError; other bad input raises ValueError naming the file.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import sys
 import sysconfig
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -40,6 +59,11 @@ import torch
 from tqdm import tqdm
 
 FORMAT_VERSION = 1
+SPLITS = {"train": ("tokens.bin", "num_tokens"), "val": ("val.bin", "num_val_tokens")}
+SAMPLE_CHUNKS, CHUNK_BYTES = 16, 64 * 1024  # content sampled per file for the staleness check
+# an HF tokenizer folder has at least one of these
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
 # Left out of the default corpus: installed packages are not the stdlib, and the test suites are 60%
 # of it (so they would crowd out the library under the cap), some in deliberately broken encodings.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -80,7 +104,12 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer  # heavy import, only when an HF tokenizer is used
 
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        _check_tokenizer_dir(Path(path))
+        try:  # never run the folder's Python, never ask on stdin (transformers' prompt)
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types; name the folder
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"tokenizer folder {path} could not be loaded: {first}") from None
         self.path = str(Path(path).resolve())
         self.name = Path(self.path).name
         self.vocab_size = len(self.hf)  # counts added tokens, unlike hf.vocab_size
@@ -94,6 +123,27 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode([int(i) for i in ids])
+
+
+def _check_tokenizer_dir(folder: Path) -> None:
+    """Refuse a folder that is no HF tokenizer, or that asks to run its own code (`auto_map`):
+    a data folder must never execute Python on every rank of a cluster."""
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        raise ValueError(f"{folder} is not an HF tokenizer folder: it has none of "
+                         f"{', '.join(TOKENIZER_FILES)}")
+    for name in ("tokenizer_config.json", "config.json"):
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{f} is not valid JSON: {e}") from None
+        auto = cfg.get("auto_map") if isinstance(cfg, dict) else None
+        if auto and (name == "tokenizer_config.json" or "AutoTokenizer" in auto):
+            raise ValueError(f"{f} asks to run Python code from the folder (auto_map {auto}); "
+                             f"attotron never runs code from a tokenizer folder: use one whose "
+                             f"tokenizer.json loads with a built-in transformers class")
 
 
 def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
@@ -160,65 +210,140 @@ def _capped(texts: Iterator[str], max_bytes: int | None) -> Iterator[tuple[str, 
             left -= len(raw)
 
 
-def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, source: str) -> Path:
-    """Tokenize `files` into out_dir/tokens.bin + meta.json (see the module invariants)."""
+def _held_out(i: int, frac: Fraction) -> bool:
+    """Document i goes to the validation split: floor((i+1)·f) > floor(i·f), in exact integers."""
+    n, d = frac.numerator, frac.denominator
+    return (i + 1) * n // d > i * n // d
+
+
+def fingerprint(files: Sequence[Path], root: Path) -> str:
+    """SHA-256 over each file's path relative to root, size, mtime and content sample: the whole
+    file up to SAMPLE_CHUNKS·CHUNK_BYTES, else SAMPLE_CHUNKS chunks evenly spaced from the first
+    byte to the last (module invariants: why a sample and not the whole file)."""
+    h = hashlib.sha256()
+    for path in files:
+        st = path.stat()
+        h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(path, "rb") as f:
+            if st.st_size <= SAMPLE_CHUNKS * CHUNK_BYTES:
+                h.update(f.read())
+                continue
+            for k in range(SAMPLE_CHUNKS):  # the first chunk starts at 0, the last ends at the end
+                f.seek(k * (st.st_size - CHUNK_BYTES) // (SAMPLE_CHUNKS - 1))
+                h.update(f.read(CHUNK_BYTES))
+    return h.hexdigest()
+
+
+def source_key(source: str | Path, tokenizer_path: str | None = None, max_bytes: int | None = None,
+               val_fraction: float = 0.0) -> dict:
+    """What a folder prepared from `source` must record in meta.json to be current: the source's
+    and the tokenizer's fingerprints and the options that shape the streams."""
+    source = Path(source).resolve()
+    files = _source_files(source)
+    root = source if source.is_dir() else source.parent
+    tok = None
+    if tokenizer_path not in (None, "bytes"):
+        tok = Path(tokenizer_path).resolve()
+        tok_files = sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
+    return {"source": str(source), "source_fingerprint": fingerprint(files, root),
+            "tokenizer_path": None if tok is None else str(tok),
+            "tokenizer_fingerprint": None if tok is None else fingerprint(tok_files, tok),
+            "max_bytes": max_bytes, "val_fraction": val_fraction}
+
+
+def is_prepared(out_dir: str | Path, source: str | Path, tokenizer_path: str | None = None,
+                max_bytes: int | None = None, val_fraction: float = 0.0) -> bool:
+    """out_dir holds a complete preparation of `source` as it is now (same files, sizes, mtimes and
+    sampled content; same tokenizer files; same options)."""
+    try:
+        meta = read_meta(Path(out_dir))
+    except (OSError, ValueError):
+        return False
+    key = source_key(source, tokenizer_path, max_bytes, val_fraction)
+    return all(meta.get(k) == v for k, v in key.items())
+
+
+def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key: dict,
+           val_fraction: float = 0.0) -> Path:
+    """Tokenize `files` into out_dir/tokens.bin (+ val.bin) + meta.json (see the module invariants)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     total = sum(f.stat().st_size for f in files)  # progress in bytes; approximate for .jsonl
     if max_bytes is not None:
         total = min(total, max_bytes)
+    frac = Fraction(val_fraction).limit_denominator(10**6)
     # Per-process temporary names: two processes preparing one folder never write into the same
     # file, and each rename is atomic (still, let one rank prepare while the others wait).
-    tmp = out_dir / f"tokens.bin.tmp{os.getpid()}"
-    n_tokens = n_docs = 0
+    tmp = {split: out_dir / f"{name}.tmp{os.getpid()}" for split, (name, _) in SPLITS.items()}
+    tmp_meta = out_dir / f"meta.json.tmp{os.getpid()}"
+    count = {split: [0, 0] for split in SPLITS}  # tokens, documents
+    source = key["source"]
     try:
-        with open(tmp, "wb") as f, tqdm(total=total, unit="B", unit_scale=True,
-                                        desc=f"tokenizing {Path(source).name}") as bar:
+        with open(tmp["train"], "wb") as ft, open(tmp["val"], "wb") as fv, \
+                tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {Path(source).name}") as bar:
             texts = (text for path in files for text in _documents(path))
-            for text, n_bytes in _capped(texts, max_bytes):
+            for i, (text, n_bytes) in enumerate(_capped(texts, max_bytes)):
                 ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=np.int64)
                 if ids.min() < 0 or ids.max() >= tok.vocab_size:  # would wrap silently in uint16
                     raise ValueError(f"tokenizer {tok.name} produced id {ids.max()} outside its "
                                      f"vocab_size {tok.vocab_size}")
-                ids.astype(dtype).tofile(f)
-                n_tokens, n_docs = n_tokens + len(ids), n_docs + 1
+                split = "val" if _held_out(i, frac) else "train"
+                (fv if split == "val" else ft).write(ids.astype(dtype).tobytes())
+                count[split][0] += len(ids)
+                count[split][1] += 1
                 bar.update(n_bytes)
-        if n_docs == 0:
+        if count["train"][1] == 0:  # document 0 is never held out (val_fraction < 1)
             raise ValueError(f"corpus {source} is empty: no document has any text")
         (out_dir / "meta.json").unlink(missing_ok=True)  # an old meta must not describe new tokens
-        os.replace(tmp, out_dir / "tokens.bin")
+        os.replace(tmp["train"], out_dir / "tokens.bin")
+        if count["val"][1]:
+            os.replace(tmp["val"], out_dir / "val.bin")
+        else:
+            (out_dir / "val.bin").unlink(missing_ok=True)
+        meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id, "dtype": dtype.name, "num_tokens": count["train"][0],
+                "num_documents": count["train"][1], "num_val_tokens": count["val"][0],
+                "num_val_documents": count["val"][1], **key}
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp_meta, out_dir / "meta.json")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise OSError(f"no space left on device while preparing {out_dir} from {source} "
+                      f"({e.filename or 'tokens.bin'}); the partial files were removed: free space "
+                      f"there, or prepare the data elsewhere and pass that folder as --data") from None
     finally:
-        tmp.unlink(missing_ok=True)
-    meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "tokenizer_path": tok.path,
-            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype.name, "num_tokens":
-            n_tokens, "num_documents": n_docs, "source": source, "max_bytes": max_bytes}
-    tmp_meta = out_dir / f"meta.json.tmp{os.getpid()}"
-    tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp_meta, out_dir / "meta.json")
+        for t in (*tmp.values(), tmp_meta):
+            t.unlink(missing_ok=True)
     return out_dir
 
 
 def prepare(source: str | Path, out_dir: str | Path, tokenizer_path: str | None = None,
-            max_bytes: int | None = None) -> Path:
-    """Tokenize a .txt / .jsonl file or a folder of them into out_dir; returns out_dir."""
+            max_bytes: int | None = None, val_fraction: float = 0.0) -> Path:
+    """Tokenize a .txt / .jsonl file or a folder of them into out_dir, holding out val_fraction of
+    the documents as the validation split; returns out_dir."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     source = Path(source)
     files = _source_files(source)  # bad paths fail before the tokenizer is loaded
     tok = load_tokenizer(tokenizer_path)
-    return _write(files, Path(out_dir), tok, max_bytes, str(source.resolve()))
+    key = source_key(source, tokenizer_path, max_bytes, val_fraction)
+    return _write(files, Path(out_dir), tok, max_bytes, key, val_fraction)
 
 
-def default_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_000) -> Path:
+def default_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_000,
+                   val_fraction: float = 0.0) -> Path:
     """The running Python's stdlib .py sources (no tests, no site-packages), sorted by relative path,
     byte-tokenized, first max_bytes bytes; prepared on first use, then reused."""
     root = Path(sysconfig.get_paths()["stdlib"])
     version = ".".join(map(str, sys.version_info[:3]))
     out = Path(cache_dir or Path.home() / ".cache" / "attotron" / f"stdlib-{version}-{max_bytes}")
     try:
-        meta = _read_meta(out)
-        if (meta["tokenizer"], meta.get("max_bytes"), meta.get("source")) == (
-                ByteTokenizer.name, max_bytes, str(root)):
+        meta = read_meta(out)
+        if (meta["tokenizer"], meta.get("max_bytes"), meta.get("source"), meta.get("val_fraction", 0.0)) \
+                == (ByteTokenizer.name, max_bytes, str(root), val_fraction):
             return out
     except (OSError, ValueError):
         pass  # absent, unfinished or damaged: prepare it again
@@ -227,13 +352,14 @@ def default_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_0
         subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
         files += [Path(folder, n) for n in names if n.endswith(".py")]
     files.sort(key=lambda p: p.relative_to(root).as_posix())
-    return _write(files, out, ByteTokenizer(), max_bytes, str(root))
+    key = {"source": str(root), "tokenizer_path": None, "max_bytes": max_bytes, "val_fraction": val_fraction}
+    return _write(files, out, ByteTokenizer(), max_bytes, key, val_fraction)
 
 
 # ------------------------------------------------------------------------------------- the dataset
-def _read_meta(data_dir: Path) -> dict:
+def read_meta(data_dir: Path) -> dict:
     """meta.json of a prepared folder, checked against tokens.bin."""
-    path, tokens = data_dir / "meta.json", data_dir / "tokens.bin"
+    path = data_dir / "meta.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {data_dir} is not a prepared dataset (run "
                                 f"data.prepare), or its prepare did not finish")
@@ -248,26 +374,32 @@ def _read_meta(data_dir: Path) -> dict:
     if meta["format_version"] != FORMAT_VERSION or meta["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{path}: format_version {meta['format_version']}, dtype {meta['dtype']} "
                          f"(this data.py reads {FORMAT_VERSION}, uint16/uint32): prepare again")
-    expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
-    size = tokens.stat().st_size if tokens.is_file() else None
-    if size != expected:
-        raise ValueError(f"{tokens} {'is missing' if size is None else f'has {size} bytes'} but "
-                         f"{path} says {meta['num_tokens']} {meta['dtype']} tokens = {expected} "
-                         f"bytes; prepare the data again")
+    for name, field in SPLITS.values():
+        tokens, n = data_dir / name, meta.get(field, 0)
+        expected = n * np.dtype(meta["dtype"]).itemsize
+        size = tokens.stat().st_size if tokens.is_file() else None
+        if size != expected and (n or size is not None):
+            raise ValueError(f"{tokens} {'is missing' if size is None else f'has {size} bytes'} but "
+                             f"{path} says {n} {meta['dtype']} tokens = {expected} "
+                             f"bytes; prepare the data again")
     return meta
 
 
 class TokenDataset(torch.utils.data.Dataset):
     """Row i = tokens[i*seq_len : i*seq_len + seq_len + 1] as a LongTensor (seq_len+1,); the model
-    input is row[:-1] and the shifted labels row[1:]."""
+    input is row[:-1] and the shifted labels row[1:]. split "train" reads tokens.bin, "val" the
+    held-out documents in val.bin."""
 
-    def __init__(self, data_dir: str | Path, seq_len: int):
+    def __init__(self, data_dir: str | Path, seq_len: int, split: str = "train"):
         self.data_dir = Path(data_dir)
-        self.meta = _read_meta(self.data_dir)
+        self.meta = read_meta(self.data_dir)
         self.vocab_size, self.eos_id = self.meta["vocab_size"], self.meta["eos_id"]
-        n = self.meta["num_tokens"]
+        self.file, field = SPLITS[split]
+        n = self.meta.get(field, 0)
         if seq_len < 1 or n < seq_len + 1:
-            raise ValueError(f"{self.data_dir} holds {n} tokens: not one row of seq_len+1 = "
+            what = "" if split == "train" else \
+                f" in its held-out split ({self.meta.get('num_val_documents', 0)} documents)"
+            raise ValueError(f"{self.data_dir} holds {n} tokens{what}: not one row of seq_len+1 = "
                              f"{seq_len + 1} (seq_len must be >= 1)")
         self.seq_len = seq_len
         self.rows = (n - 1) // seq_len  # the tail that does not fill a row is left out
@@ -281,7 +413,7 @@ class TokenDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.rows:
             raise IndexError(f"row {i} out of range for {self.rows} rows")
         if self._tokens is None:
-            self._tokens = np.memmap(self.data_dir / "tokens.bin", dtype=self.meta["dtype"], mode="r")
+            self._tokens = np.memmap(self.data_dir / self.file, dtype=self.meta["dtype"], mode="r")
         start = i * self.seq_len
         return torch.from_numpy(self._tokens[start:start + self.seq_len + 1].astype(np.int64))
 

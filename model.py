@@ -64,8 +64,13 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
-        """Read an HF Llama `config.json` dict; unsupported values raise one error naming them all."""
-        bad = []
+        """Read an HF Llama `config.json` dict; missing keys, wrong types and unsupported values raise
+        one error naming them all."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        bad = _hf_type_errors(d)
+        if bad:
+            raise ValueError("; ".join(bad))
         if d.get("model_type", "llama") != "llama":
             bad.append(f"model_type={d.get('model_type')!r} (only 'llama')")
         if d.get("hidden_act", "silu") != "silu":
@@ -75,6 +80,8 @@ class LlamaConfig:
         # transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_theta + rope_scaling
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if not _NUM[0](theta):
+            bad.append(f"rope_theta must be {_NUM[1]}, got {theta!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
@@ -118,6 +125,40 @@ class LlamaConfig:
         return sum(math.prod(s) for s in global_shapes(self).values())
 
 
+# config.json keys read here: (required, type check, what the check means)
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer")
+_ID = (lambda v: v is None or isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+       "a token id (integer >= 0) or null")
+_NUM = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_HF_KEYS = {
+    "vocab_size": (True, *_INT), "hidden_size": (True, *_INT), "intermediate_size": (True, *_INT),
+    "num_hidden_layers": (True, *_INT), "num_attention_heads": (True, *_INT),
+    "num_key_value_heads": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
+    "head_dim": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
+    "max_position_embeddings": (False, *_INT), "rms_norm_eps": (False, *_NUM),
+    "rope_theta": (False, *_NUM), "initializer_range": (False, *_NUM),
+    "rope_parameters": (False, lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "rope_scaling": (False, lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "tie_word_embeddings": (False, *_BOOL), "attention_bias": (False, *_BOOL), "mlp_bias": (False, *_BOOL),
+    "bos_token_id": (False, *_ID),
+    "eos_token_id": (False, lambda v: _ID[0](v) or isinstance(v, list) and len(v) > 0
+                     and all(_ID[0](x) and x is not None for x in v), "a token id, a list of them or null"),
+}
+
+
+def _hf_type_errors(d: dict) -> list[str]:
+    """Missing required keys and values of the wrong type, one line each, naming the key."""
+    bad = []
+    for key, (required, ok, what) in _HF_KEYS.items():
+        if key not in d:
+            if required:
+                bad.append(f"missing key {key!r}")
+        elif not ok(d[key]):
+            bad.append(f"{key!r} must be {what}, got {d[key]!r}")
+    return bad
+
+
 # Presets for random init. vocab 260 = the built-in byte tokenizer of data.py (256 bytes + 4 specials).
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
@@ -133,10 +174,20 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def load_config(hf_dir: str | os.PathLike) -> LlamaConfig:
+    """config.json of an HF model dir; any problem is one ValueError naming the file and the keys."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (expected an HF model directory)")
-    return LlamaConfig.from_hf(json.loads(path.read_text()))
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return LlamaConfig.from_hf(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -91,18 +91,28 @@ def parse_conversation(obj: Any) -> Conversation:
 
 def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Conversation], int]:
     """Conversations of a JSONL file and the number of skipped bad lines (blank lines are ignored).
-    A bad line raises ValueError('file:line: reason') unless skip_bad."""
+    A bad line (not UTF-8, not JSON, not a chat) raises ValueError('file:line: reason') unless
+    skip_bad; a file without any conversation raises ValueError saying why."""
     convs, bad = [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # decoded per line, so an encoding error names its line
+        for lineno, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 convs.append(parse_conversation(json.loads(line)))
+            except UnicodeDecodeError as e:
+                if not skip_bad:
+                    raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the "
+                                     f"line)") from None
+                bad += 1
             except ValueError as e:  # json.JSONDecodeError is a ValueError
                 if not skip_bad:
                     raise ValueError(f"{path}:{lineno}: malformed conversation: {e}") from None
                 bad += 1
+    if not convs:
+        why = f"all {bad} non-blank lines are malformed (skipped)" if bad else "the file is empty"
+        raise ValueError(f"{path} holds no conversation: {why}")
     return convs, bad
 
 
@@ -266,8 +276,12 @@ class SFTDataset:
             inputs += ids[:-1]
             labels += lab
             lengths.append(len(lab))
+        if not convs:
+            raise ValueError("no conversations given")
         if not lengths:
-            raise ValueError(f"no conversation fits: all {len(convs)} were dropped at seq_len {seq_len}")
+            raise ValueError(f"no conversation fits: all {len(convs)} were dropped at seq_len {seq_len} "
+                             f"(overlong={overlong!r}; a truncated one is dropped when none of its "
+                             f"first seq_len positions is a target): raise --seq-len")
         self.tokens = torch.tensor(inputs, dtype=torch.int32)  # (N,) all conversations' inputs, back to back
         self.labels = torch.tensor(labels, dtype=torch.int32)  # (N,)
         self.offsets = [0]

@@ -60,7 +60,9 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        # `is`, not `in`: 0 == False, and a default of 0 is meaningful (--save-every 0, --clip 0)
+        off = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not off and "default" not in text:
             text += " (default: %(default)s)"
         return text
 
@@ -73,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
     a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
+    a("--val-fraction", type=float, default=0.01,
+      help="share of the documents held out (whole documents, spread over the corpus) when --data "
+           "is prepared: the split of the validation loss")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
     a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
     a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank")
@@ -93,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      "(any layout can resume any other)")
     a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
+    a("--eval-every", type=int, default=0,
+      help="evaluate every N steps and after the last (0: only after the last): the validation loss "
+           "on the held-out split; with --sft, exact-match accuracy on the built-in held-out chats")
+    a("--eval-batches", type=int, default=None,
+      help="global batches of the held-out split per validation loss (default 10, fewer when the "
+           "split is smaller)")
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
     a("--packing", default="ffd", choices=["ffd", "none"],
@@ -100,8 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overlong", default="truncate", choices=["truncate", "drop"],
       help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
-    a("--eval-every", type=int, default=0,
-      help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--max-bad-steps", type=int, default=3,
@@ -123,8 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
     a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
     args = p.parse_args(argv)
-    args.seq_len = args.seq_len or (sft.DEFAULT_SEQ_LEN if args.sft else 256)
-    args.lr = args.lr or (2e-4 if args.sft else 1e-3)
+    # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
+    if args.seq_len is None:
+        args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft else 256
+    if args.lr is None:
+        args.lr = 2e-4 if args.sft else 1e-3
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     return args
 
@@ -195,11 +207,28 @@ class StageError(RuntimeError):
 @contextlib.contextmanager
 def stage(name: str, grid: Grid):
     """Name the training stage in which a collective failed or timed out (a peer died, hung, or
-    disagreed) — a bare gloo/NCCL timeout does not say where the run was."""
+    disagreed) — a bare gloo/NCCL timeout does not say where the run was. Out of memory is reported
+    as such, with the memory numbers (it is a RuntimeError too, but no peer is to blame)."""
     try:
         yield
+    except torch.OutOfMemoryError as e:
+        raise StageError(f"rank {grid.rank}: out of memory during {name}: {memory_report(grid.device)}. "
+                         f"Lower the memory per rank: more --micro-batches (smaller micro-batches), "
+                         f"--ac, --zero 2/3, a larger --tp or --pp. ({str(e).splitlines()[0]})") from e
     except (RuntimeError, dist.DistError) as e:
         raise StageError(f"rank {grid.rank}: distributed operation failed during {name}: {e}") from e
+
+
+def memory_report(device: torch.device) -> str:
+    """What the allocator holds when memory ran out (CUDA), or the process's peak RSS (CPU)."""
+    if device.type != "cuda":
+        return f"peak resident memory {peak_memory_mb(device):,.0f} MB"
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    free, total = torch.cuda.mem_get_info(device)
+    cuda = torch.cuda
+    return (f"{mib(cuda.memory_allocated(device))} allocated, {mib(cuda.memory_reserved(device))} reserved, "
+            f"peak {mib(cuda.max_memory_allocated(device))} allocated; {mib(free)} free of {mib(total)} "
+            f"on {cuda.get_device_name(device)}")
 
 
 def fail(msg: str, grid: Grid | None = None) -> None:
@@ -239,18 +268,73 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
         errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
                       "and no --sp with --sft (or give --data, which has no eval set)")
-    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every) \
-            and not args.sft:
-        errors.append("--packing / --overlong / --skip-bad / --eval-every go with --sft")
+    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad) and not args.sft:
+        errors.append("--packing / --overlong / --skip-bad go with --sft")
+    if args.sft and args.eval_batches is not None:
+        errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
+                      "exact-match accuracy on its built-in held-out chats")
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
         errors.append(f"need --save-every >= 0 and --keep >= 1, got {args.save_every} and {args.keep}")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
-    if args.warmup < 0 or args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
-        errors.append(f"need 0 < --min-lr <= --lr and --warmup >= 0 (got lr {args.lr}, "
+    if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        errors.append(f"need 0 <= --min-lr <= --lr and --warmup >= 0 (got lr {args.lr}, "
                       f"min-lr {args.min_lr}, warmup {args.warmup})")
+    return errors + validate_more(args)
+
+
+def validate_more(args: argparse.Namespace) -> list[str]:
+    """The flags whose 0, negative or NaN value would otherwise be taken silently or crash late,
+    and every output path (a run must not train for hours, then fail to write its result)."""
+    errors = []
+    floats = ("lr", "min_lr", "weight_decay", "clip", "bucket_mb", "timeout", "val_fraction")
+    nan = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in floats
+           if not math.isfinite(getattr(args, f))]
+    if nan:
+        errors.append(f"need finite numbers, got {', '.join(nan)}")
+    if args.weight_decay < 0 or args.clip < 0:
+        errors.append(f"--weight-decay and --clip must be >= 0 (--clip 0 turns clipping off), got "
+                      f"{args.weight_decay} and {args.clip}")
+    if not args.timeout > 0:
+        errors.append(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.log_every < 1 or args.eval_every < 0 or (args.eval_batches is not None and args.eval_batches < 1):
+        errors.append(f"need --log-every >= 1, --eval-every >= 0 and --eval-batches >= 1, got "
+                      f"{args.log_every}, {args.eval_every} and {args.eval_batches}")
+    if not 0 <= args.val_fraction < 1:
+        errors.append(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.sp and args.tp < 2:
+        errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
+    return errors + check_outputs(args)
+
+
+def check_outputs(args: argparse.Namespace) -> list[str]:
+    """--save and --export-hf are folders (created as needed), --metrics a file in an existing
+    folder: each must be creatable and writable, and no two may be the same."""
+    errors, seen = [], {}
+    for flag, path, folder in (("--save", args.save, True), ("--export-hf", args.export_hf, True),
+                               ("--metrics", args.metrics, False)):
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if p in seen:
+            errors.append(f"{flag} and {seen[p]} are the same path {path}")
+        seen[p] = flag
+        if folder:
+            nearest = next(q for q in (p, *p.parents) if q.exists())  # the root always exists
+            if p.exists() and not p.is_dir():
+                errors.append(f"{flag} {path} is a file; it must be a folder (or not exist yet)")
+            elif not nearest.is_dir():
+                errors.append(f"{flag} {path} cannot be created: {nearest} is a file")
+            elif not os.access(nearest, os.W_OK):
+                errors.append(f"{flag} {path}: {nearest} is not writable")
+        elif p.is_dir():
+            errors.append(f"{flag} {path} is a folder; it must be a file")
+        elif not p.parent.is_dir():
+            errors.append(f"{flag} {path}: its folder {p.parent} does not exist")
+        elif not os.access(p.parent, os.W_OK) or p.exists() and not os.access(p, os.W_OK):
+            errors.append(f"{flag} {path}: it or its folder is not writable")  # replaced by rename
     return errors
 
 
@@ -271,24 +355,119 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
-def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
-    """A prepared dir is used as is; a raw corpus is prepared once (rank 0) into <corpus>.attotron."""
+# Ranks wait this long for rank 0 to prepare --data (tokenizing a large corpus takes hours).
+DATA_WAIT = datetime.timedelta(hours=24)
+
+
+def prepared_data(args: argparse.Namespace) -> Path:
+    """Rank 0: the prepared folder of --data, preparing it when missing or stale (another corpus
+    content, tokenizer or --val-fraction: data.is_prepared)."""
     if args.data is None:
-        path = data.default_corpus() if grid.rank == 0 else None
-    elif (Path(args.data) / "meta.json").is_file():
-        path = Path(args.data)
-    else:
-        # prepared next to the corpus; prepared again when the tokenizer changed
-        path = Path(str(args.data).rstrip("/") + ".attotron")
-        want = str(Path(args.tokenizer).resolve()) if args.tokenizer not in (None, "bytes") else None
-        meta = path / "meta.json"
-        stale = not meta.is_file() or json.loads(meta.read_text()).get("tokenizer_path") != want
-        if grid.rank == 0 and stale:
-            data.prepare(args.data, path, args.tokenizer)
-    dist.barrier()
+        return data.default_corpus(val_fraction=args.val_fraction)
+    want = str(Path(args.tokenizer).resolve()) if args.tokenizer not in (None, "bytes") else None
+    if (Path(args.data) / "meta.json").is_file():  # already prepared: used as is
+        got = data.read_meta(Path(args.data)).get("tokenizer_path")
+        if args.tokenizer is not None and got != want:
+            raise ValueError(f"--data {args.data} was prepared with the tokenizer {got or 'bytes'}, not "
+                             f"--tokenizer {args.tokenizer}: drop --tokenizer, or prepare the corpus again")
+        return Path(args.data)
+    path = Path(str(args.data).rstrip("/") + ".attotron")  # prepared next to the corpus
+    if not data.is_prepared(path, args.data, args.tokenizer, val_fraction=args.val_fraction):
+        print(f"preparing {args.data} into {path}", flush=True)
+        try:
+            data.prepare(args.data, path, args.tokenizer, val_fraction=args.val_fraction)
+        except PermissionError as e:
+            raise ValueError(f"cannot write the prepared data {path} next to the corpus ({e.strerror}): "
+                             f"prepare it where you can write (python -c \"import data; data.prepare("
+                             f"'{args.data}', 'OUT')\") and pass --data OUT") from None
+    return path
+
+
+def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
+    """Rank 0 finds or prepares the data while the others wait on a gloo group with a DATA_WAIT
+    timeout — not in a barrier of the default group, whose NCCL watchdog would kill them after
+    --timeout. Rank 0's outcome (the folder, or its error) goes to every rank, and every rank checks
+    that it reads the very folder rank 0 prepared: a multi-node run needs --data on a shared
+    filesystem."""
+    group = dist.new_group(backend="gloo", timeout=DATA_WAIT) if grid.world > 1 else None
+    outcome = [None]
+    if grid.rank == 0:
+        try:
+            path = prepared_data(args)
+            outcome[0] = (str(path), data.read_meta(path))
+        except (OSError, ValueError) as e:
+            outcome[0] = (None, str(e))
+    if group is not None:
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    path, meta = outcome[0]
     if path is None:
-        path = data.default_corpus()  # prepared by rank 0 above: now only reused
+        raise ValueError(meta)  # rank 0's error, raised on every rank
+    try:
+        seen = "same" if data.read_meta(Path(path)) == meta else "a different meta.json"
+    except (OSError, ValueError) as e:
+        seen = str(e)
+    views = [None] * grid.world
+    if group is not None:
+        dist.all_gather_object(views, seen, group=group)
+        dist.destroy_process_group(group)
+    else:
+        views = [seen]
+    blind = [r for r, v in enumerate(views) if v != "same"]
+    if blind:
+        raise ValueError(f"ranks {blind} do not see the data rank 0 prepared at {path} (rank {blind[0]}: "
+                         f"{views[blind[0]]}): a multi-node run needs --data on a filesystem every "
+                         f"node shares, or the prepared folder copied to the same path on each node")
     return data.TokenDataset(path, args.seq_len)
+
+
+def load_val(args: argparse.Namespace, ds: data.TokenDataset,
+             grid: Grid) -> tuple[data.TokenDataset | None, int]:
+    """The held-out split of the prepared data and the global batches of it each evaluation reads;
+    (None, 0) when there is none — an error if --eval-every asked for it."""
+    want = 10 if args.eval_batches is None else args.eval_batches
+    n_docs = ds.meta.get("num_val_documents", 0)
+    try:
+        val = data.TokenDataset(ds.data_dir, args.seq_len, split="val")
+        batches = min(want, len(val) // args.batch_size)
+        if not batches:
+            raise ValueError(f"its {len(val)} rows of --seq-len {args.seq_len} do not fill one "
+                             f"--batch-size {args.batch_size}")
+    except ValueError as e:
+        frac = ds.meta.get("val_fraction") or 0
+        why = (f"the held-out split of {ds.data_dir} is too small: {e}" if n_docs else
+               f"{ds.data_dir} was prepared without a held-out split (val_fraction 0)" if not frac else
+               f"{ds.data_dir} has no held-out split: {ds.meta['num_documents']} documents × val_fraction "
+               f"{frac} < 1 (a .txt file is one document: use a .jsonl, one document per line, or a folder)")
+        if args.eval_every:
+            raise ValueError(f"--eval-every {args.eval_every}: {why}") from None
+        if grid.rank == 0:
+            print(f"note: no validation loss: {why}", flush=True)
+        return None, 0
+    if grid.rank == 0:
+        print(f"validation loss: {batches} batches × {args.batch_size} rows of the held-out split "
+              f"({n_docs} documents, {len(val)} rows)", flush=True)
+    return val, batches
+
+
+@torch.no_grad()
+def val_loss(model: M.Llama, val: data.TokenDataset, batches: int, args: argparse.Namespace,
+             grid: Grid) -> float:
+    """Mean token loss over the first `batches` global batches of the held-out split (the same rows
+    at every evaluation), forward only through the same pipeline, tp and ZeRO code as training and
+    normalized like its loss (sum of token losses / all target tokens): the single-process value in
+    every layout."""
+    fwd = [a for a in PP.gpipe(args.micro_batches, grid.at.pp_rank, args.pp)
+           if a.kind in (PP.F, PP.SEND_F, PP.RECV_F)]
+    per = args.batch_size // grid.at.dp  # this dp rank's contiguous slice, as DPSampler takes it
+    first = [b * args.batch_size + grid.at.dp_rank * per for b in range(batches)]
+    micro = [get_batch(val, list(range(i, i + per)), args.micro_batches, grid.device) for i in first]
+    targets = dp.global_count(sum(P.count_targets(m["labels"]) for mb in micro for m in mb), grid.dp_group)
+    total = torch.zeros((), dtype=torch.float32, device=grid.device)
+    for mb in micro:
+        total += PP.run_pipeline(model, fwd, mb, grid.pp_group if args.pp > 1 else None, targets,
+                                 seq_shards=args.tp if args.sp else 1)
+    dist.all_reduce(total, group=grid.dp_group)
+    return total.item()
 
 
 def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, object, list]:
@@ -408,7 +587,7 @@ def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, sh
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    grid = setup(args.timeout)
+    grid = setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # validate reports a bad one
     try:
         cfg = M.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
@@ -419,6 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ds, tok, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
+        val, val_batches = (None, 0) if args.sft else load_val(args, ds, grid)
         make_grid(grid, args.tp, args.pp, args.timeout)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         sampler = dp.DPSampler(len(ds), args.batch_size, grid.at.dp_rank, grid.at.dp, args.seed,
@@ -447,7 +627,7 @@ def main(argv: list[str] | None = None) -> None:
         if 1 < args.pp > args.micro_batches:
             print(f"note: {args.micro_batches} micro-batches < {args.pp} stages: the pipeline bubble is "
                   f"{(args.pp - 1) / (args.micro_batches + args.pp - 1):.0%} of the step", flush=True)
-    t_start, bad = time.time(), 0
+    t_start, bad, good = time.time(), 0, 0
     for step in range(start, args.steps):
         t0 = time.time()
         micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid.device)
@@ -480,9 +660,10 @@ def main(argv: list[str] | None = None) -> None:
             if bad >= args.max_bad_steps:
                 fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", grid)
             continue
-        bad = 0
+        bad, good = 0, good + 1
         if log and (step % args.log_every == 0 or step == args.steps - 1):
-            eta = (time.time() - t_start) / (step + 1) * (args.steps - step - 1)
+            # steps run by this process only: a resumed run did not do the first `start`
+            eta = (time.time() - t_start) / (step + 1 - start) * (args.steps - step - 1)
             mfu = f"{100 * tps * fpt / (peak_flops * grid.world):.1f}%" if peak_flops else "n/a"
             print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
@@ -491,15 +672,24 @@ def main(argv: list[str] | None = None) -> None:
                   f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
-        if eval_set and (step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0):
+        evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
+        if eval_set and evaluate:
             with stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
                 record["eval_exact_match"] = sft.evaluate(model, tok, eval_set)
             if log:
                 print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
                       flush=True)
+        if val is not None and evaluate:
+            with stage("validation loss (forward over the held-out split)", grid):
+                record["val_loss"] = val_loss(model, val, val_batches, args, grid)
+            if log:
+                print(f"eval step {step + 1}: val loss {record['val_loss']:.4f}", flush=True)
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+    if args.steps > start and not good:
+        fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
+             f"trained; lower --lr, check the data, or use --clip", grid)
     if args.export_hf:
         export_hf(model, opt, shards, cfg, grid, args.export_hf)
         if log:

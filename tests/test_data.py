@@ -325,3 +325,95 @@ def test_default_corpus_deterministic_and_reused(tmp_path, monkeypatch):
     version = ".".join(map(str, sys.version_info[:3]))
     assert data.default_corpus(max_bytes=1000) == (
         tmp_path / "home" / ".cache" / "attotron" / f"stdlib-{version}-1000")
+
+
+# ------------------------------------------------------------------------- held-out split, staleness
+def test_val_split_holds_out_whole_documents(tmp_path):
+    """val_fraction 1/4 holds out documents 3, 7, 11 (floor((i+1)/4) > floor(i/4)): whole documents
+    spread over the corpus, each in exactly one split, in corpus order."""
+    docs = [f"document {i} " + "é" * i for i in range(12)]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
+    out = data.prepare(src, tmp_path / "out", val_fraction=0.25)
+    tokens, meta = tokens_of(out)
+    held = [docs[i] for i in (3, 7, 11)]
+    assert tokens == stream([d for d in docs if d not in held])
+    val = np.fromfile(out / "val.bin", dtype=meta["dtype"]).tolist()
+    assert val == stream(held)
+    assert (meta["num_documents"], meta["num_val_documents"], meta["num_val_tokens"]) == (9, 3, len(val))
+    ds = data.TokenDataset(out, 5, split="val")
+    assert [ds[i].tolist() for i in range(len(ds))] == [val[i * 5:i * 5 + 6] for i in range(len(ds))]
+    # no split: no val.bin (an old one is removed), and the val rows say why there are none
+    out = data.prepare(src, tmp_path / "out", val_fraction=0.0)
+    assert not (out / "val.bin").exists() and tokens_of(out)[0] == stream(docs)
+    with pytest.raises(ValueError, match=r"holds 0 tokens in its held-out split \(0 documents\)"):
+        data.TokenDataset(out, 5, split="val")
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got 1"):
+        data.prepare(src, tmp_path / "o", val_fraction=1)
+
+
+def test_is_prepared_follows_the_source(tmp_path):
+    """Issue 16 item 3: a changed corpus (size, mtime, or same-size content with its mtime restored,
+    as cp -p / rsync -a leave it), another tokenizer file or another val_fraction is stale."""
+    import os
+    src = tmp_path / "c.txt"
+    src.write_text("a" * 3000 + "b" * 3000, encoding="utf-8")
+    out = data.prepare(src, tmp_path / "c.attotron", val_fraction=0.01)
+    assert data.is_prepared(out, src, val_fraction=0.01)
+    assert not data.is_prepared(out, src, val_fraction=0.02)
+    assert not data.is_prepared(out, src, tokenizer_path=str(tmp_path))
+
+    stamp = src.stat().st_mtime_ns
+    src.write_text("a" * 3000 + "c" * 3000, encoding="utf-8")  # same size
+    os.utime(src, ns=(stamp, stamp))  # and the old mtime: only the content sample can tell
+    assert not data.is_prepared(out, src, val_fraction=0.01)
+    data.prepare(src, out, val_fraction=0.01)
+    assert data.is_prepared(out, src, val_fraction=0.01)
+    os.utime(src, ns=(stamp + 10**9, stamp + 10**9))  # touched
+    assert not data.is_prepared(out, src, val_fraction=0.01)
+
+    big = tmp_path / "big"  # a file over the sampling threshold, in a folder
+    big.mkdir()
+    (big / "x.txt").write_bytes(b"x" * (data.SAMPLE_CHUNKS * data.CHUNK_BYTES * 2))
+    out = data.prepare(big, tmp_path / "big.attotron")
+    assert data.is_prepared(out, big)
+    (big / "y.jsonl").write_text('{"text": "new file"}\n')
+    assert not data.is_prepared(out, big)
+    (big / "y.jsonl").unlink()
+    assert data.is_prepared(out, big)
+    stamp = (big / "x.txt").stat().st_mtime_ns
+    with open(big / "x.txt", "r+b") as f:  # the last byte: always in the sample
+        f.seek(-1, 2)
+        f.write(b"y")
+    os.utime(big / "x.txt", ns=(stamp, stamp))
+    assert not data.is_prepared(out, big)
+
+
+def test_stale_prepared_corpus_is_prepared_again_by_the_trainer(tmp_path):
+    """--data c.txt after c.txt changed: the trainer prepares again instead of reusing the old rows."""
+    import train
+    src = tmp_path / "c.txt"
+    src.write_text("0123456789" * 10, encoding="utf-8")
+    args = train.parse_args(["--data", str(src), "--seq-len", "8"])
+    grid = train.Grid(rank=0, world=1, device=torch.device("cpu"))
+    assert train.load_data(args, grid)[0].tolist() == utf8("012345678")
+    src.write_text("abcdefghij" * 10, encoding="utf-8")  # same size
+    assert train.load_data(args, grid)[0].tolist() == utf8("abcdefghi")
+    # a prepared folder is used as is, but not with another tokenizer than it was made with
+    bad = train.parse_args(["--data", str(tmp_path / "c.txt.attotron"), "--tokenizer", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"was prepared with the tokenizer bytes, not --tokenizer"):
+        train.load_data(bad, grid)
+
+
+def test_full_disk_says_so_and_removes_the_partial_files(tmp_path):
+    """A real ENOSPC from the kernel: the temporary token file is a link to /dev/full."""
+    import os
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    src = tmp_path / "c.txt"
+    src.write_text("some text " * 1000, encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"tokens.bin.tmp{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(OSError, match=r"no space left on device while preparing .*out from .*c.txt"):
+        data.prepare(src, out)
+    assert list(out.iterdir()) == []  # no tokens.bin.tmp*, val.bin.tmp*, meta.json.tmp* left
