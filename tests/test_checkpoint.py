@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -327,8 +328,8 @@ def test_cross_layout_resume(tmp_path):
     assert rel(steps(m, opt, s, SINGLE, {}, 2), straight[4:6]) <= TOL
 
 
-class Injected(RuntimeError):
-    pass
+class Injected(BaseException):
+    """A kill: no handler catches it (a caught error would be reported to every rank and cleaned up)."""
 
 
 def _crash(rank: int, world: int, root: str) -> None:
@@ -341,12 +342,12 @@ def _crash(rank: int, world: int, root: str) -> None:
     C.save_checkpoint(root, 2, opt, CFG, shards, lay, {"sampler": s.state_dict()})
     steps(m, opt, s, lay, g, 1)
     if rank == 1:
-        real = C.save_file
+        real = C.write_safetensors
 
         def save_then_die(*args, **kw):
             real(*args, **kw)
             raise Injected("killed between files")
-        C.save_file = save_then_die
+        C.write_safetensors = save_then_die
     C.save_checkpoint(root, 3, opt, CFG, shards, lay, {"sampler": s.state_dict()})
 
 
@@ -417,15 +418,21 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
         data = f.read_bytes()
         f.write_bytes(b"\xff" * 16 + data[16:])
 
-    def edit_index(path: Path, fn) -> None:  # a consistent-looking but wrong index (sizes fixed)
+    def edit_index(path: Path, fn) -> None:  # a consistent-looking but wrong index (sizes, sums fixed)
         index = json.loads((path / "rank00000.json").read_text())
         entries = {e["name"]: e for e in index["entries"]}
         fn(entries)
         index["entries"] = list(entries.values())
         (path / "rank00000.json").write_text(json.dumps(index))
         meta = json.loads((path / "meta.json").read_text())
-        meta["files"]["rank00000.json"] = (path / "rank00000.json").stat().st_size
+        data = (path / "rank00000.json").read_bytes()
+        meta["files"]["rank00000.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         (path / "meta.json").write_text(json.dumps(meta))
+
+    def flip(f: Path, at: int, bit: int) -> None:  # same size, one bit of the data changed
+        data = bytearray(f.read_bytes())
+        data[at] ^= 1 << bit
+        f.write_bytes(bytes(data))
 
     def shift(entries: dict) -> None:
         entries["model.norm.weight"]["start"] = 1
@@ -436,7 +443,7 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     tensors = "rank00000.safetensors"
     cases = [
         (damaged("dropped", lambda p: edit_index(p, lambda e: e.pop("model.norm.weight"))), ValueError,
-         r"dropped: no saved pieces for \['model.norm.weight'\]"),
+         r"dropped: no saved pieces for 1 tensors: \['model.norm.weight'\]"),
         (damaged("shifted", lambda p: edit_index(p, shift)), ValueError,
          r"model.norm.weight: saved pieces of slice None do not tile it at element 0 \(entry in .*shifted"),
         (damaged("short", lambda p: edit_index(p, shorten)), ValueError,
@@ -451,6 +458,14 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
          r"nometa/meta.json: missing"),
         (damaged("badjson", lambda p: truncate(p / "meta.json")), ValueError,
          r"badjson/meta.json: not valid JSON"),
+        # a byte flipped inside the data (same size, valid header): the lowest mantissa bit of the
+        # last float, and an exponent bit of the last float
+        (damaged("mantissa", lambda p: flip(p / tensors, -4, 0)), ValueError,
+         rf"mantissa/{tensors}: checksum mismatch \(crc32 [0-9a-f]{{8}}, meta.json says [0-9a-f]{{8}}\)"),
+        (damaged("exponent", lambda p: flip(p / tensors, -1, 6)), ValueError,
+         rf"exponent/{tensors}: checksum mismatch"),
+        (damaged("index", lambda p: flip(p / "rank00000.json", 20, 0)), ValueError,
+         r"index/rank00000.json: checksum mismatch"),
     ]
     for path, exc, msg in cases:
         with pytest.raises(exc, match=msg):
@@ -458,8 +473,10 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     other = replace(CFG, intermediate_size=96)  # shape mismatch against the config
     m2, shards2, opt2 = make(other, SINGLE, {}, 0)
     msg = r"good/step_00000001/meta.json: .*mlp.gate_proj.weight: saved \[64, 32\], config \[96, 32\]"
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg) as got:
         C.load_checkpoint(good, opt2, other, shards2, SINGLE)
+    # gate, up, down of 2 layers: three named and a count, not the whole list
+    assert "6 of 21 tensors differ" in str(got.value) and str(got.value).endswith("... (3 more)")
     with pytest.raises(ValueError, match=r"lm_head.weight: saved \[97, 32\], config None"):
         C.load_checkpoint(good, make(TIED, SINGLE, {}, 0)[2], TIED, {}, SINGLE)
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))  # nothing was copied
