@@ -10,7 +10,7 @@ What it does
     cast (`opt._publish()` redoes it after loading).
 
         <dir>/step_00000100/
-            meta.json              step, layout, global shapes, extra, every file with its size
+            meta.json              step, layout, global shapes, extra, every file: bytes, crc32
             rank00000.json         rank 0's coordinates, RNG state, index of the pieces it wrote
             rank00000.safetensors  those pieces: "<hf name>/master", "/exp_avg", "/exp_avg_sq"
             rank00001.json ...     (a rank that owns nothing writes only its .json)
@@ -36,17 +36,24 @@ Invariants
     - No rank gathers the model. On load a rank reads, one name at a time, only the saved tp slices
       that overlap its own (all ZeRO pieces of such a slice: at most one full tensor in memory),
       then cuts out its local tensor and its piece.
-    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; after a barrier the lead rank
-      writes meta.json last, renames the folder and fsyncs the parent (so all ranks must see one
-      shared filesystem). A crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores
-      and `prune` removes; older checkpoints are never touched by a save (saving the same step
-      again moves the old folder to `.old` until the new one is in place).
+    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; the ranks then exchange what
+      they wrote (`exchange`: file names, bytes, crc32 — never a directory listing, which can be
+      stale on a network filesystem), and the lead rank checks it sees those files (all ranks must
+      share one filesystem), writes meta.json last, renames the folder and fsyncs the parent. A
+      crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores and `prune` removes;
+      older checkpoints are never touched by a save (saving the same step again moves the old
+      folder to `.old` until the new one is in place). A rank's failure (a full disk) is exchanged
+      too: every rank raises the same OSError and the lead removes the `.tmp` folder.
+    - Coordination: save and load wait for each other only in `exchange` over the caller's group;
+      train.py passes a gloo group with a long timeout of its own, so a slow writer trips no NCCL
+      watchdog, and the lead prunes (`keep`) while the others wait there.
     - Loading parses JSON and safetensors only (no pickle: a foreign checkpoint cannot run code).
-      A missing, truncated or mismatched file raises naming the file, before any tensor is copied.
+      A missing, truncated, corrupt (crc32) or mismatched file raises naming the file, before any
+      tensor is copied; when one rank finds it, all raise.
     - RNG states come back only under the very same layout (same tp, dp, pp: every rank finds its
       own); otherwise they are left alone and `Restored.rng_restored` is False.
 
-Builds on: model.py
+Builds on: model.py, weights.py
 """
 from __future__ import annotations
 
@@ -201,7 +208,8 @@ def raise_errors(reports: list[dict], what: str) -> None:
     gave up)."""
     bad = [f"rank {r.get('rank', i)}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
     if bad:
-        raise OSError(f"{what}: " + "; ".join(bad[:4]) + (f"; ... ({len(bad) - 4} more)" if len(bad) > 4 else ""))
+        more = f"; ... ({len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise OSError(f"{what}: " + "; ".join(bad[:4]) + more)
 
 
 def _rng_state(device: torch.device) -> dict[str, list[int]]:
@@ -372,7 +380,8 @@ class _Index:
             if not f.is_file():
                 raise FileNotFoundError(f"{f}: missing (meta.json lists it)")
             if f.stat().st_size != info["bytes"]:
-                raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {info['bytes']} (truncated?)")
+                raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {info['bytes']} "
+                                 f"(truncated?)")
         jsons = sorted(f for f in meta["files"] if f.endswith(".json"))
         self.check_sums([path / f for f in jsons])  # small, and every rank reads them all
         self.slices: dict[str, dict[Shard | None, list[tuple[Path, dict]]]] = {}
@@ -499,7 +508,8 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
                 raise ValueError(f"{path / 'meta.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
             mismatch = _describe_mismatch(meta["shapes"], {k: list(v) for k, v in global_shapes(cfg).items()})
             if mismatch:
-                raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: {mismatch}")
+                raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: "
+                                 f"{mismatch}")
             index = _Index(path, meta, stack, verify)
             keys = [EMBED if _tied_copy(n, cfg) else n for n in opt.names]  # a tied copy loads the embedding
             missing = sorted({k for k in keys if k not in index.slices})

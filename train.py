@@ -30,16 +30,14 @@ import argparse
 import contextlib
 import datetime
 import json
-import itertools
 import math
 import os
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -48,6 +46,7 @@ import ac as AC
 import checkpoint as CK
 import data
 import dp
+import export as EX
 import model as M
 import pp as PP
 import precision as P
@@ -95,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", default=None, help="a checkpoint folder, or 'auto' = the newest complete one in --save "
                                      "(any layout can resume any other)")
     a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
+    a("--skip-checksums", action="store_true", help="resume without the crc32 check of the checkpoint's "
+                                                    "files (one more read of them; sizes are still checked)")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
@@ -371,77 +372,6 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
                         tied=PP.tied_copy(model), embed_group=grid.embed_group)
 
 
-def _stage_tensors(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
-                   order: list[str]) -> Iterator[torch.Tensor]:
-    """This stage's full tensors, in `order`, one at a time. Every rank of the stage runs it to the
-    end, so the collectives match: ZeRO-3 gathers one unit at a time over dp; dp rank 0's tp ranks
-    gather each tp-sharded tensor; ranks of other dp ranks yield nothing."""
-    shapes = M.global_shapes(cfg)
-    params = dict(model.named_parameters())
-    units = opt.each_unit_gathered() if isinstance(opt, Z.Zero3Optimizer) else [list(params)]
-    ready, k = {}, 0
-    for names in units:
-        if grid.at.dp_rank != 0:
-            continue
-        for n in (n for n in names if n in shapes):  # a last stage's tied copy is not exported
-            shard = shards.get(n)
-            ready[n] = params[n].detach() if shard is None else \
-                TP.gather_tensor(params[n], shard, shapes[n][shard.dim], grid.tp_group)
-        while k < len(order) and order[k] in ready:
-            yield ready.pop(order[k])  # while its unit is gathered: no copy
-            k += 1
-        ready = {n: t.to("cpu", copy=True) for n, t in ready.items()}  # out of order: outlives its unit
-
-
-def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
-              out: str, tokenizer: object | None = None, max_shard_bytes: int = 4 << 30) -> None:
-    """Streaming HF export; nothing is pickled and no rank holds the model. The (dp 0, tp 0) rank of
-    each pipeline stage writes its stage's compute parameters (fp32 in fp32 mode, else the bf16
-    copy of the masters) to its own safetensors file(s), one full tensor at a time (see
-    _stage_tensors). Rank 0 then writes the index from what the writers report (exchanged over
-    the io group), config.json and generation_config.json with the tokenizer's ids, and the
-    tokenizer, and swaps the folder in (weights.begin_export / commit_export: an older export
-    leaves no stale file). A failure on any rank stops every rank with one message."""
-    shapes = M.global_shapes(cfg)
-    params = dict(model.named_parameters())
-    order = [n for n in params if n in shapes]
-    dtype = params[order[0]].dtype
-    writer = grid.at.dp_rank == 0 and grid.at.tp_rank == 0
-    files = W.plan_shards([(n, shapes[n], params[n].dtype) for n in order], max_shard_bytes) if writer else []
-    report: dict = {"rank": grid.rank, "error": None, "files": len(files)}
-    if grid.rank == 0:
-        try:
-            W.begin_export(out)
-        except (OSError, ValueError) as e:
-            report["error"] = str(e)
-    counts = CK.exchange(report, grid.io_group)
-    CK.raise_errors(counts, f"export to {out} failed")
-    first, total = sum(c["files"] for c in counts[:grid.rank]), sum(c["files"] for c in counts)
-    tmp = W.staging_dir(out)
-    report = {"rank": grid.rank, "error": None, "weights": {}}
-    tensors = _stage_tensors(model, opt, shards, cfg, grid, order)
-    try:
-        for i, specs in enumerate(files):
-            name = W.shard_name(first + i, total)
-            W.write_safetensors(tmp / name, specs, itertools.islice(tensors, len(specs)), {"format": "pt"})
-            report["weights"] |= {n: name for n, _, _ in specs}
-    except (OSError, ValueError) as e:
-        report["error"] = str(e)
-    for _ in tensors:  # run the remaining gathers with the peers, whatever happened here
-        pass
-    reports = CK.exchange(report, grid.io_group)
-    done = {"rank": grid.rank, "error": None}
-    if grid.rank == 0:
-        try:
-            CK.raise_errors(reports, f"export to {out} failed")
-            W.finish_hf(tmp, out, cfg, {n: f for r in reports for n, f in r["weights"].items()}, dtype,
-                        tokenizer)
-        except (OSError, ValueError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            done["error"] = str(e)
-    CK.raise_errors(CK.exchange(done, grid.io_group), f"export to {out} failed")
-
-
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tok: object | None):
     """The tokenizer the trained ids come from: SFT's, or the one --data was prepared with."""
     if tok is not None:
@@ -482,7 +412,7 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums"}
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
@@ -542,7 +472,8 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
     if path is None:
         return 0
     try:
-        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group)
+        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
+                                 verify=not args.skip_checksums)
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:
         fail(f"cannot resume from {path}: {e}", grid)
@@ -667,7 +598,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.export_hf:
         try:
             with stage("HF export", grid):
-                export_hf(model, opt, shards, cfg, grid, args.export_hf, export_tok)
+                EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
+                             export_tok)
         except (OSError, ValueError) as e:  # the same on every rank
             fail(str(e), grid)
         if log:

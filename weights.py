@@ -5,7 +5,11 @@ What it does
     and tp.py) and fills every parameter: from an HF safetensors directory (single file or sharded
     with `model.safetensors.index.json`), reading only this rank's slice of each tensor, or from the
     parameter's own named generator. `save_hf` writes full tensors as an HF directory that
-    `AutoModelForCausalLM.from_pretrained` loads; `load_hf` reads one back whole.
+    `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
+    the tokenizer); `load_hf` reads one back whole. The pieces serve a streaming export too (train.py
+    writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
+    file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
+    `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
 
 Reference
     The safetensors format (huggingface/safetensors) and transformers' sharded-checkpoint index
@@ -20,12 +24,17 @@ Invariants
       (from tp.py) says which slice of each global tensor a rank holds; only that slice is read.
     - `to_empty` unties shared weights and leaves non-persistent buffers (RoPE `inv_freq`) as
       garbage that is only ~100 ULP wrong: `materialize` re-ties the one and recomputes the other.
-    - A truncated, corrupt or mismatched file raises naming the file (or the tensor).
+    - A truncated, corrupt or mismatched file raises naming the file (or the tensor); a failed write
+      (a full disk says "no space left on device") names the file and leaves no partial file.
+    - An export owns its folder: it is written whole into `<dir>.tmp` and swapped in, so no file of
+      an older export (a stale index or shard) survives, and a crash leaves the older one complete.
+      A folder holding anything an export does not write is refused, never deleted.
 
 Builds on: model.py
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
@@ -181,9 +190,12 @@ def write_safetensors(path: str | os.PathLike, specs: list[Spec], tensors: Itera
                 if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise ValueError(f"{path}: {name} is {t.dtype} {list(t.shape)}, expected {dtype} "
                                      f"{list(shape)}")
-                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()  # (bytes,)
-                crc = zlib.crc32(data, crc)
-                f.write(data)
+                cpu = t.detach().to("cpu").contiguous()
+                if cpu.numel():  # the raw bytes, no copy (numpy() would mark the storage non-resizable
+                    # for good, and ZeRO-3 frees its units by resizing their storages)
+                    data = (ctypes.c_char * (cpu.numel() * cpu.element_size())).from_address(cpu.data_ptr())
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException as e:
@@ -319,8 +331,8 @@ def write_tokenizer(tok: object, out_dir: Path) -> None:
     t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tok.specials])
     name = {t.token_to_id(s): s for s in tok.specials}
     t.save(str(out_dir / "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"],
-            "clean_up_tokenization_spaces": False}
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: generate() refuses
     for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
         if i is not None:
             conf[key] = name[i]
@@ -368,11 +380,15 @@ def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.
     files = plan_shards([(k, shapes[k], dtype) for k in shapes], max_shard_bytes)
     tmp = begin_export(out_dir)
     weight_map = {}
-    for i, specs in enumerate(files):
-        name = shard_name(i, len(files))
-        write_safetensors(tmp / name, specs, (state[k] for k, _, _ in specs), metadata={"format": "pt"})
-        weight_map |= {k: name for k, _, _ in specs}
-    finish_hf(tmp, out_dir, cfg, weight_map, dtype, tokenizer)
+    try:
+        for i, specs in enumerate(files):
+            name = shard_name(i, len(files))
+            write_safetensors(tmp / name, specs, (state[k] for k, _, _ in specs), metadata={"format": "pt"})
+            weight_map |= {k: name for k, _, _ in specs}
+        finish_hf(tmp, out_dir, cfg, weight_map, dtype, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the older export, if any, is untouched
+        raise
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -483,3 +483,42 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     with pytest.raises(TypeError):  # extra must be JSON: checked before anything is written
         C.save_checkpoint(tmp_path / "x", 1, opt, CFG, shards, SINGLE, {"t": torch.zeros(1)})
     assert not (tmp_path / "x").exists()
+
+
+def test_prune_never_touches_later_steps(tmp_path):
+    """A run resumed from step 3 of a folder that also holds steps 10 and 11 (another run's) prunes
+    only up to the step it saved: it can neither remove its own checkpoint nor the later ones."""
+    for step in (1, 2, 3, 10, 11):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "meta.json").write_text("{}")
+    removed = C.prune(tmp_path, keep=2, upto=3)
+    assert [p.name for p in removed] == ["step_00000001"]
+    assert sorted(os.listdir(tmp_path)) == [f"step_{s:08d}" for s in (2, 3, 10, 11)]
+
+
+def _unshared(rank: int, world: int, root: str) -> str:
+    """dp2·ZeRO-1, but rank 1 writes where rank 0 cannot see it (its files vanish after writing)."""
+    lay = C.Layout(dp=2, dp_rank=rank)
+    m, shards, opt = make(CFG, lay, {"dp": dist.group.WORLD}, 1)
+    if rank == 1:
+        real = C.write_safetensors
+
+        def elsewhere(path, *a, **k):
+            info = real(path, *a, **k)
+            Path(path).unlink()
+            return info
+        C.write_safetensors = elsewhere
+    try:
+        C.save_checkpoint(root, 1, opt, CFG, shards, lay, {})
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
+def test_meta_lists_what_ranks_report_and_needs_a_shared_filesystem(tmp_path):
+    """meta.json's file list is the ranks' gathered reports, checked against what rank 0 sees: a
+    file only its writer can see stops every rank, and no partial folder is left."""
+    msgs = run_ranks(_unshared, 2, str(tmp_path), timeout=60)
+    assert msgs[0] == msgs[1] and "rank00001.safetensors: written by another rank" in msgs[0]
+    assert "all ranks must write one shared filesystem" in msgs[0]
+    assert os.listdir(tmp_path) == []
