@@ -470,6 +470,17 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     for path, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             C.load_checkpoint(path, opt, CFG, shards, SINGLE)
+
+    def format_1(path: Path) -> None:  # sizes only, as checkpoints were written before the crc32
+        meta = json.loads((path / "meta.json").read_text())
+        meta["format"] = "attotron-checkpoint-1"
+        meta["files"] = {f: info["bytes"] for f, info in meta["files"].items()}
+        (path / "meta.json").write_text(json.dumps(meta))
+    C.load_checkpoint(damaged("format1", format_1), opt, CFG, shards, SINGLE)  # still loads
+    m1, shards1, opt1 = make(CFG, SINGLE, {}, 0)
+    C.load_checkpoint(good, opt1, CFG, shards1, SINGLE)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m1.parameters()))
+    C.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to where the damaged cases left it
     other = replace(CFG, intermediate_size=96)  # shape mismatch against the config
     m2, shards2, opt2 = make(other, SINGLE, {}, 0)
     msg = r"good/step_00000001/meta.json: .*mlp.gate_proj.weight: saved \[64, 32\], config \[96, 32\]"
