@@ -10,7 +10,7 @@ What it does
     cast (`opt._publish()` redoes it after loading).
 
         <dir>/step_00000100/
-            meta.json              step, layout, global shapes, extra, every file with its size
+            meta.json              step, layout, global shapes, extra, every file: bytes, crc32
             rank00000.json         rank 0's coordinates, RNG state, index of the pieces it wrote
             rank00000.safetensors  those pieces: "<hf name>/master", "/exp_avg", "/exp_avg_sq"
             rank00001.json ...     (a rank that owns nothing writes only its .json)
@@ -36,17 +36,24 @@ Invariants
     - No rank gathers the model. On load a rank reads, one name at a time, only the saved tp slices
       that overlap its own (all ZeRO pieces of such a slice: at most one full tensor in memory),
       then cuts out its local tensor and its piece.
-    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; after a barrier the lead rank
-      writes meta.json last, renames the folder and fsyncs the parent (so all ranks must see one
-      shared filesystem). A crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores
-      and `prune` removes; older checkpoints are never touched by a save (saving the same step
-      again moves the old folder to `.old` until the new one is in place).
+    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; the ranks then exchange what
+      they wrote (`exchange`: file names, bytes, crc32 — never a directory listing, which can be
+      stale on a network filesystem), and the lead rank checks it sees those files (all ranks must
+      share one filesystem), writes meta.json last, renames the folder and fsyncs the parent. A
+      crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores and `prune` removes;
+      older checkpoints are never touched by a save (saving the same step again moves the old
+      folder to `.old` until the new one is in place). A rank's failure (a full disk) is exchanged
+      too: every rank raises the same OSError and the lead removes the `.tmp` folder.
+    - Coordination: save and load wait for each other only in `exchange` over the caller's group;
+      train.py passes a gloo group with a long timeout of its own, so a slow writer trips no NCCL
+      watchdog, and the lead prunes (`keep`) while the others wait there.
     - Loading parses JSON and safetensors only (no pickle: a foreign checkpoint cannot run code).
-      A missing, truncated or mismatched file raises naming the file, before any tensor is copied.
+      A missing, truncated, corrupt (crc32) or mismatched file raises naming the file, before any
+      tensor is copied; when one rank finds it, all raise.
     - RNG states come back only under the very same layout (same tp, dp, pp: every rank finds its
       own); otherwise they are left alone and `Restored.rng_restored` is False.
 
-Builds on: model.py
+Builds on: model.py, weights.py
 """
 from __future__ import annotations
 
@@ -56,18 +63,20 @@ import math
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from model import LlamaConfig, Shard, global_shapes
+from weights import file_crc32, io_error, write_safetensors
 
-FORMAT = "attotron-checkpoint-1"
+FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
+READS = ("attotron-checkpoint-1", FORMAT)  # 1: sizes only (nothing to verify)
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
 STEP_DIR = re.compile(r"step_(\d{8})")
 EMBED = "model.embed_tokens.weight"
@@ -152,11 +161,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_json(path: Path, obj: Any) -> dict[str, int]:
+    """Write, fsync; return {"bytes", "crc32"} of what was written (as write_safetensors does)."""
+    data = json.dumps(obj).encode()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise io_error(path, e) from e
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
 
 
 def _read_json(path: Path) -> Any:
@@ -168,9 +183,33 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+# ------------------------------------------------------------------------------------- coordination
+def exchange(report: dict, group: dist.ProcessGroup | None = None) -> list[dict]:
+    """Every rank's JSON-able `report`, in group rank order, on every rank: the files a rank wrote,
+    its error. JSON bytes in uint8 tensors, nothing pickled. It is also the barrier of checkpoint
+    I/O: `group` should be a gloo group with a long timeout (train.py's io group), so ranks waiting
+    for a slow writer neither hold a GPU collective nor trip the NCCL watchdog."""
+    if not dist.is_initialized():
+        return [report]
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    data = torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8, device=device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=device), group=group)
+    longest = int(max(sizes))
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(parts, torch.cat([data, data.new_zeros(longest - data.numel())]), group=group)
+    return [json.loads(p[:int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+
+def raise_errors(reports: list[dict], what: str) -> None:
+    """Raise the same OSError on every rank when any report carries an error (each rank calls it
+    with the same exchanged reports, so either all go on or all stop: nobody waits for a peer that
+    gave up)."""
+    bad = [f"rank {r.get('rank', i)}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
+    if bad:
+        more = f"; ... ({len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise OSError(f"{what}: " + "; ".join(bad[:4]) + more)
 
 
 def _rng_state(device: torch.device) -> dict[str, list[int]]:
@@ -193,7 +232,8 @@ def _check_layout(layout: Layout, group: dist.ProcessGroup | None) -> None:
 
 def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
            layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The pieces this rank writes (CPU copies) and their index entries (see the invariants)."""
+    """The pieces this rank writes (flat views of its masters and moments, not copies) and their
+    index entries (see the invariants)."""
     shapes = global_shapes(cfg)
     pieces = getattr(opt, "pieces", None)  # ZeRO 1-3: master i = flat piece of local param i
     if pieces is None and layout.dp_rank != 0:
@@ -213,7 +253,7 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
         state = opt.optimizer.state.get(master, {})
         values = {"master": master} | {k: state[k] for k in KINDS[1:] if k in state}
         for kind, t in values.items():
-            tensors[f"{name}/{kind}"] = t.detach().reshape(-1)[:n].to("cpu", copy=True)  # (n,)
+            tensors[f"{name}/{kind}"] = t.detach().reshape(-1)[:n]  # (n,)
         where = None if shard is None else [shard.dim, shard.start, shard.size]
         entries.append({"name": name, "shard": where, "local_shape": list(local), "start": start, "n": n,
                         "kinds": list(values), "step": float(state["step"]) if "step" in state else None})
@@ -222,11 +262,15 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: LlamaConfig,
                     shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
-                    group: dist.ProcessGroup | None = None) -> Path:
+                    group: dist.ProcessGroup | None = None, keep: int | None = None) -> Path:
     """Write `<ckpt_dir>/step_<step>` atomically; every rank of `group` (default: all) calls it.
     opt: precision.MixedPrecisionOptimizer or a zero.py optimizer (any stage); shards: apply_tp's
-    map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank. While
-    writing, a rank holds a CPU copy of its own share (masters + moments). Returns the final path."""
+    map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank; group: the
+    ranks' coordination (see `exchange`: give it a long timeout); keep: the lead then prunes to the
+    newest `keep` checkpoints up to this step, while the others wait in `group`, not in a compute
+    collective. Each tensor streams from the device to its file on its own (no copy of the rank's
+    share). Any rank's failure (a full disk...) raises the same OSError on every rank, after the
+    partial `.tmp` folder is removed. Returns the final path."""
     _check_layout(layout, group)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -236,34 +280,65 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
     meta = {"format": FORMAT, "step": step, "layout": {**layout.sizes(), "zero": getattr(opt, "stage", 0)},
             "shapes": {k: list(v) for k, v in global_shapes(cfg).items()}, "extra": extra or {}}
     json.dumps(meta)  # a non-JSON-able extra fails here, before anything is written
+    what = f"checkpoint step {step} not saved"
+    report: dict[str, Any] = {"rank": layout.rank, "error": None}
     if lead:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this step
-        tmp.mkdir(parents=True)
-    _barrier(group)
-    tensors, entries = _owned(opt, cfg, shards, layout)
-    name = f"rank{layout.rank:05d}"
-    if tensors:
-        save_file(tensors, tmp / f"{name}.safetensors")
-        _fsync(tmp / f"{name}.safetensors")
-    device = opt.master[0].device if opt.master else torch.device("cpu")
-    _write_json(tmp / f"{name}.json", {"coords": layout.__dict__, "entries": entries,
-                                       "rng": _rng_state(device)})
-    _barrier(group)  # every rank's files are durable
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this step
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            report["error"] = str(io_error(tmp, e))
+    raise_errors(exchange(report, group), what)
+
+    report["files"] = {}
+    try:
+        tensors, entries = _owned(opt, cfg, shards, layout)
+        name = f"rank{layout.rank:05d}"
+        if tensors:
+            specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+            report["files"][f"{name}.safetensors"] = write_safetensors(tmp / f"{name}.safetensors", specs,
+                                                                       tensors.values())
+        device = opt.master[0].device if opt.master else torch.device("cpu")
+        report["files"][f"{name}.json"] = _write_json(tmp / f"{name}.json", {
+            "coords": layout.__dict__, "entries": entries, "rng": _rng_state(device)})
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, never a lone raise
+        report["error"] = str(e)
+    reports = exchange(report, group)  # every rank's files are durable (or it failed)
+    if lead and any(r["error"] for r in reports):
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial folder: debris nobody would load
+    raise_errors(reports, what + f" (the partial {tmp.name} was removed)")
+
+    done = {"rank": layout.rank, "error": None}
     if lead:
-        meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
-        _fsync(tmp)  # the folder's entries (file names) are durable too
-        if final.exists():  # the same step saved again: swap, so a crash keeps one of the two
+        try:
+            # meta.json lists what the ranks report they wrote, not a directory listing (which can
+            # be stale on a network filesystem); a file rank 0 cannot see means no shared filesystem
+            meta["files"] = {f: info for r in reports for f, info in r["files"].items()}
+            for f, info in meta["files"].items():
+                if not (tmp / f).is_file() or (tmp / f).stat().st_size != info["bytes"]:
+                    raise OSError(f"{tmp / f}: written by another rank ({info['bytes']} bytes), not seen "
+                                  f"so by rank 0: all ranks must write one shared filesystem")
+            _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
+            _fsync(tmp)  # the folder's entries (file names) are durable too
+            if final.exists():  # the same step saved again: swap, so a crash keeps one of the two
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync(final.parent)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)  # nobody moves on (or prunes) before the rename
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            done["error"] = str(e)
+        if done["error"] is None and keep is not None:
+            try:
+                prune(ckpt_dir, keep, upto=step)
+            except OSError as e:
+                done["error"] = f"saved {final}, but pruning older checkpoints failed: {e}"
+    raise_errors(exchange(done, group), what)  # nobody moves on before the rename (and prune)
     return final
 
 
-def _complete(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint, oldest first."""
     found = [(int(m.group(1)), p) for p in Path(ckpt_dir).glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
     return sorted((s, p) for s, p in found if (p / "meta.json").is_file())
@@ -271,17 +346,21 @@ def _complete(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ckpt_dir (for `--resume auto`), or None."""
-    done = _complete(ckpt_dir)
+    done = complete_checkpoints(ckpt_dir)
     return done[-1][1] if done else None
 
 
-def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` complete checkpoints, and the debris of crashed saves
-    (.tmp/.old folders). Call it on one rank, between saves. Returns what was removed."""
+def prune(ckpt_dir: str | os.PathLike, keep: int, upto: int | None = None) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints at or before step `upto` (default: all
+    of them), and the debris of crashed saves (.tmp/.old folders). Checkpoints after `upto` are
+    never touched: a run passes the step it just saved (only finite steps save), so it can neither
+    remove that checkpoint nor count checkpoints of another run's later steps against it. Call it
+    on one rank, between saves. Returns what was removed."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     debris = [p for p in Path(ckpt_dir).glob("step_*") if re.fullmatch(r"step_\d{8}\.(tmp|old)", p.name)]
-    gone = [p for _, p in _complete(ckpt_dir)[:-keep]] + debris
+    done = [p for s, p in complete_checkpoints(ckpt_dir) if upto is None or s <= upto]
+    gone = done[:-keep] + debris
     for p in gone:
         shutil.rmtree(p)
     return gone
@@ -291,17 +370,22 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
 class _Index:
     """All ranks' index entries of one checkpoint: name → saved tp slice → its pieces (by start)."""
 
-    def __init__(self, path: Path, meta: dict, stack: contextlib.ExitStack):
-        self.path, self.stack, self.files = path, stack, {}
+    def __init__(self, path: Path, meta: dict, stack: contextlib.ExitStack, verify: bool):
+        self.path, self.stack, self.files, self.verify = path, stack, {}, verify
         self.shapes = {k: tuple(v) for k, v in meta["shapes"].items()}
-        for fname, size in meta["files"].items():
+        # format 1 listed sizes only; format 2 {"bytes", "crc32"} per file
+        self.info = {f: i if isinstance(i, dict) else {"bytes": i} for f, i in meta["files"].items()}
+        for fname, info in self.info.items():
             f = path / fname
             if not f.is_file():
                 raise FileNotFoundError(f"{f}: missing (meta.json lists it)")
-            if f.stat().st_size != size:
-                raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {size} (truncated?)")
+            if f.stat().st_size != info["bytes"]:
+                raise ValueError(f"{f}: {f.stat().st_size} bytes, meta.json says {info['bytes']} "
+                                 f"(truncated?)")
+        jsons = sorted(f for f in meta["files"] if f.endswith(".json"))
+        self.check_sums([path / f for f in jsons])  # small, and every rank reads them all
         self.slices: dict[str, dict[Shard | None, list[tuple[Path, dict]]]] = {}
-        for fname in sorted(f for f in meta["files"] if f.endswith(".json")):
+        for fname in jsons:
             tensors = path / fname.replace(".json", ".safetensors")
             for e in _read_json(path / fname)["entries"]:
                 shard = None if e["shard"] is None else Shard(*e["shard"])
@@ -352,6 +436,20 @@ class _Index:
                              f"{list(full)} (checkpoint {self.path})")
         return first
 
+    def sources(self, key: str, box: Box) -> set[Path]:
+        """The files `region(key, ·, box)` reads."""
+        full = self.shapes[key]
+        return {file for shard, pieces in self.slices[key].items()
+                if not _empty(_overlap(box, _box(full, shard))) for file, _ in pieces}
+
+    def check_sums(self, files: Iterable[Path]) -> None:
+        """Compare each file's crc32 with meta.json's (read whole: the cost of one more read)."""
+        for f in sorted(files):
+            want = self.info[f.name].get("crc32")
+            if self.verify and want is not None and (got := file_crc32(f)) != want:
+                raise ValueError(f"{f}: checksum mismatch (crc32 {got:08x}, meta.json says {want:08x}): "
+                                 f"the file is corrupt; resume from another checkpoint")
+
     def region(self, key: str, kind: str, box: Box) -> torch.Tensor:
         """`box` of the global tensor `key` (values of `kind`), from the saved slices overlapping it."""
         full = self.shapes[key]
@@ -379,39 +477,59 @@ class _Index:
         return torch.cat([real, real.new_zeros(n - real.numel())])
 
 
+def _describe_mismatch(saved: dict[str, list], now: dict[str, list]) -> str | None:
+    """A few differing tensors and their count (a whole model's list would be kilobytes on one line)."""
+    bad = [f"{k}: saved {saved.get(k)}, config {now.get(k)}"
+           for k in sorted(set(now) | set(saved)) if saved.get(k) != now.get(k)]
+    if not bad:
+        return None
+    more = f"; ... ({len(bad) - 3} more)" if len(bad) > 3 else ""
+    return f"{len(bad)} of {len(set(now) | set(saved))} tensors differ: " + "; ".join(bad[:3]) + more
+
+
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
-                    layout: Layout) -> Restored:
+                    layout: Layout, group: dist.ProcessGroup | None = None, verify: bool = True) -> Restored:
     """Fill `opt`'s masters and AdamW state (any layout, any ZeRO stage) from a checkpoint folder,
     publish them to the compute parameters (a collective for ZeRO: all ranks call this), and
-    restore this rank's RNG when the layout is the saved one."""
+    restore this rank's RNG when the layout is the saved one. Every check (files, sizes, crc32 of
+    each file this rank reads when `verify`, shapes, tiling) runs before anything is copied, and
+    the ranks agree over `group` (see `exchange`): when one fails, all raise."""
     _check_layout(layout, None)
     path = Path(path)
-    meta = _read_json(path / "meta.json")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path / 'meta.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    now = {k: list(v) for k, v in global_shapes(cfg).items()}
-    bad = [f"{k}: saved {meta['shapes'].get(k)}, config {now.get(k)}"
-           for k in sorted(set(now) | set(meta["shapes"])) if meta["shapes"].get(k) != now.get(k)]
-    if bad:
-        raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: "
-                         + "; ".join(bad))
     pieces = getattr(opt, "pieces", None)
     # AdamW keeps its step count on the CPU unless it is capturable or fused
     on_device = any(opt.optimizer.defaults.get(k) for k in ("capturable", "fused"))
     with contextlib.ExitStack() as stack:
-        index = _Index(path, meta, stack)
-        keys = [EMBED if _tied_copy(n, cfg) else n for n in opt.names]  # a tied copy loads the embedding
-        missing = sorted({k for k in keys if k not in index.slices})
-        if missing:
-            raise ValueError(f"{path}: no saved pieces for {missing}")
-        for name, key, p in zip(opt.names, keys, opt.params):
-            _check_local(name, tuple(p.shape), index.shapes[key], shards.get(name))
-        saved = {key: index.check(key) for key in dict.fromkeys(keys)}  # all checks before any copy
-        for i, (name, key) in enumerate(zip(opt.names, keys)):
+        error = None
+        try:
+            meta = _read_json(path / "meta.json")
+            if meta.get("format") not in READS:
+                raise ValueError(f"{path / 'meta.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
+            mismatch = _describe_mismatch(meta["shapes"], {k: list(v) for k, v in global_shapes(cfg).items()})
+            if mismatch:
+                raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: "
+                                 f"{mismatch}")
+            index = _Index(path, meta, stack, verify)
+            keys = [EMBED if _tied_copy(n, cfg) else n for n in opt.names]  # a tied copy loads the embedding
+            missing = sorted({k for k in keys if k not in index.slices})
+            if missing:
+                raise ValueError(f"{path}: no saved pieces for {len(missing)} tensors: {missing[:5]}"
+                                 + (" ..." if len(missing) > 5 else ""))
+            boxes = [_box(index.shapes[key], shards.get(name)) for name, key in zip(opt.names, keys)]
+            for name, key, p in zip(opt.names, keys, opt.params):
+                _check_local(name, tuple(p.shape), index.shapes[key], shards.get(name))
+            saved = {key: index.check(key) for key in dict.fromkeys(keys)}  # all checks before any copy
+            index.check_sums({f for key, box in zip(keys, boxes) for f in index.sources(key, box)})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            error = e
+        reports = exchange({"rank": layout.rank, "error": None if error is None else str(error)}, group)
+        if error is not None:
+            raise error
+        raise_errors(reports, f"cannot load {path}")  # a peer failed: stop with it
+        for i, (key, box) in enumerate(zip(keys, boxes)):
             master = opt.master[i]
             start, n = (pieces[i].start, pieces[i].n) if pieces is not None else (0, opt.params[i].numel())
-            box = _box(index.shapes[key], shards.get(name))
             values = {kind: index.piece(key, kind, box, start, n).view(master.shape)
                       for kind in saved[key]["kinds"]}
             master.copy_(values.pop("master"))

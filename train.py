@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ import ac as AC
 import checkpoint as CK
 import data
 import dp
+import export as EX
 import model as M
 import pp as PP
 import precision as P
@@ -97,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", default=None, help="a checkpoint folder, or 'auto' = the newest complete one in --save "
                                      "(any layout can resume any other)")
     a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
+    a("--skip-checksums", action="store_true", help="resume without the crc32 check of the checkpoint's "
+                                                    "files (one more read of them; sizes are still checked)")
     a("--log-every", type=int, default=1, help="print a log line every N steps")
     a("--eval-every", type=int, default=0,
       help="evaluate every N steps and after the last (0: only after the last): the validation loss "
@@ -113,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
+    a("--io-timeout", type=float, default=3600.0,
+      help="seconds ranks wait for each other around checkpoint and export I/O (a gloo group of its "
+           "own: writing 12 bytes/param per rank can outlast --timeout)")
     a("--max-bad-steps", type=int, default=3,
       help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
     # parallelism: world = tp · dp · pp, dp is what is left
@@ -152,6 +159,7 @@ class Grid:
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     embed_group: dist.ProcessGroup | None = None
+    io_group: dist.ProcessGroup | None = None  # gloo, --io-timeout: checkpoint and export I/O waits
 
 
 def setup(timeout_s: float = 600.0) -> Grid:
@@ -179,7 +187,7 @@ def setup(timeout_s: float = 600.0) -> Grid:
     return Grid(dist.get_rank(), dist.get_world_size(), device)
 
 
-def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0) -> None:
+def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout_s: float = 3600.0) -> None:
     """rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank. Every rank creates every group, in the same
     order (new_group is collective), and keeps the ones it belongs to."""
     w = grid.world
@@ -198,6 +206,7 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0) -> None:
     grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
     grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
     grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
+    grid.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=io_timeout_s))
 
 
 class StageError(RuntimeError):
@@ -277,6 +286,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
         errors.append(f"need --save-every >= 0 and --keep >= 1, got {args.save_every} and {args.keep}")
+    if args.io_timeout <= 0:
+        errors.append(f"--io-timeout must be > 0 seconds, got {args.io_timeout}")
+    if args.export_hf and (problem := W.export_problem(args.export_hf)):
+        errors.append(f"--export-hf: {problem}")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
@@ -289,7 +302,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
     """The flags whose 0, negative or NaN value would otherwise be taken silently or crash late,
     and every output path (a run must not train for hours, then fail to write its result)."""
     errors = []
-    floats = ("lr", "min_lr", "weight_decay", "clip", "bucket_mb", "timeout", "val_fraction")
+    floats = ("lr", "min_lr", "weight_decay", "clip", "bucket_mb", "timeout", "io_timeout", "val_fraction")
     nan = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in floats
            if not math.isfinite(getattr(args, f))]
     if nan:
@@ -538,43 +551,108 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
                         tied=PP.tied_copy(model), embed_group=grid.embed_group)
 
 
-def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
-              out: str) -> None:
-    """Gather the compute parameters (fp32 in fp32 mode, else the bf16 copy of the masters) over tp,
-    then the stages over pp, to global rank 0, which writes the HF dir."""
-    with opt.gathered():  # ZeRO-3: full parameters inside
-        local = {n: p.detach().clone() for n, p in model.named_parameters()}
-    full = TP.gather_full(local, shards, grid.tp_group, cfg)
-    if grid.at.dp_rank == 0 and grid.at.tp_rank == 0:  # one pp group holds global rank 0
-        cpu = {n: t.cpu() for n, t in full.items()}
-        stages = [None] * grid.at.pp if grid.rank == 0 else None
-        dist.gather_object(cpu, stages, dst=0, group=grid.pp_group)
-        if grid.rank == 0:
-            W.save_hf({k: v for st in stages for k, v in st.items()}, cfg, out)
-    dist.barrier()
+def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tok: object | None):
+    """The tokenizer the trained ids come from: SFT's, or the one --data was prepared with."""
+    if tok is not None:
+        return tok
+    path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
+    return data.load_tokenizer(path)
 
 
-def open_metrics(path: str, start: int):
-    """A resumed run keeps the records up to its checkpoint and drops those of steps it will redo."""
-    kept = []
+def open_metrics(path: str, start: int) -> TextIO:
+    """A resumed run keeps the records up to its checkpoint and drops those of steps it will redo
+    (a fresh run starts empty). The kept lines are rewritten atomically — a temporary file, fsynced,
+    renamed over the old one — so a crash at any moment leaves the old or the new file, never a
+    truncated one; the file is then appended to, one flushed line per step. A torn last line (a
+    kill mid-write) is dropped."""
+    kept, torn = [], 0
     if start and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start]
-    f = open(path, "w")
-    f.writelines(kept)
-    return f
+        for line in open(path):
+            try:
+                if line.strip() and json.loads(line)["step"] <= start:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                torn += 1
+    if torn:
+        print(f"note: {path}: {torn} unreadable line(s) dropped (a run killed while writing)", flush=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return open(path, "a")
 
 
-def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
-           sampler: dp.DPSampler, grid: Grid) -> int:
-    """Load --resume (or the newest complete checkpoint for 'auto') into the optimizer, parameters
-    and sampler; return the step to continue from (0 when there is nothing to resume)."""
-    path = CK.latest_checkpoint(args.save) if args.resume == "auto" else args.resume
-    if not path:
-        if args.resume == "auto" and grid.rank == 0:
+# resuming with a flag that differs from the checkpoint's run: an error where the saved sampler
+# position would point into other rows or another order; silence for flags that change nothing
+# the run computes; a note for the rest (another layout, schedule or data path is legitimate)
+RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global batch changes",
+                 "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
+                 "overlong": "the rows change"}
+RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums"}
+SCHEDULE = ("lr", "min_lr", "warmup", "steps")
+
+
+def plan_resume(args: argparse.Namespace, grid: Grid) -> Path | None:
+    """The checkpoint --resume names (the newest complete one for 'auto'), found before any heavy
+    work: its meta.json only. Flags that differ from its saved args are printed; those that cannot
+    work (a --steps below its step, another data order) stop the run."""
+    if not args.resume:
+        return None
+    path = CK.latest_checkpoint(args.save) if args.resume == "auto" else Path(args.resume)
+    if path is None:
+        if grid.rank == 0:
             print(f"note: no complete checkpoint in {args.save}: starting fresh", flush=True)
+        return None
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        step, saved = int(meta["step"]), meta["extra"].get("args", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        fail(f"cannot resume from {path}: {path / 'meta.json'} is missing or unreadable ({e})", grid)
+    now, errors, notes = vars(args), [], []
+    for k in sorted(set(saved) & set(now) - RESUME_QUIET):
+        if saved[k] != now[k]:
+            line = f"--{k.replace('_', '-')} {now[k]} (checkpoint: {saved[k]})"
+            if k in RESUME_ERRORS:
+                errors.append(f"{line}: {RESUME_ERRORS[k]}, so the saved data position would point elsewhere")
+            else:
+                notes.append(line)
+    if 0 < args.steps < step:
+        errors.append(f"--steps {args.steps} is below the checkpoint's step {step}: nothing would be "
+                      f"trained (continue with --steps > {step}; --steps 0 only exports)")
+    elif args.steps > step and all(k in saved for k in SCHEDULE):
+        if args.steps != saved["steps"]:
+            notes.append(f"--steps {args.steps} (checkpoint's run: {saved['steps']}): the cosine decay now "
+                         f"ends at step {args.steps}")
+        then = lr_at(step, argparse.Namespace(**{k: saved[k] for k in SCHEDULE}))
+        if not math.isclose(then, lr_at(step, args)):
+            notes.append(f"the lr of step {step + 1} is {lr_at(step, args):.3g} with these flags, "
+                         f"{then:.3g} on the checkpoint's schedule")
+    if errors:
+        fail("\n  ".join([f"cannot resume from {path} with these flags:"] + errors), grid)
+    if grid.rank == 0:
+        if notes:
+            print("\n  ".join([f"note: resuming {path} with flags that differ from its run:"] + notes),
+                  flush=True)
+        later = [p.name for s, p in CK.complete_checkpoints(path.parent) if s > step]
+        if later:
+            print(f"note: {path.parent} also holds later checkpoints ({', '.join(later[-3:])}): a restart "
+                  f"with --resume auto would continue from those, not from this run's saves", flush=True)
+    return path
+
+
+def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig,
+           shards: dict, sampler: dp.DPSampler, grid: Grid) -> int:
+    """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler; return
+    the step to continue from (0 when there is nothing to resume). The ranks agree over the io
+    group: a file only one rank reads (and finds corrupt) stops them all."""
+    if path is None:
         return 0
     try:
-        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at)
+        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
+                                 verify=not args.skip_checksums)
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:
         fail(f"cannot resume from {path}: {e}", grid)
@@ -582,6 +660,22 @@ def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, sh
         print(f"resumed from {path} at step {got.step} (saved as {got.saved_layout})"
               + ("" if got.rng_restored else "; RNG states not restored (other layout)"), flush=True)
     return got.step
+
+
+def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
+         sampler: dp.DPSampler, grid: Grid, metrics: TextIO | None) -> None:
+    """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
+    durable, so a kill between the two loses no record. The ranks wait for each other in the io
+    group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only."""
+    if metrics:
+        os.fsync(metrics.fileno())
+    extra = {"sampler": sampler.state_dict(), "args": vars(args)}
+    try:
+        with stage("checkpoint save", grid):
+            CK.save_checkpoint(args.save, step, opt, cfg, shards, grid.at, extra, group=grid.io_group,
+                               keep=args.keep)
+    except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
+        fail(str(e), grid)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -595,11 +689,12 @@ def main(argv: list[str] | None = None) -> None:
     errors = validate(args, cfg, grid)
     if errors:
         fail("\n  ".join(["invalid configuration:"] + errors), grid)
+    ckpt = plan_resume(args, grid)
     try:
         ds, tok, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if args.sft else load_val(args, ds, grid)
-        make_grid(grid, args.tp, args.pp, args.timeout)
+        make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         sampler = dp.DPSampler(len(ds), args.batch_size, grid.at.dp_rank, grid.at.dp, args.seed,
                                remainder="wrap" if args.sft else "drop")
@@ -610,7 +705,11 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         fail(str(e), grid)
     opt = make_optimizer(args, model, shards, grid)
-    start = resume(args, opt, cfg, shards, sampler, grid)
+    start = resume(ckpt, args, opt, cfg, shards, sampler, grid)
+    try:
+        export_tok = export_tokenizer(args, ds, tok) if args.export_hf else None
+    except (OSError, ValueError) as e:
+        fail(f"--export-hf: the tokenizer to export: {e}", grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)
     pp_group = grid.pp_group if args.pp > 1 else None
 
@@ -642,12 +741,6 @@ def main(argv: list[str] | None = None) -> None:
         lr = lr_at(step, args)
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             grad_norm = opt.step(lr)
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            with stage("checkpoint save", grid):
-                extra = {"sampler": sampler.state_dict(), "args": vars(args)}
-                CK.save_checkpoint(args.save, step + 1, opt, cfg, shards, grid.at, extra)
-            if log:
-                CK.prune(args.save, args.keep)
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
@@ -687,11 +780,18 @@ def main(argv: list[str] | None = None) -> None:
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            save(args, step + 1, opt, cfg, shards, sampler, grid, metrics)
     if args.steps > start and not good:
         fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
              f"trained; lower --lr, check the data, or use --clip", grid)
     if args.export_hf:
-        export_hf(model, opt, shards, cfg, grid, args.export_hf)
+        try:
+            with stage("HF export", grid):
+                EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
+                             export_tok)
+        except (OSError, ValueError) as e:  # the same on every rank
+            fail(str(e), grid)
         if log:
             print(f"exported HF model to {args.export_hf}", flush=True)
     if metrics:

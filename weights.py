@@ -5,7 +5,11 @@ What it does
     and tp.py) and fills every parameter: from an HF safetensors directory (single file or sharded
     with `model.safetensors.index.json`), reading only this rank's slice of each tensor, or from the
     parameter's own named generator. `save_hf` writes full tensors as an HF directory that
-    `AutoModelForCausalLM.from_pretrained` loads; `load_hf` reads one back whole.
+    `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
+    the tokenizer); `load_hf` reads one back whole. The pieces serve a streaming export too (train.py
+    writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
+    file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
+    `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
 
 Reference
     The safetensors format (huggingface/safetensors) and transformers' sharded-checkpoint index
@@ -20,23 +24,32 @@ Invariants
       (from tp.py) says which slice of each global tensor a rank holds; only that slice is read.
     - `to_empty` unties shared weights and leaves non-persistent buffers (RoPE `inv_freq`) as
       garbage that is only ~100 ULP wrong: `materialize` re-ties the one and recomputes the other.
-    - A truncated, corrupt or mismatched file raises naming the file (or the tensor).
+    - A truncated, corrupt or mismatched file raises naming the file (or the tensor); a failed write
+      (a full disk says "no space left on device") names the file and leaves no partial file.
+    - An export owns its folder: it is written whole into `<dir>.tmp` and swapped in, so no file of
+      an older export (a stale index or shard) survives, and a crash leaves the older one complete.
+      A folder holding anything an export does not write is refused, never deleted.
 
 Builds on: model.py
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import math
 import os
+import re
+import shutil
+import struct
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from model import Llama, LlamaConfig, Shard, build, global_shapes, load_config
 
@@ -146,44 +159,248 @@ def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir:
     return model
 
 
-def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.PathLike,
-            max_shard_bytes: int = 4 << 30) -> None:
-    """Write full (gathered) tensors as an HF dir: config.json + safetensors (sharded with an index
-    when larger than max_shard_bytes). Tied models write no `lm_head.weight`. Every file is written
-    under a temporary name and renamed, and config.json comes last: a fresh directory that has a
-    config.json is complete (overwriting an older export in place is not atomic as a whole)."""
+# ------------------------------------------------------------------------------------- writing
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+           torch.uint8: "U8", torch.bool: "BOOL"}
+Spec = tuple[str, tuple[int, ...], torch.dtype]  # what a file's header needs before any value
+
+
+def write_safetensors(path: str | os.PathLike, specs: list[Spec], tensors: Iterable[torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> dict[str, int]:
+    """Stream `tensors` (in the order of `specs`, from any device) into a safetensors file, one at
+    a time: the header follows from the specs, so no tensor waits in memory for the others. Returns
+    {"bytes", "crc32"} of the whole file, the checksum taken from the bytes as they are written; the
+    file is fsynced. A tensor that does not match its spec raises before it is written."""
+    header, end = {}, 0
+    for name, shape, dtype in specs:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [end, end + n]}
+        end += n
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+    head = struct.pack("<Q", len(text)) + text
+    crc = zlib.crc32(head)
+    try:
+        with open(path, "wb") as f:
+            f.write(head)
+            for (name, shape, dtype), t in zip(specs, tensors, strict=True):
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise ValueError(f"{path}: {name} is {t.dtype} {list(t.shape)}, expected {dtype} "
+                                     f"{list(shape)}")
+                cpu = t.detach().to("cpu").contiguous()
+                if cpu.numel():  # the raw bytes, no copy (numpy() would mark the storage non-resizable
+                    # for good, and ZeRO-3 frees its units by resizing their storages)
+                    data = (ctypes.c_char * (cpu.numel() * cpu.element_size())).from_address(cpu.data_ptr())
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        Path(path).unlink(missing_ok=True)  # no partial file (a full disk gets its space back)
+        if isinstance(e, OSError):
+            raise io_error(path, e) from e
+        raise
+    return {"bytes": len(head) + end, "crc32": crc}
+
+
+def io_error(path: str | os.PathLike, e: OSError) -> OSError:
+    """An OSError whose message names the file and the cause in words (a write that fills the disk
+    raises a bare "[Errno 28]" without the file)."""
+    why = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}.get(
+        e.errno, e.strerror or str(e))
+    err = OSError(f"{path}: {why}")
+    err.errno = e.errno
+    return err
+
+
+def file_crc32(path: str | os.PathLike, chunk: int = 16 << 20) -> int:
+    """crc32 of a whole file, read in chunks (to compare with what write_safetensors returned)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def plan_shards(specs: list[Spec], max_bytes: int) -> list[list[Spec]]:
+    """Consecutive groups of at most max_bytes of data (a larger tensor gets a file of its own)."""
+    files, size = [[]], 0
+    for spec in specs:
+        n = math.prod(spec[1]) * spec[2].itemsize
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += n
+    return files
+
+
+def shard_name(i: int, n: int) -> str:
+    """transformers' names: one model.safetensors, or model-0000i-of-0000n.safetensors + an index."""
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------- HF dirs
+# what an export writes (weights, configs, a tokenizer): the only files it may replace
+_EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                          r"(generation_)?config\.json|tokenizer(_config)?\.json|special_tokens_map\.json|"
+                          r"added_tokens\.json|chat_template\.(jinja|json)|tokenizer\.model|vocab\.json|"
+                          r"merges\.txt|.*\.tmp")
+
+
+def export_problem(out_dir: str | os.PathLike) -> str | None:
+    """Why `out_dir` cannot receive an HF export (None: it can). An export owns its folder and
+    replaces it whole, so an existing folder may hold only what an export writes."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    expected = global_shapes(cfg)
-    missing = sorted(set(expected) - set(state))
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} is a file, not a folder"
+    foreign = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()
+                     if p.is_dir() or not _EXPORT_NAME.fullmatch(p.name))
+    if foreign:
+        return (f"{out} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which an "
+                f"export (it replaces the whole folder) would delete: pick a new or empty folder")
+    return None
+
+
+def staging_dir(out_dir: str | os.PathLike, suffix: str = ".tmp") -> Path:
+    """`<out_dir>.tmp`, the sibling an export is written into (same filesystem: renames are atomic)."""
+    out = Path(out_dir).resolve()
+    return out.with_name(out.name + suffix)
+
+
+def begin_export(out_dir: str | os.PathLike) -> Path:
+    """A fresh staging_dir(out_dir) to write the export into (see commit_export)."""
+    for path in (out_dir, staging_dir(out_dir), staging_dir(out_dir, ".old")):
+        problem = export_problem(path)
+        if problem:
+            raise ValueError(f"cannot export: {problem}")
+    tmp = staging_dir(out_dir)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's debris
+        shutil.rmtree(staging_dir(out_dir, ".old"), ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise io_error(tmp, e) from e
+    return tmp
+
+
+def commit_export(tmp: Path, out_dir: str | os.PathLike) -> None:
+    """Swap the finished staging_dir in for out_dir: no file of an older export survives (a stale
+    index or shard would make two loaders read different weights). Two renames: a crash between
+    them leaves the new export in `<out_dir>.tmp` and the old one in `<out_dir>.old`."""
+    out, old = Path(out_dir).resolve(), staging_dir(out_dir, ".old")
+    _fsync(tmp)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's table byte → printable character, the alphabet of `tokenizers`' ByteLevel."""
+    keep = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_tokenizer(tok: object, out_dir: Path) -> None:
+    """Tokenizer files `AutoTokenizer.from_pretrained(out_dir)` loads: a copy of an HF tokenizer
+    (data.HFTokenizer's `.hf`), or for data.ByteTokenizer (ids 0-255 = bytes, then its specials) a
+    byte-level BPE without merges: each byte is one token whose id is the byte."""
+    if getattr(tok, "hf", None) is not None:
+        tok.hf.save_pretrained(str(out_dir))
+        return
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    t = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tok.specials])
+    name = {t.token_to_id(s): s for s in tok.specials}
+    t.save(str(out_dir / "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: generate() refuses
+    for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
+        if i is not None:
+            conf[key] = name[i]
+    _write_text(out_dir / "tokenizer_config.json", json.dumps(conf, indent=2))
+
+
+def finish_hf(tmp: Path, out_dir: str | os.PathLike, cfg: LlamaConfig, weight_map: dict[str, str],
+              dtype: torch.dtype, tokenizer: object | None = None) -> None:
+    """Complete an export written into `tmp` (begin_export): the index (several shards),
+    config.json and generation_config.json with the tokenizer's bos/eos/pad ids, the tokenizer
+    files; then swap it in (commit_export)."""
+    missing = sorted(set(global_shapes(cfg)) - set(weight_map))
+    if missing:
+        raise ValueError(f"export: no shard holds {len(missing)} tensors, e.g. {missing[:3]}")
+    shapes = global_shapes(cfg)
+    if len(set(weight_map.values())) > 1:
+        total = sum(math.prod(shapes[k]) * dtype.itemsize for k in weight_map)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2))
+    d = cfg.to_hf()
+    d["torch_dtype"] = str(dtype).removeprefix("torch.")
+    ids = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    if tokenizer is not None:  # the ids the model was trained with
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        if tokenizer.pad_id is not None:
+            ids["pad_token_id"] = tokenizer.pad_id
+        write_tokenizer(tokenizer, tmp)
+    _write_text(tmp / "config.json", json.dumps(d | ids, indent=2))
+    _write_text(tmp / "generation_config.json", json.dumps(ids, indent=2))
+    commit_export(tmp, out_dir)
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.PathLike,
+            max_shard_bytes: int = 4 << 30, tokenizer: object | None = None) -> None:
+    """Write full (gathered) tensors as an HF dir: config.json, generation_config.json, safetensors
+    (sharded with an index when larger than max_shard_bytes), the tokenizer when given (a data.py
+    tokenizer). Tied models write no `lm_head.weight`. The export owns out_dir: it is written whole
+    beside it and swapped in (begin_export / commit_export), so no file of an older export
+    survives and a crash leaves the older export complete."""
+    shapes = global_shapes(cfg)
+    missing = sorted(set(shapes) - set(state))
     if missing:
         raise ValueError(f"save_hf: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    tensors = {k: state[k].detach().to("cpu").contiguous() for k in expected}
-    shards, cur, size = [], {}, 0
-    for k, t in tensors.items():
-        if cur and size + t.nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k], size = t, size + t.nbytes
-    shards.append(cur)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    writes = list(zip(names, shards))
-    for n, s in writes:
-        save_file(s, str(out / (n + ".tmp")), metadata={"format": "pt"})
-        os.replace(out / (n + ".tmp"), out / n)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": {k: n for n, s in writes for k in s}}
-        _write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
-    d = cfg.to_hf()
-    d["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    _write_text(out / "config.json", json.dumps(d, indent=2))
+    dtype = state[next(iter(shapes))].dtype
+    files = plan_shards([(k, shapes[k], dtype) for k in shapes], max_shard_bytes)
+    tmp = begin_export(out_dir)
+    weight_map = {}
+    try:
+        for i, specs in enumerate(files):
+            name = shard_name(i, len(files))
+            write_safetensors(tmp / name, specs, (state[k] for k, _, _ in specs), metadata={"format": "pt"})
+            weight_map |= {k: name for k, _, _ in specs}
+        finish_hf(tmp, out_dir, cfg, weight_map, dtype, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the older export, if any, is untouched
+        raise
 
 
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise io_error(path, e) from e
     os.replace(tmp, path)
 
 

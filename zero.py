@@ -410,6 +410,16 @@ class Zero3Optimizer(ZeroOptimizer):
             for u in range(len(self.buckets)):
                 self._free(u)
 
+    def each_unit_gathered(self) -> Iterator[list[str]]:
+        """One unit gathered at a time (a dp collective each): yields its parameter names while they
+        hold full values, frees it before the next (a streaming export holds one unit, not the model)."""
+        for u in range(len(self.buckets)):
+            self._gather(u)
+            try:
+                yield [self.names[i] for i in self.buckets[u].index]
+            finally:
+                self._free(u)
+
     def teardown(self) -> None:
         remove_handles(self.module_handles)
         remove_handles(self.grad_handles)

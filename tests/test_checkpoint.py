@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -327,8 +328,8 @@ def test_cross_layout_resume(tmp_path):
     assert rel(steps(m, opt, s, SINGLE, {}, 2), straight[4:6]) <= TOL
 
 
-class Injected(RuntimeError):
-    pass
+class Injected(BaseException):
+    """A kill: no handler catches it (a caught error would be reported to every rank and cleaned up)."""
 
 
 def _crash(rank: int, world: int, root: str) -> None:
@@ -341,12 +342,12 @@ def _crash(rank: int, world: int, root: str) -> None:
     C.save_checkpoint(root, 2, opt, CFG, shards, lay, {"sampler": s.state_dict()})
     steps(m, opt, s, lay, g, 1)
     if rank == 1:
-        real = C.save_file
+        real = C.write_safetensors
 
         def save_then_die(*args, **kw):
             real(*args, **kw)
             raise Injected("killed between files")
-        C.save_file = save_then_die
+        C.write_safetensors = save_then_die
     C.save_checkpoint(root, 3, opt, CFG, shards, lay, {"sampler": s.state_dict()})
 
 
@@ -417,15 +418,21 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
         data = f.read_bytes()
         f.write_bytes(b"\xff" * 16 + data[16:])
 
-    def edit_index(path: Path, fn) -> None:  # a consistent-looking but wrong index (sizes fixed)
+    def edit_index(path: Path, fn) -> None:  # a consistent-looking but wrong index (sizes, sums fixed)
         index = json.loads((path / "rank00000.json").read_text())
         entries = {e["name"]: e for e in index["entries"]}
         fn(entries)
         index["entries"] = list(entries.values())
         (path / "rank00000.json").write_text(json.dumps(index))
         meta = json.loads((path / "meta.json").read_text())
-        meta["files"]["rank00000.json"] = (path / "rank00000.json").stat().st_size
+        data = (path / "rank00000.json").read_bytes()
+        meta["files"]["rank00000.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         (path / "meta.json").write_text(json.dumps(meta))
+
+    def flip(f: Path, at: int, bit: int) -> None:  # same size, one bit of the data changed
+        data = bytearray(f.read_bytes())
+        data[at] ^= 1 << bit
+        f.write_bytes(bytes(data))
 
     def shift(entries: dict) -> None:
         entries["model.norm.weight"]["start"] = 1
@@ -436,7 +443,7 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     tensors = "rank00000.safetensors"
     cases = [
         (damaged("dropped", lambda p: edit_index(p, lambda e: e.pop("model.norm.weight"))), ValueError,
-         r"dropped: no saved pieces for \['model.norm.weight'\]"),
+         r"dropped: no saved pieces for 1 tensors: \['model.norm.weight'\]"),
         (damaged("shifted", lambda p: edit_index(p, shift)), ValueError,
          r"model.norm.weight: saved pieces of slice None do not tile it at element 0 \(entry in .*shifted"),
         (damaged("short", lambda p: edit_index(p, shorten)), ValueError,
@@ -451,18 +458,78 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
          r"nometa/meta.json: missing"),
         (damaged("badjson", lambda p: truncate(p / "meta.json")), ValueError,
          r"badjson/meta.json: not valid JSON"),
+        # a byte flipped inside the data (same size, valid header): the lowest mantissa bit of the
+        # last float, and an exponent bit of the last float
+        (damaged("mantissa", lambda p: flip(p / tensors, -4, 0)), ValueError,
+         rf"mantissa/{tensors}: checksum mismatch \(crc32 [0-9a-f]{{8}}, meta.json says [0-9a-f]{{8}}\)"),
+        (damaged("exponent", lambda p: flip(p / tensors, -1, 6)), ValueError,
+         rf"exponent/{tensors}: checksum mismatch"),
+        (damaged("index", lambda p: flip(p / "rank00000.json", 20, 0)), ValueError,
+         r"index/rank00000.json: checksum mismatch"),
     ]
     for path, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             C.load_checkpoint(path, opt, CFG, shards, SINGLE)
+
+    def format_1(path: Path) -> None:  # sizes only, as checkpoints were written before the crc32
+        meta = json.loads((path / "meta.json").read_text())
+        meta["format"] = "attotron-checkpoint-1"
+        meta["files"] = {f: info["bytes"] for f, info in meta["files"].items()}
+        (path / "meta.json").write_text(json.dumps(meta))
+    C.load_checkpoint(damaged("format1", format_1), opt, CFG, shards, SINGLE)  # still loads
+    m1, shards1, opt1 = make(CFG, SINGLE, {}, 0)
+    C.load_checkpoint(good, opt1, CFG, shards1, SINGLE)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m1.parameters()))
+    C.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to where the damaged cases left it
     other = replace(CFG, intermediate_size=96)  # shape mismatch against the config
     m2, shards2, opt2 = make(other, SINGLE, {}, 0)
     msg = r"good/step_00000001/meta.json: .*mlp.gate_proj.weight: saved \[64, 32\], config \[96, 32\]"
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg) as got:
         C.load_checkpoint(good, opt2, other, shards2, SINGLE)
+    # gate, up, down of 2 layers: three named and a count, not the whole list
+    assert "6 of 21 tensors differ" in str(got.value) and str(got.value).endswith("... (3 more)")
     with pytest.raises(ValueError, match=r"lm_head.weight: saved \[97, 32\], config None"):
         C.load_checkpoint(good, make(TIED, SINGLE, {}, 0)[2], TIED, {}, SINGLE)
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))  # nothing was copied
     with pytest.raises(TypeError):  # extra must be JSON: checked before anything is written
         C.save_checkpoint(tmp_path / "x", 1, opt, CFG, shards, SINGLE, {"t": torch.zeros(1)})
     assert not (tmp_path / "x").exists()
+
+
+def test_prune_never_touches_later_steps(tmp_path):
+    """A run resumed from step 3 of a folder that also holds steps 10 and 11 (another run's) prunes
+    only up to the step it saved: it can neither remove its own checkpoint nor the later ones."""
+    for step in (1, 2, 3, 10, 11):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "meta.json").write_text("{}")
+    removed = C.prune(tmp_path, keep=2, upto=3)
+    assert [p.name for p in removed] == ["step_00000001"]
+    assert sorted(os.listdir(tmp_path)) == [f"step_{s:08d}" for s in (2, 3, 10, 11)]
+
+
+def _unshared(rank: int, world: int, root: str) -> str:
+    """dp2·ZeRO-1, but rank 1 writes where rank 0 cannot see it (its files vanish after writing)."""
+    lay = C.Layout(dp=2, dp_rank=rank)
+    m, shards, opt = make(CFG, lay, {"dp": dist.group.WORLD}, 1)
+    if rank == 1:
+        real = C.write_safetensors
+
+        def elsewhere(path, *a, **k):
+            info = real(path, *a, **k)
+            Path(path).unlink()
+            return info
+        C.write_safetensors = elsewhere
+    try:
+        C.save_checkpoint(root, 1, opt, CFG, shards, lay, {})
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
+def test_meta_lists_what_ranks_report_and_needs_a_shared_filesystem(tmp_path):
+    """meta.json's file list is the ranks' gathered reports, checked against what rank 0 sees: a
+    file only its writer can see stops every rank, and no partial folder is left."""
+    msgs = run_ranks(_unshared, 2, str(tmp_path), timeout=60)
+    assert msgs[0] == msgs[1] and "rank00001.safetensors: written by another rank" in msgs[0]
+    assert "all ranks must write one shared filesystem" in msgs[0]
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,115 @@
+"""Streaming HF export from any layout: each pipeline stage's writer streams its own shard.
+
+What it does
+    `export_hf` writes the compute parameters of a model trained under any tp/pp/dp/ZeRO layout as
+    an HF folder `AutoModelForCausalLM.from_pretrained` loads, without ever assembling the model:
+    the (dp 0, tp 0) rank of each pipeline stage writes its stage's tensors to its own safetensors
+    file(s), one full tensor at a time (a tp-sharded one all-gathered over tp; under ZeRO-3 one unit
+    gathered at a time over dp); rank 0 writes the index from what the writers report, then
+    config.json, generation_config.json and the tokenizer (weights.finish_hf), and swaps the folder
+    in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
+
+Reference
+    transformers' sharded checkpoints (`model-0000i-of-0000n.safetensors` + `weight_map`); as in
+    checkpoint.py, every piece is written by its owner and one rank writes the index.
+
+Run
+    torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 3 --export-hf out/pretrained
+
+Invariants
+    - Nothing is pickled and nothing goes through rank 0 but file names: the writers' reports are
+      JSON exchanged over `group` (checkpoint.exchange), which is also where ranks wait for slow
+      writers (give it a long timeout: train.py's io group).
+    - Every rank of a stage runs the same gathers to the end, whatever happened on its writer (a
+      full disk is reported, not raised alone), so no rank is left waiting in a collective; a
+      failure anywhere raises the same OSError on every rank, and no partial export is left.
+    - A tied embedding is exported once, from the first stage (the last stage's copy is skipped).
+    - The export owns its folder (weights.begin_export / commit_export): no file of an older
+      export survives, and a crash leaves the older one whole.
+
+Builds on: model.py, checkpoint.py, tp.py, weights.py (and a ZeRO-3 optimizer's `each_unit_gathered`)
+"""
+from __future__ import annotations
+
+import itertools
+import shutil
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+import weights as W
+from checkpoint import Layout, exchange, raise_errors
+from model import Llama, LlamaConfig, Shard, global_shapes
+from tp import gather_tensor
+
+
+def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig, at: Layout,
+                   tp_group: dist.ProcessGroup | None, order: list[str]) -> Iterator[torch.Tensor]:
+    """This stage's full tensors, in `order`, one at a time. Every rank of the stage runs it to the
+    end, so the collectives match: ZeRO-3 gathers one unit at a time over dp; dp rank 0's tp ranks
+    gather each tp-sharded tensor; the ranks of other dp ranks yield nothing."""
+    shapes = global_shapes(cfg)
+    params = dict(model.named_parameters())
+    each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
+    units = each() if each else [list(params)]
+    ready, k = {}, 0
+    for names in units:
+        if at.dp_rank != 0:
+            continue
+        for n in (n for n in names if n in shapes):  # a last stage's tied copy is not exported
+            shard = shards.get(n)
+            ready[n] = params[n].detach() if shard is None else \
+                gather_tensor(params[n], shard, shapes[n][shard.dim], tp_group)
+        while k < len(order) and order[k] in ready:
+            yield ready.pop(order[k])  # while its unit is gathered: no copy
+            k += 1
+        ready = {n: t.to("cpu", copy=True) for n, t in ready.items()}  # out of order: outlives its unit
+
+
+def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig, at: Layout, out: str,
+              tp_group: dist.ProcessGroup | None = None, group: dist.ProcessGroup | None = None,
+              tokenizer: object | None = None, max_shard_bytes: int = 4 << 30) -> None:
+    """Export the compute parameters (fp32 in fp32 mode, else the bf16 copy of the masters) to
+    `out`; every rank calls it. at: this rank's layout (checkpoint.Layout); tp_group: its tp group;
+    group: all ranks, for the reports (long timeout); tokenizer: a data.py tokenizer, exported with
+    its ids in the configs. Shards hold at most max_shard_bytes each (a stage has at least one)."""
+    shapes = global_shapes(cfg)
+    params = dict(model.named_parameters())
+    order = [n for n in params if n in shapes]
+    writer = at.dp_rank == 0 and at.tp_rank == 0
+    files = W.plan_shards([(n, shapes[n], params[n].dtype) for n in order], max_shard_bytes) if writer else []
+    what = f"export to {out} failed"
+    report: dict[str, Any] = {"rank": at.rank, "error": None, "files": len(files)}
+    if at.rank == 0:
+        try:
+            W.begin_export(out)
+        except (OSError, ValueError) as e:
+            report["error"] = str(e)
+    counts = exchange(report, group)
+    raise_errors(counts, what)
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    first, total = sum(c["files"] for c in counts[:me]), sum(c["files"] for c in counts)
+    tmp = W.staging_dir(out)
+    report = {"rank": at.rank, "error": None, "weights": {}}
+    tensors = _stage_tensors(model, opt, shards, cfg, at, tp_group, order)
+    try:
+        for i, specs in enumerate(files):
+            name = W.shard_name(first + i, total)
+            W.write_safetensors(tmp / name, specs, itertools.islice(tensors, len(specs)), {"format": "pt"})
+            report["weights"] |= {n: name for n, _, _ in specs}
+    except (OSError, ValueError) as e:
+        report["error"] = str(e)
+    for _ in tensors:  # the remaining gathers, with the peers, whatever happened here
+        pass
+    reports = exchange(report, group)
+    done = {"rank": at.rank, "error": None}
+    if at.rank == 0:
+        try:
+            raise_errors(reports, what)
+            weight_map = {n: f for r in reports for n, f in r["weights"].items()}
+            W.finish_hf(tmp, out, cfg, weight_map, params[order[0]].dtype, tokenizer)
+        except (OSError, ValueError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            done["error"] = str(e)
+    raise_errors(exchange(done, group), what)
