@@ -253,7 +253,7 @@ class SFTDataset:
             raise ValueError(f"packing must be ffd|none (got {packing!r}), overlong truncate|drop "
                              f"(got {overlong!r}), seq_len >= 2 (got {seq_len})")
         tpl = template or chat_template(tokenizer)
-        self.seq_len, self.pad_id = seq_len, tpl.pad_id
+        self.seq_len, self.pad_id, self.packing = seq_len, tpl.pad_id, packing
         inputs, labels, lengths, truncated, dropped = [], [], [], 0, 0
         for turns in convs:
             ids, lab = tokenize_conversation(turns, tpl)
@@ -288,9 +288,11 @@ class SFTDataset:
         tail = lambda value: [torch.full((pad,), value, dtype=torch.int32)]  # noqa: E731
         ids = torch.cat([self.tokens[a:b] for a, b in spans] + tail(self.pad_id))
         labels = torch.cat([self.labels[a:b] for a, b in spans] + tail(IGNORE_INDEX))
-        # positions restart per conversation; the padding is one more document starting at 0
-        pos = torch.cat([torch.arange(b - a) for a, b in spans] + [torch.arange(pad)])
-        return {"input_ids": ids.long(), "position_ids": pos, "labels": labels.long()}  # (S,) each
+        row = {"input_ids": ids.long(), "labels": labels.long()}  # (S,) each
+        if self.packing == "ffd":  # one conversation per row needs no document boundaries: plain causal
+            # positions restart per conversation; the padding is one more document starting at 0
+            row["position_ids"] = torch.cat([torch.arange(b - a) for a, b in spans] + [torch.arange(pad)])
+        return row
 
     def report(self) -> str:
         return self.stats.report()

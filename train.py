@@ -306,17 +306,22 @@ def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, obje
 
 
 def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
-              device: torch.device) -> list[dict[str, torch.Tensor]]:
+              device: torch.device) -> list[dict]:
     """This rank's rows as micro-batches of (b, S) tensors: input_ids, labels (already shifted)
-    and, for packed SFT rows, position_ids (restarting per conversation)."""
+    and, for packed SFT rows, position_ids (restarting per conversation) and `docs`, their document
+    boundaries (attention.Documents: derived here, on the host, once per micro-batch, so no layer
+    builds a mask and the step never waits for a device→host copy)."""
     items = [ds[i] for i in rows]
     if isinstance(items[0], dict):
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
     else:
         tokens = torch.stack(items)  # (b, S+1)
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-    batch = {k: v.to(device) for k, v in batch.items()}
-    return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
+    micro = [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
+    for mb in micro:
+        if "position_ids" in mb:
+            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], device)
+    return [{k: v.to(device) for k, v in mb.items()} for mb in micro]
 
 
 def peak_memory_mb(device: torch.device) -> float:
