@@ -357,7 +357,7 @@ def sec_sft(ctx: Ctx) -> None:
             mb = {k: v.to(ctx.device) for k, v in mb.items()}
             packed.append({**mb, "docs": docs})
             dense.append({**mb, "docs": A.attention_mask(mb["position_ids"])})  # (b, 1, S, S)
-            spans = [(ds.offsets[c], ds.offsets[c + 1]) for r in pick[i * b:i * b + b] for c in ds.rows[r]]
+            spans = [ds.spans[c] for r in pick[i * b:i * b + b] for c in ds.rows[r]]
             ids, labels = ([t[a:e] for a, e in spans] for t in (ds.tokens, ds.labels))
             padded.append({"input_ids": pad(ids, ds.pad_id), "labels": pad(labels, -100)})
             real.append(sum(e - a for a, e in spans))  # the same tokens in all layouts
@@ -399,7 +399,7 @@ def sec_sft(ctx: Ctx) -> None:
                       ("pad", "padded to longest", "plain causal", pad_pos, padded))],
                   note=f"{st.conversations} conversations, {st.tokens} tokens; FFD {st.ffd_rows} rows of {S} "
                        f"(bound {math.ceil(st.tokens / S)}), fill {st.tokens / (st.ffd_rows * S):.2%}; one "
-                       f"per row padded to {S}: fill {st.tokens / ((st.conversations - st.dropped) * S):.2%}. "
+                       f"per row padded to {S}: fill {st.tokens / ((st.samples - st.dropped) * S):.2%}. "
                        f"The same rows each step in all three layouts, alternating; saved bytes: one layer's "
                        f"attention call on the first step's batch ({b} rows)")
     dist.barrier()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -100,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overlong", default="truncate", choices=["truncate", "drop"],
       help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
+    a("--reply-end", default=None, help="--sft: the token that ends an assistant reply (default: detected "
+                                        "from the chat template, e.g. <|eot_id|>; the built-in one: eos)")
     a("--eval-every", type=int, default=0,
       help="--sft: held-out exact-match accuracy every N steps (and at the end); 0 = only at the end")
     a("--timeout", type=float, default=600.0,
@@ -239,9 +242,9 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
         errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
                       "and no --sp with --sft (or give --data, which has no eval set)")
-    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every) \
-            and not args.sft:
-        errors.append("--packing / --overlong / --skip-bad / --eval-every go with --sft")
+    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad or args.eval_every
+            or args.reply_end is not None) and not args.sft:
+        errors.append("--packing / --overlong / --skip-bad / --eval-every / --reply-end go with --sft")
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -291,18 +294,29 @@ def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
     return data.TokenDataset(path, args.seq_len)
 
 
-def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, object, list]:
-    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval)."""
+def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
+    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval), tokenized
+    once by rank 0 into a cache every rank maps (sft.prepare_sft: next to --data, in ~/.cache/attotron
+    for the built-in set), re-made when the data, the tokenizer or the chat template changes."""
     tok = data.load_tokenizer(args.tokenizer)
+    tpl = sft.chat_template(tok, args.reply_end)
     if args.data:
-        convs, bad = sft.load_jsonl(args.data, skip_bad=args.skip_bad)
+        out = Path(str(args.data).rstrip("/") + ".attotron-sft")
+        key = lambda: {"sha256": sft.file_digest(args.data), "skip_bad": args.skip_bad}  # noqa: E731
+        load = lambda: sft.load_jsonl(args.data, skip_bad=args.skip_bad)  # noqa: E731
         eval_set = []
     else:
-        (convs, eval_set), bad = sft.arithmetic_chats(), 0
-    ds = sft.SFTDataset(convs, tok, args.seq_len, args.packing, args.overlong)
+        convs, eval_set = sft.arithmetic_chats()
+        out = Path.home() / ".cache" / "attotron" / "sft-arithmetic"
+        key = lambda: hashlib.sha256(json.dumps(convs).encode()).hexdigest()  # noqa: E731
+        load = lambda: (convs, 0)  # noqa: E731
+    # ranks other than 0 wait on the rendezvous store, not in a collective (see prepare_sft)
+    tokenized = sft.prepare_sft(out, key, load, tpl, grid.rank, dist.distributed_c10d._get_default_store())
+    ds = sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong, template=tpl)
     if grid.rank == 0:
+        bad = tokenized.skipped
         print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else ""), flush=True)
-    return ds, tok, eval_set
+    return ds, tpl, eval_set
 
 
 def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
@@ -422,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     if errors:
         fail("\n  ".join(["invalid configuration:"] + errors), grid)
     try:
-        ds, tok, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
+        ds, tpl, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
         make_grid(grid, args.tp, args.pp, args.timeout)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
@@ -498,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
         if eval_set and (step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0):
             with stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
-                record["eval_exact_match"] = sft.evaluate(model, tok, eval_set)
+                record["eval_exact_match"] = sft.evaluate(model, None, eval_set, template=tpl)
             if log:
                 print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
                       flush=True)

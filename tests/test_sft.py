@@ -215,7 +215,7 @@ def test_packed_loss_and_grads_equal_one_by_one():
     # conversation's own closing eos, and the padded tail is its own document with no targets
     padded = 0
     for r in rows:
-        row, lens = ds[r], [ds.offsets[i + 1] - ds.offsets[i] for i in ds.rows[r]]
+        row, lens = ds[r], [b - a for a, b in (ds.spans[i] for i in ds.rows[r])]
         start = 0
         for n in lens:  # each conversation: bos at position 0 ... its own eos as the last label
             assert row["position_ids"][start:start + n].tolist() == list(range(n))
@@ -235,14 +235,14 @@ def test_truncate_and_drop_are_counted():
     chats += [long_reply, late_reply]  # 61 inputs each (first target at 20 | 58), others 20..24
     ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="truncate")
     # the late reply keeps no target after truncation: dropped, not truncated
-    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (1, 1, 6)
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.spans)) == (1, 1, 6)
     ids, labels = sft.tokenize_conversation(long_reply, tpl)
     i = 5  # the truncated one is the 6th kept conversation
-    a, b = ds.offsets[i], ds.offsets[i + 1]
+    a, b = ds.spans[i]
     assert ds.tokens[a:b].tolist() == ids[:30] and ds.labels[a:b].tolist() == labels[:30]
     assert "1 truncated and 1 dropped at seq_len 30" in ds.report()
     ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="drop")
-    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (0, 2, 5)
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.spans)) == (0, 2, 5)
     with pytest.raises(ValueError, match="all 1 were dropped at seq_len 10"):
         sft.SFTDataset([long_reply], TOK, seq_len=10, overlong="drop")
     with pytest.raises(ValueError, match="packing must be ffd"):
