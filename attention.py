@@ -14,6 +14,9 @@ What it does
       (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
                                    per layer call; for tests and custom masks, never for training
 
+Run
+    torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: train.get_batch builds Documents)
+
 Reference
     Dao 2023 (FlashAttention-2, variable-length batches via cu_seqlens); Krell et al. 2021 ("Efficient
     sequence packing without cross-contamination"); transformers' packed-sequence masks

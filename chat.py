@@ -7,6 +7,9 @@ What it does
     labels[t] = ids[t+1] where that token belongs to an assistant reply, else -100.
     `tokenize_samples` is what datasets call: the same, with the per-turn fallback below.
 
+Run
+    torchrun --nproc_per_node 1 train.py --sft --data chats.jsonl --tokenizer DIR [--reply-end TOKEN]
+
 How the mask is found (character spans, not token prefixes)
     For every assistant turn k the TEXT is rendered twice: turns[:k] with the generation prompt
     ("before") and turns[:k+1] ("after"). The reply is the characters from the end of "before" up to

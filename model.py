@@ -13,6 +13,8 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
+Builds on: attention.py (causal attention within packed documents)
+
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
       fills it once tp/pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
@@ -21,7 +23,11 @@ Invariants
       and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
       pipeline stage then maps hidden states to hidden states). Two plain attributes are the seams
       tp.py uses for a vocab-sharded head: `loss_fn(logits, labels, reduction)` and
-      `logits_fn(logits)` (returns full-vocab logits to the user).
+      `logits_fn(logits)` (returns full-vocab logits to the user). A third, `Attention.attn_fn(q, k,
+      v, docs)`, is the attention itself (attention.attend), for a file that swaps in another
+      algorithm (ring attention) without editing this one.
+    - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
+      per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
 """
