@@ -384,6 +384,7 @@ def test_packing_none_and_default_set_fill():
     ids, labels = sft.tokenize_conversation(chats[3], sft.chat_template(TOK))
     n = len(labels)
     assert row["input_ids"][:n].tolist() == ids[:-1] and row["labels"][:n].tolist() == labels
+    assert "position_ids" not in row  # one conversation per row: plain causal attention, no boundaries
     assert (row["labels"][n:] == -100).all()
     assert "* packing none: 20 rows" in ds.report()
     ds.check_vocab(260)
