@@ -53,6 +53,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 GRANULE = 16  # smallest bucket step of the CPU path, in tokens (see `bucket`)
 
@@ -71,8 +72,10 @@ def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
 def bucket(n: int) -> int:
     """A document of n tokens runs in a slot of bucket(n) >= n tokens on the CPU path: n rounded up
     to a multiple of max(GRANULE, 2^(floor(log2 n) - 3)), so at most 8 buckets per octave of length
-    and at most 1/8 (or GRANULE tokens) of padding. On the default SFT set at seq 1024, steps of 8
-    and 16 ran fastest (fewer kernel calls vs less padded work); 32 and 64 were 10% and 40% slower."""
+    and at most 1/8 (or GRANULE tokens) of padding: fewer kernel calls against less padded work.
+    Measured on the default SFT set at seq 1024 (tiny model, one layer's attention forward + backward,
+    one thread, CPU time): steps of 8 or 16 8.3-9.2 ms, 32 9.5-10.5, 64 12.0-12.7, exact lengths
+    9.2-9.5; the same conversations padded to the batch's longest 14 ms."""
     step = max(GRANULE, 1 << max(n.bit_length() - 4, 0))
     return -(-n // step) * step
 
@@ -163,7 +166,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _sdpa(q, k, v, docs)
     B, S, nh, hd = q.shape
     if _varlen_ok(q):
-        from torch.nn.attention.varlen import varlen_attn
         cu = docs.cu_seqlens
         y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
                         docs.max_len, window_size=(-1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)

@@ -259,8 +259,6 @@ def test_cuda_varlen_call_convention(monkeypatch):
     """The CUDA path (varlen_attn, flash, bf16/fp16) cannot run on CPU. Checked here: what it is
     handed — flattened (B·S, heads, hd) views, int32 cu_seqlens, the longest document, the causal
     window and GQA — against a per-document reference of varlen_attn's documented semantics, in fp32."""
-    import torch.nn.attention.varlen as varlen
-
     def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa):
         assert cu_q is cu_k and cu_q.dtype == torch.int32 and window_size == (-1, 0)
         assert enable_gqa == (q.shape[1] != k.shape[1]) and max_q == max_k == docs.max_len
@@ -274,7 +272,7 @@ def test_cuda_varlen_call_convention(monkeypatch):
     ids, pos, labels = packed_batch(260)
     docs = A.Documents.from_position_ids(pos)
     want = model(ids, pos, labels, reduction="sum", docs=A.attention_mask(pos))
-    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen)
+    monkeypatch.setattr(A, "varlen_attn", reference_varlen)
     monkeypatch.setattr(A, "_varlen_ok", lambda q: True)
     got = model(ids, pos, labels, reduction="sum", docs=docs)
     assert abs(got - want) <= 1e-6 * abs(want)
