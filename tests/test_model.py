@@ -227,9 +227,9 @@ def test_documents_boundaries_and_plan():
 
 def test_packed_attention_equals_dense_mask_and_transformers(pair):
     """Document-aware attention (Documents: length groups on CPU) against today's dense block-diagonal
-    mask — loss and every gradient within 1e-6 (fp32; only the kernels' summation order differs) — and
-    against transformers on the same packed position_ids (its own packed-sequence mask; no cache, or
-    it skips the packing detection): logits and gradients at the file's 1e-5."""
+    mask and against transformers on the same packed position_ids (its own packed-sequence mask; no
+    cache, or it skips the packing detection): loss, logits and every gradient within 1e-6 relative
+    (fp32; only the kernels' summation order differs; measured <= 3.5e-7)."""
     ref, ours, _ = pair
     ids, pos, labels = packed_batch(97)
     docs = A.Documents.from_position_ids(pos)
@@ -248,9 +248,9 @@ def test_packed_attention_equals_dense_mask_and_transformers(pair):
     for n, g in grads.items():
         assert_close(g, d_grads[n], 1e-6)
     hf_logits, _, hf_grads = run(ref, use_cache=False)
-    assert_close(logits, hf_logits)
+    assert_close(logits, hf_logits, 1e-6)
     for n, g in grads.items():
-        assert_close(g, hf_grads[n])
+        assert_close(g, hf_grads[n], 1e-6)
     with torch.no_grad():  # the check is sensitive: without the boundaries, attention leaks
         assert (ours(ids) - logits).abs().max() > 1e-2 * logits.abs().max()
 
