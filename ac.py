@@ -69,6 +69,12 @@ Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for thi
     In fp32 x.float() is x itself, so the norm keeps x and the residual sum instead of copies:
     none = 4sbh(8 + 2g + 4i/h) + 4sba + 8sb, selective = 4sbh(5 + 2g + 2i/h) + 4sba, full = 4sbh.
     tests/test_ac.py checks these formulas byte for byte against SavedActivationMeter.
+    Packed rows (attention.Documents) on the CPU path keep q, k, v, the attention output and lse for
+    the T' = Σ bucket(len) padded slots of the length groups instead of the sb tokens, plus the output
+    scattered back to token order (o_proj's input) and two int64 indices (shared by all layers):
+    in fp32, T = sb, none = 4Th(6 + 4i/h + 1) + 8T + 4T'h(2 + 2g) + 4T'a + 8T' + 8T, selective =
+    4Th(3 + 1 + 2g + 2i/h) + 4T'(h + a), full = 4Th (q width = h); T' <= 9/8·T + 16·documents: O(S),
+    no S² term (tests/test_model.py measures it). The CUDA varlen path keeps the unpacked formula.
 """
 from __future__ import annotations
 
@@ -79,6 +85,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.attention.varlen  # noqa: F401 (registers torch.ops.torch_attn._varlen_attn)
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
@@ -100,6 +107,7 @@ SAVE_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch.ops.torch_attn._varlen_attn.default,  # packed rows on CUDA (attention.py)
 }
 if torch.distributed.is_available():
     # Out-of-place (functional) collectives: communication is as costly to redo as a matmul. The

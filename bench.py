@@ -332,50 +332,76 @@ def sec_ac(ctx: Ctx) -> None:
 
 
 def sec_sft(ctx: Ctx) -> None:
-    """Random FFD rows (block-diagonal attention) vs the same conversations padded to the batch's
-    longest (plain causal), forward + backward on one model: the loss sums must agree."""
+    """Random FFD rows (document-aware attention: attention.Documents, built here as train.get_batch
+    does) vs the same conversations padded to the batch's longest (plain causal), forward + backward
+    on one model: the loss sums must agree. Also timed: the same FFD rows under the dense
+    block-diagonal mask (what packing used before). Saved attention bytes: one layer's attention
+    call on the first batch, measured by ac.SavedActivationMeter."""
     if ctx.rank == 0:
+        import attention as A
         import data
         import sft
         S, b = (128, 2) if ctx.args.quick else (sft.DEFAULT_SEQ_LEN, 4)
         ds = sft.SFTDataset(sft.arithmetic_chats(n_train=600 if ctx.args.quick else 6000)[0],
                             data.ByteTokenizer(), S, "ffd")
         pick = torch.randperm(len(ds), generator=torch.Generator().manual_seed(ctx.args.seed)).tolist()
-        packed, padded, real, model = [], [], [], ctx.fresh()
+        packed, dense, padded, real, model = [], [], [], [], ctx.fresh()
 
         def pad(seqs: list[torch.Tensor], value: int) -> torch.Tensor:  # (convs, longest)
             return pad_sequence(seqs, batch_first=True, padding_value=value).long().to(ctx.device)
 
         for i in range(ctx.args.warmup + ctx.args.steps):  # random rows: FFD's first hold its longest
             rows = [ds[r] for r in pick[i * b:i * b + b]]
-            packed.append({k: torch.stack([r[k] for r in rows]).to(ctx.device) for k in rows[0]})  # (b, S)
-            spans = [(ds.offsets[c], ds.offsets[c + 1]) for r in pick[i * b:i * b + b] for c in ds.rows[r]]
+            mb = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # (b, S)
+            docs = A.Documents.from_position_ids(mb["position_ids"], ctx.device)
+            mb = {k: v.to(ctx.device) for k, v in mb.items()}
+            packed.append({**mb, "docs": docs})
+            dense.append({**mb, "docs": A.attention_mask(mb["position_ids"])})  # (b, 1, S, S)
+            spans = [ds.spans[c] for r in pick[i * b:i * b + b] for c in ds.rows[r]]
             ids, labels = ([t[a:e] for a, e in spans] for t in (ds.tokens, ds.labels))
             padded.append({"input_ids": pad(ids, ds.pad_id), "labels": pad(labels, -100)})
-            real.append(sum(e - a for a, e in spans))  # the same tokens in both layouts
+            real.append(sum(e - a for a, e in spans))  # the same tokens in all layouts
 
         def run(batches: list[dict]) -> Side:
             def step(i: int) -> tuple[torch.Tensor, float]:
                 mb = batches[i]
-                loss = model(mb["input_ids"], mb.get("position_ids"), mb["labels"], reduction="sum")
+                loss = model(mb["input_ids"], mb.get("position_ids"), mb["labels"], reduction="sum",
+                             docs=mb.get("docs"))
                 loss.backward()
                 norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
                 model.zero_grad(set_to_none=True)
                 return loss.detach(), norm
             return step
-        r = ctx.race({"ffd": run(packed), "pad": run(padded)}, distributed=False)
+
+        def attention_saved(mb: dict) -> int:
+            """Bytes one layer's attention call keeps for backward (q, k, v fresh leaves)."""
+            rows, seq = mb["input_ids"].shape
+            c = ctx.cfg
+            q, k, v = (torch.randn(rows, seq, n, c.head_dim, device=ctx.device, requires_grad=True)
+                       for n in (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads))
+            with AC.SavedActivationMeter() as meter:
+                A.attend(q, k, v, mb.get("docs"))
+            return meter.nbytes
+
+        r = ctx.race({"ffd": run(packed), "dense": run(dense), "pad": run(padded)}, distributed=False)
         ctx.add_row("sft ffd", f"FFD rows of {S}, {b} per step", "padding to the batch's longest",
                     r["ffd"], r["pad"])
         real, st = statistics.mean(real), ds.stats
         pad_pos = statistics.mean(mb["input_ids"].numel() for mb in padded)
         ctx.table("SFT packing (default arithmetic set, byte tokenizer; forward + backward)",
-                  ["layout", "positions/step", "real tokens/step", "fill", "ms/step", "real tokens/s"],
-                  [[name, f"{pos:.0f}", f"{real:.0f}", f"{real / pos:.1%}", f"{r[k][0]:.1f}",
-                    f"{real / r[k][0] * 1e3:,.0f}"] for k, name, pos in (
-                      ("ffd", "FFD packed", b * S), ("pad", "padded to longest", pad_pos))],
+                  ["layout", "attention", "positions/step", "real tokens/step", "fill", "ms/step",
+                   "real tokens/s", "vs padded", "saved by attention, one layer"],
+                  [[name, how, f"{pos:.0f}", f"{real:.0f}", f"{real / pos:.1%}", f"{r[k][0]:.1f}",
+                    f"{real / r[k][0] * 1e3:,.0f}", f"{r['pad'][0] / r[k][0]:.2f}x",
+                    f"{attention_saved(batches[0]) / 2**20:.3f} MiB"] for k, name, how, pos, batches in (
+                      ("ffd", "FFD packed", "Documents: length groups", b * S, packed),
+                      ("dense", "FFD packed", "dense (b, 1, S, S) mask", b * S, dense),
+                      ("pad", "padded to longest", "plain causal", pad_pos, padded))],
                   note=f"{st.conversations} conversations, {st.tokens} tokens; FFD {st.ffd_rows} rows of {S} "
                        f"(bound {math.ceil(st.tokens / S)}), fill {st.tokens / (st.ffd_rows * S):.2%}; one "
-                       f"per row padded to {S}: fill {st.tokens / ((st.conversations - st.dropped) * S):.2%}")
+                       f"per row padded to {S}: fill {st.tokens / ((st.samples - st.dropped) * S):.2%}. "
+                       f"The same rows each step in all three layouts, alternating; saved bytes: one layer's "
+                       f"attention call on the first step's batch ({b} rows)")
     dist.barrier()
 
 

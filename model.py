@@ -13,6 +13,8 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
+Builds on: attention.py (causal attention within packed documents)
+
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
       fills it once tp/pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
@@ -21,7 +23,11 @@ Invariants
       and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
       pipeline stage then maps hidden states to hidden states). Two plain attributes are the seams
       tp.py uses for a vocab-sharded head: `loss_fn(logits, labels, reduction)` and
-      `logits_fn(logits)` (returns full-vocab logits to the user).
+      `logits_fn(logits)` (returns full-vocab logits to the user). A third, `Attention.attn_fn(q, k,
+      v, docs)`, is the attention itself (attention.attend), for a file that swaps in another
+      algorithm (ring attention) without editing this one.
+    - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
+      per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
 """
@@ -37,6 +43,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 
 IGNORE_INDEX = -100
 
@@ -266,17 +274,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask (B, 1, S, S): a new document starts wherever the position does not
-    continue the previous one (packed rows restart at 0), and no token sees another document."""
-    start = torch.ones_like(position_ids, dtype=torch.bool)
-    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    doc = start.cumsum(-1)  # (B, S) document index of every token
-    S = position_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # (B, 1, S, S)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -286,21 +283,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
+        # the seam for other attention algorithms (ring attention): (q, k, v, docs) → output, all
+        # (B, S, heads, hd) with RoPE applied; see attention.attend
+        self.attn_fn: Callable[..., torch.Tensor] = attend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                docs: Documents | torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape
         hd = self.head_dim
         # head counts come from the (possibly tp-sharded) weights, never from the config
-        q = self.q_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nh, S, hd)
-        k = self.k_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nkv, S, hd)
-        v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, nkv, S, hd)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
+        q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
+        k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
+        v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, S, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
+        y = self.attn_fn(q, k, v, docs)  # (B, S, nh, hd)
+        return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
 
 
 class MLP(nn.Module):
@@ -324,8 +323,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                docs: Documents | torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -359,22 +358,27 @@ class Llama(nn.Module):
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+                labels: torch.Tensor | None = None, reduction: str = "mean", *,
+                docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
-        position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention is
-        block-diagonal over documents (see `attention_mask`). Returns the loss if labels are given,
-        else logits (B, S, V), or hidden states on a stage without lm_head."""
+        position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
+        within each document (a new one starts wherever the position does not continue).
+        docs: those boundaries as attention.Documents, computed once where the rows are built (else
+        they are derived here from position_ids, a host copy per call); or a dense (B, 1, S, S) bool
+        mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
+        logits (B, S, V), or hidden states on a stage without lm_head."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
         B, S = h.shape[:2]
-        mask = None
         if position_ids is None:
+            if docs is not None:
+                raise ValueError("docs (document boundaries) need the position_ids restarting per document")
             position_ids = torch.arange(S, device=h.device).expand(B, S)
-        else:
-            mask = attention_mask(position_ids)
+        elif docs is None:
+            docs = Documents.from_position_ids(position_ids)
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
         for layer in m.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, docs)
         if m.norm is not None:
             h = m.norm(h)
         if self.lm_head is None:

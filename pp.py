@@ -307,7 +307,8 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_ta
     than some of them waiting forever for a message of another shape."""
     m = len(microbatches)
     shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
-    shapes = [tuple(t.shape) for mb in microbatches for t in mb.values() if t is not None]
+    shapes = [tuple(mb[k].shape) for mb in microbatches for k in ("input_ids", "labels", "position_ids")
+              if mb.get(k) is not None]
     problem = ""
     if m == 0:
         problem = "no micro-batches"
@@ -342,7 +343,8 @@ def run_pipeline(model: nn.Module, actions: Sequence[Action], microbatches: Sequ
                  no_sync: Callable[[], ContextManager] | None = None,
                  seq_shards: int = 1) -> torch.Tensor:
     """Run this stage's `actions` over `microbatches` (dicts of (B, S) tensors: input_ids, labels,
-    optional position_ids; identical on every pp peer), accumulating gradients in .grad.
+    optional position_ids; identical on every pp peer), accumulating gradients in .grad. Every
+    other key (e.g. `docs`, the document boundaries) is passed to the model as a keyword argument.
 
     step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
     no_sync: the dp/ZeRO object's context that defers its gradient reduction (hook-based dp such as
@@ -370,11 +372,12 @@ def run_pipeline(model: nn.Module, actions: Sequence[Action], microbatches: Sequ
         if a.kind == F:
             mb = microbatches[i]
             x = mb["input_ids"] if first else inputs[i]
+            extra = {k: v for k, v in mb.items() if k not in ("input_ids", "labels")}  # position_ids, docs
             if last:
-                out = model(x, mb.get("position_ids"), mb["labels"], reduction="sum") / max(targets, 1)
+                out = model(x, labels=mb["labels"], reduction="sum", **extra) / max(targets, 1)
                 loss += out.detach()
             else:
-                out = model(x, mb.get("position_ids"))  # (B, S, H)
+                out = model(x, **extra)  # (B, S, H)
             outputs[i] = out
         elif a.kind == B:
             defer = no_sync is not None and k != last_backward

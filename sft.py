@@ -5,14 +5,12 @@ What it does
        ({"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}) or the ShareGPT
        variant ({"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}). A malformed
        line raises ValueError naming the file and line number, or is skipped and counted (skip_bad).
-    2. `tokenize_conversation` renders a chat with the tokenizer's chat template (apply_chat_template)
-       or, when it has none, the built-in template below, and builds the loss mask by rendering
-       prefixes: the tokens between render(turns[:k], add_generation_prompt=True) and
-       render(turns[:k+1]) are assistant turn k. Targets are that span up to and including the token
-       that ends the reply (`end_id`, the eos); the template's header and any text after the end token
-       stay -100. Every prefix must render as a token prefix of the whole chat, or ValueError: a
-       template that rewrites earlier turns cannot be masked this way.
-    3. `ffd` packs conversations into rows of seq_len tokens, first-fit-decreasing (Johnson 1973:
+    2. chat.py renders each chat (the tokenizer's chat template, or the built-in one) and finds the
+       assistant replies by character spans: the ids and their loss mask. `prepare_sft` does this ONCE
+       per data set: one process (train.py: rank 0, while the others wait) tokenizes with a progress
+       bar (conversations/s, tokens/s) into a memmap cache next to the data, keyed by the data's bytes,
+       the tokenizer and the template (a change to any of them re-makes it); `read_cache` maps it.
+    3. `ffd` packs samples into rows of seq_len tokens, first-fit-decreasing (Johnson 1973:
        rows <= 11/9·OPT + 6/9, Dósa 2007, tight). `SFTDataset` serves each row as input_ids,
        position_ids and labels; `report()` prints fill efficiency against the lower bound
        ceil(tokens / seq_len) and against padding (one conversation per row, `packing="none"`).
@@ -20,18 +18,13 @@ What it does
        questions disjoint from training ones); `evaluate` greedily answers held-out questions with
        model.generate and returns exact-match accuracy.
 
-Built-in template (the byte tokenizer, or any tokenizer without a chat_template)
-    <bos>system: {content}\\nuser: {content}\\nassistant: {content}<eos>user: {content}\\nassistant: ...
-    i.e. [bos] + per turn: non-assistant turns encode "{role}: {content}\\n"; an assistant turn encodes
-    "assistant: " (the generation prompt, never a target) + "{content}" + [eos] (targets). Pieces are
-    encoded separately and concatenated, so the template is prefix-stable with any tokenizer.
-
 Shifted labels and packing (the invariants)
-    A conversation renders to ids[0..L-1]; the model consumes ids[:-1] (L-1 positions) and
+    A conversation (a sample) renders to ids[0..L-1]; the model consumes ids[:-1] (L-1 positions) and
     labels[t] = ids[t+1] if ids[t+1] is a target else -100, aligned with the logits (model.py's
     convention). A conversation costs L-1 positions in a row; its last input position predicts its own
-    final eos, so no label ever refers to the next conversation's tokens.
-    position_ids restart at 0 per conversation, so model.attention_mask makes attention block-diagonal.
+    final end token, so no label ever refers to the next conversation's tokens.
+    position_ids restart at 0 per conversation; train.get_batch turns them into document boundaries
+    (attention.Documents), so attention stays inside each conversation without an S×S mask.
     The padded tail gets pad_id, label -100 and positions restarting at 0: it is one more "document"
     that sees only itself (never a real conversation), and real tokens never see it (it comes later).
     Over-long conversations (L-1 > seq_len) are truncated (kept: the first seq_len inputs; dropped when
@@ -40,20 +33,28 @@ Shifted labels and packing (the invariants)
 Run
     torchrun --nproc_per_node 1 train.py --sft --packing ffd --eval-every 50
 
-Builds on: model.py
+Builds on: chat.py (templates and masks), model.py (generate)
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
+import time
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
+from tqdm import tqdm
 
+from chat import (ChatTemplate, Conversation, builtin_template, chat_template,  # noqa: F401 (API)
+                  tokenize_conversation, tokenize_samples)
 from model import generate
 
 IGNORE_INDEX = -100
@@ -62,7 +63,6 @@ DEFAULT_SEQ_LEN = 1024
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
-Conversation = list[dict[str, str]]  # [{"role": ..., "content": ...}, ...]
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -116,83 +116,119 @@ def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Conversat
     return convs, bad
 
 
-# ----------------------------------------------------------------------------------------- templates
+# ----------------------------------------------------------------------------------------- tokenizing
+CACHE_VERSION = 1
+ARRAYS = {"inputs": np.int32, "labels": np.int32, "lengths": np.int64, "targets": np.int64}
+
+
 @dataclass
-class ChatTemplate:
-    render: Callable[[Conversation, bool], list[int]]  # (turns, add_generation_prompt) → token ids
-    end_id: int  # the token closing an assistant reply: last target of a turn, where generation stops
-    pad_id: int
-    decode: Callable[[list[int]], str]
+class Tokenized:
+    """Every sample of a chat set, tokenized once, back to back: numpy arrays, memory-mapped when read
+    from the cache. A sample is a conversation, or one assistant turn of a per-turn chat."""
+    inputs: np.ndarray  # (N,) int32: each sample's first L-1 rendered ids (the model's inputs)
+    labels: np.ndarray  # (N,) int32: their shifted labels (-100 where not a target)
+    lengths: np.ndarray  # (n,) int64: L-1 per sample
+    targets: np.ndarray  # (n,) int64: labels that are targets, per sample
+    conversations: int  # source conversations
+    per_turn: int  # conversations split per assistant turn (chat.tokenize_samples)
+    max_id: int  # largest token id anywhere (inputs, labels and the final ids)
+    end: str  # the reply's end token and where it came from
+    skipped: int = 0  # malformed lines skipped while loading (skip_bad)
 
 
-def builtin_template(tok: Any) -> ChatTemplate:
-    """The template in the module docstring, for data.ByteTokenizer, or an HF tokenizer without a
-    chat_template (raw or behind data.HFTokenizer); no bos when the tokenizer has none."""
-    if hasattr(tok, "bos_id"):  # data.py's ByteTokenizer / HFTokenizer: encode adds no specials
-        bos, eos, pad, enc = tok.bos_id, tok.eos_id, tok.pad_id, tok.encode
-    else:  # a raw transformers tokenizer
-        bos, eos, pad = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-        enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    bos = [] if bos is None else [bos]
-    if eos is None:
-        raise ValueError("the built-in chat template ends replies with eos; the tokenizer has no eos token")
-
-    def render(turns: Conversation, add_generation_prompt: bool) -> list[int]:
-        ids = list(bos)
-        for t in turns:
-            if t["role"] == "assistant":
-                ids += enc("assistant: ") + enc(t["content"]) + [eos]
-            else:
-                ids += enc(f"{t['role']}: {t['content']}\n")
-        return ids + (enc("assistant: ") if add_generation_prompt else [])
-    return ChatTemplate(render, eos, eos if pad is None else pad, tok.decode)
-
-
-def chat_template(tok: Any, end_id: int | None = None) -> ChatTemplate:
-    """The tokenizer's own chat template when it has one, else the built-in one. `tok` is a
-    transformers tokenizer, data.HFTokenizer (its `.hf` is used) or data.ByteTokenizer. end_id defaults
-    to the eos token (instruct models' tokenizers set eos to the end-of-turn token, e.g. <|im_end|>)."""
-    if not getattr(getattr(tok, "hf", tok), "chat_template", None):
-        return builtin_template(tok)
-    tok = getattr(tok, "hf", tok)
-
-    def render(turns: Conversation, add_generation_prompt: bool) -> list[int]:
-        if not turns and not add_generation_prompt:
-            return []
-        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tok(text, add_special_tokens=False)["input_ids"]  # the template writes bos itself
-    end = tok.eos_token_id if end_id is None else end_id
-    if end is None:
-        raise ValueError("pass end_id: the tokenizer has no eos token to end assistant replies")
-    pad = tok.pad_token_id
-    return ChatTemplate(render, end, end if pad is None else pad, tok.decode)
+def tokenize_all(convs: list[Conversation], tpl: ChatTemplate, progress: bool = True) -> Tokenized:
+    """Tokenize every conversation; a progress bar (conversations/s, tokens/s) when `progress`."""
+    inputs, labels, lengths, targets = array("i"), array("i"), array("q"), array("q")
+    per_turn, max_id, t0 = 0, 0, time.time()
+    with tqdm(total=len(convs), unit="conv", desc="tokenizing chats", disable=not progress,
+              mininterval=1.0) as bar:
+        for n, turns in enumerate(convs, 1):
+            samples, split = tokenize_samples(turns, tpl)
+            per_turn += split
+            for ids, lab in samples:
+                inputs.extend(ids[:-1])
+                labels.extend(lab)
+                lengths.append(len(lab))
+                targets.append(sum(x != IGNORE_INDEX for x in lab))
+                max_id = max(max_id, max(ids))
+            if n % 1000 == 0:
+                bar.set_postfix_str(f"{len(inputs):,} tokens, {len(inputs) / (time.time() - t0):,.0f} tok/s",
+                                    refresh=False)
+            bar.update()
+    return Tokenized(*(np.frombuffer(a, dtype) for a, dtype in zip((inputs, labels, lengths, targets),
+                                                                   ARRAYS.values())),
+                     len(convs), per_turn, max_id, f"{tpl.decode([tpl.end_id])!r} (id {tpl.end_id}, "
+                                                   f"{tpl.end_source})")
 
 
-def _require_prefix(short: list[int], long: list[int], what: str) -> None:
-    if long[:len(short)] != short:
-        i = next((i for i, (a, b) in enumerate(zip(short, long)) if a != b), len(long))
-        raise ValueError(f"chat template is not prefix-stable: {what} ({len(short)} tokens) is not a "
-                         f"token prefix of the longer rendering ({len(long)} tokens), first difference "
-                         f"at token {i}; the assistant mask cannot be derived by rendering prefixes")
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes, the cache key of a chat file: the whole file, not a sample, so an
+    edit anywhere re-makes the cache; it hashes at ~1.5 GB/s here, far faster than tokenizing."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def tokenize_conversation(turns: Conversation, tpl: ChatTemplate) -> tuple[list[int], list[int]]:
-    """Rendered ids (L,) and shifted labels (L-1,): labels[t] is the target of position t (input ids[t]),
-    ids[t+1] where that token belongs to an assistant reply (content + end token), else -100."""
-    full = tpl.render(turns, False)
-    target = [False] * len(full)
-    for k, t in enumerate(turns):
-        if t["role"] != "assistant":
-            continue
-        before, after = tpl.render(turns[:k], True), tpl.render(turns[:k + 1], False)
-        _require_prefix(before, after, f"turns[:{k}] + generation prompt")
-        _require_prefix(after, full, f"turns[:{k + 1}]")
-        span = after[len(before):]
-        # the reply ends at its end token; template text after it (ChatML's "\n") is not a target
-        stop = len(span) - span[::-1].index(tpl.end_id) if tpl.end_id in span else len(span)
-        target[len(before):len(before) + stop] = [True] * stop
-    labels = [full[t + 1] if target[t + 1] else IGNORE_INDEX for t in range(len(full) - 1)]
-    return full, labels
+def read_cache(out: str | Path, key: str | None = None) -> Tokenized | None:
+    """The cached set, or None when absent, unfinished, damaged or made for another key (None: any)."""
+    out = Path(out)
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        if key is not None and meta["key"] != key:
+            return None
+        arrays = {}
+        for name, dtype in ARRAYS.items():
+            path, n = out / f"{name}.bin", meta["sizes"][name]
+            if path.stat().st_size != n * np.dtype(dtype).itemsize:
+                return None
+            # copy-on-write: torch.from_numpy needs a writable array; nothing is ever written
+            arrays[name] = np.memmap(path, dtype, mode="c") if n else np.zeros(0, dtype)
+        return Tokenized(**arrays, **{k: meta[k] for k in ("conversations", "per_turn", "max_id", "end",
+                                                           "skipped")})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(t: Tokenized, out: Path, key: str) -> None:
+    """Arrays under temporary names, each renamed into place, meta.json last (removed first): a crash
+    leaves no meta.json, so an unfinished cache never passes for a finished one."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    for name in ARRAYS:
+        tmp = out / f"{name}.bin.tmp{os.getpid()}"
+        getattr(t, name).tofile(tmp)
+        os.replace(tmp, out / f"{name}.bin")
+    meta = {"format_version": CACHE_VERSION, "key": key, "sizes": {n: len(getattr(t, n)) for n in ARRAYS},
+            **{k: getattr(t, k) for k in ("conversations", "per_turn", "max_id", "end", "skipped")}}
+    tmp = out / f"meta.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, out / "meta.json")
+
+
+def prepare_sft(out: str | Path, source_key: Callable[[], str],
+                load: Callable[[], tuple[list[Conversation], int]], tpl: ChatTemplate) -> Tokenized:
+    """Tokenize a chat set ONCE into the memmap cache `out`, keyed by source_key() (the data), the
+    tokenizer and the template (tpl.fingerprint): a cache whose key matches is reused, else load() →
+    (conversations, skipped lines) is tokenized with a progress bar and written. One process does
+    this (train.py: rank 0, the others waiting); everyone then maps the cache with `read_cache`."""
+    out = Path(out)
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, source_key(), tpl.fingerprint]).encode()).hexdigest()
+    t = read_cache(out, key)
+    if t is not None:
+        print(f"SFT data: cached in {out} (same data, tokenizer and template)", flush=True)
+        return t
+    t0 = time.time()
+    convs, skipped = load()
+    t = tokenize_all(convs, tpl)
+    t.skipped = skipped
+    _write_cache(t, out, key)
+    dt = max(time.time() - t0, 1e-9)
+    print(f"SFT data: {t.conversations:,} conversations, {len(t.inputs):,} tokens tokenized in "
+          f"{dt:.1f}s ({t.conversations / dt:,.0f} conv/s, {len(t.inputs) / dt:,.0f} tok/s), "
+          f"cached in {out}", flush=True)
+    return t
 
 
 # ----------------------------------------------------------------------------------------- packing
@@ -229,23 +265,29 @@ def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
 @dataclass
 class PackStats:
     conversations: int  # given
-    truncated: int  # over-long, cut to seq_len inputs and kept
+    samples: int  # conversations, plus the extra samples of per-turn chats
+    per_turn: int  # conversations whose template rewrites earlier turns: one sample per reply
+    truncated: int  # over-long samples cut to seq_len inputs and kept
     dropped: int  # over-long with overlong="drop", or nothing left to learn after truncation
-    tokens: int  # real input positions over the kept conversations
+    tokens: int  # real input positions over the kept samples
     targets: int  # positions with a label
-    longest: int  # longest kept conversation, in input positions
+    longest: int  # longest kept sample, in input positions
     seq_len: int
     packing: str
     rows: int  # rows of the active packing mode
     ffd_rows: int  # rows FFD needs (computed in both modes, for the comparison)
+    end: str  # the token that ends a reply, and how it was chosen
 
     def report(self) -> str:
-        kept, S = self.conversations - self.dropped, self.seq_len
+        kept, S = self.samples - self.dropped, self.seq_len
         bound = math.ceil(self.tokens / S)
         mark = {"ffd": ("*", " "), "none": (" ", "*")}[self.packing]
+        split = (f" ({self.per_turn} rendered one sample per assistant turn, {self.samples} samples: the "
+                 f"chat template rewrites earlier turns)" if self.per_turn else "")
         return "\n".join([
-            f"SFT data: {self.conversations} conversations, {self.truncated} truncated and {self.dropped} "
-            f"dropped at seq_len {S}; {self.tokens} tokens, {self.targets} targets",
+            f"SFT data: {self.conversations} conversations{split}, {self.truncated} truncated and "
+            f"{self.dropped} dropped at seq_len {S}; {self.tokens} tokens, {self.targets} targets; "
+            f"replies end with {self.end}",
             f" {mark[0]} packing ffd : {self.ffd_rows} rows (lower bound ceil(tokens/seq_len) = {bound}, "
             f"+{self.ffd_rows - bound}), fill {self.tokens / max(self.ffd_rows * S, 1):.2%}",
             f" {mark[1]} packing none: {kept} rows, fill {self.tokens / max(kept * S, 1):.2%} "
@@ -254,68 +296,68 @@ class PackStats:
 
 
 class SFTDataset:
-    """Packed rows: `ds[i]` → {"input_ids", "position_ids", "labels"}, each a (seq_len,) int64 tensor.
-    Conversations are stored flat (int32), rows are built on access, so memory stays ~8 bytes/token."""
+    """Packed rows: `ds[i]` → {"input_ids", "labels"} and, packed (ffd), "position_ids", each a
+    (seq_len,) int64 tensor. Samples stay where tokenizing put them (flat int32 arrays, memory-mapped
+    from prepare_sft's cache); `spans[i]` is kept sample i's [start, end) in them and rows are built on
+    access, so a dataset costs ~8 bytes per token of disk and almost no memory."""
 
-    def __init__(self, convs: list[Conversation], tokenizer: Any, seq_len: int, packing: str = "ffd",
-                 overlong: str = "truncate", template: ChatTemplate | None = None):
+    def __init__(self, data: list[Conversation] | Tokenized, tokenizer: Any, seq_len: int,
+                 packing: str = "ffd", overlong: str = "truncate", template: ChatTemplate | None = None):
+        """data: conversations (tokenized here, no progress bar) or a Tokenized set (prepare_sft)."""
         if packing not in ("ffd", "none") or overlong not in ("truncate", "drop") or seq_len < 2:
             raise ValueError(f"packing must be ffd|none (got {packing!r}), overlong truncate|drop "
                              f"(got {overlong!r}), seq_len >= 2 (got {seq_len})")
         tpl = template or chat_template(tokenizer)
-        self.seq_len, self.pad_id = seq_len, tpl.pad_id
-        inputs, labels, lengths, truncated, dropped = [], [], [], 0, 0
-        for turns in convs:
-            ids, lab = tokenize_conversation(turns, tpl)
-            if len(lab) > seq_len:
-                if overlong == "drop" or all(x == IGNORE_INDEX for x in lab[:seq_len]):
-                    dropped += 1
-                    continue
-                truncated += 1
-                ids, lab = ids[:seq_len + 1], lab[:seq_len]
-            inputs += ids[:-1]
-            labels += lab
-            lengths.append(len(lab))
-        if not convs:
+        if not isinstance(data, Tokenized) and not data:
             raise ValueError("no conversations given")
-        if not lengths:
-            raise ValueError(f"no conversation fits: all {len(convs)} were dropped at seq_len {seq_len} "
+        t = data if isinstance(data, Tokenized) else tokenize_all(data, tpl, progress=False)
+        self.seq_len, self.pad_id, self.packing, self.max_id = seq_len, tpl.pad_id, packing, t.max_id
+        self.tokens, self.labels = torch.from_numpy(t.inputs), torch.from_numpy(t.labels)  # (N,) int32
+        starts = np.cumsum(t.lengths) - t.lengths  # (n,)
+        lengths, targets, keep = t.lengths.copy(), t.targets.copy(), np.ones(len(t.lengths), dtype=bool)
+        truncated = dropped = 0
+        for i in np.flatnonzero(t.lengths > seq_len):  # over-long: keep the first seq_len inputs
+            kept = int((t.labels[starts[i]:starts[i] + seq_len] != IGNORE_INDEX).sum())
+            if overlong == "drop" or kept == 0:
+                keep[i], dropped = False, dropped + 1
+            else:
+                lengths[i], targets[i], truncated = seq_len, kept, truncated + 1
+        self.spans = [(a, a + n) for a, n in zip(starts[keep].tolist(), lengths[keep].tolist())]
+        if not self.spans:
+            raise ValueError(f"no conversation fits: all {t.conversations} were dropped at seq_len {seq_len} "
                              f"(overlong={overlong!r}; a truncated one is dropped when none of its "
                              f"first seq_len positions is a target): raise --seq-len")
-        self.tokens = torch.tensor(inputs, dtype=torch.int32)  # (N,) all conversations' inputs, back to back
-        self.labels = torch.tensor(labels, dtype=torch.int32)  # (N,)
-        self.offsets = [0]
-        for n in lengths:
-            self.offsets.append(self.offsets[-1] + n)
-        ffd_rows = ffd(lengths, seq_len)
-        self.rows = ffd_rows if packing == "ffd" else [[i] for i in range(len(lengths))]
-        self.stats = PackStats(len(convs), truncated, dropped, len(inputs),
-                               sum(x != IGNORE_INDEX for x in labels), max(lengths), seq_len, packing,
-                               len(self.rows), len(ffd_rows))
+        kept_lengths = lengths[keep].tolist()
+        ffd_rows = ffd(kept_lengths, seq_len)
+        self.rows = ffd_rows if packing == "ffd" else [[i] for i in range(len(kept_lengths))]
+        self.stats = PackStats(t.conversations, len(t.lengths), t.per_turn, truncated, dropped,
+                               sum(kept_lengths), int(targets[keep].sum()), max(kept_lengths), seq_len,
+                               packing, len(self.rows), len(ffd_rows), t.end)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
-        spans = [(self.offsets[i], self.offsets[i + 1]) for i in self.rows[r]]
+        spans = [self.spans[i] for i in self.rows[r]]
         pad = self.seq_len - sum(b - a for a, b in spans)
         tail = lambda value: [torch.full((pad,), value, dtype=torch.int32)]  # noqa: E731
         ids = torch.cat([self.tokens[a:b] for a, b in spans] + tail(self.pad_id))
         labels = torch.cat([self.labels[a:b] for a, b in spans] + tail(IGNORE_INDEX))
-        # positions restart per conversation; the padding is one more document starting at 0
-        pos = torch.cat([torch.arange(b - a) for a, b in spans] + [torch.arange(pad)])
-        return {"input_ids": ids.long(), "position_ids": pos, "labels": labels.long()}  # (S,) each
+        row = {"input_ids": ids.long(), "labels": labels.long()}  # (S,) each
+        if self.packing == "ffd":  # one conversation per row needs no document boundaries: plain causal
+            # positions restart per conversation; the padding is one more document starting at 0
+            row["position_ids"] = torch.cat([torch.arange(b - a) for a, b in spans] + [torch.arange(pad)])
+        return row
 
     def report(self) -> str:
         return self.stats.report()
 
     def check_vocab(self, model_vocab_size: int) -> None:
         """Raise when an id (input, label or pad) would index past the model's embedding."""
-        top = max(int(self.tokens.max()), int(self.labels.max()), self.pad_id)
+        top = max(self.max_id, self.pad_id)
         if top >= model_vocab_size:
             raise ValueError(f"the SFT data holds token id {top} but the model's vocab_size is "
                              f"{model_vocab_size} (was the model built for this tokenizer?)")
-
 
 # ----------------------------------------------------------------------------------------- default set
 SYSTEM_PROMPTS = [None, "You are a calculator. Reply with the number only.",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overlong", default="truncate", choices=["truncate", "drop"],
       help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
+    a("--reply-end", default=None, help="--sft: the token that ends an assistant reply (default: detected "
+                                        "from the chat template, e.g. <|eot_id|>; the built-in one: eos)")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--io-timeout", type=float, default=3600.0,
@@ -277,8 +280,9 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
         errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
                       "and no --sp with --sft (or give --data, which has no eval set)")
-    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad) and not args.sft:
-        errors.append("--packing / --overlong / --skip-bad go with --sft")
+    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad
+            or args.reply_end is not None) and not args.sft:
+        errors.append("--packing / --overlong / --skip-bad / --reply-end go with --sft")
     if args.sft and args.eval_batches is not None:
         errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
                       "exact-match accuracy on its built-in held-out chats")
@@ -396,18 +400,18 @@ def prepared_data(args: argparse.Namespace) -> Path:
     return path
 
 
-def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
-    """Rank 0 finds or prepares the data while the others wait on a gloo group with a DATA_WAIT
-    timeout — not in a barrier of the default group, whose NCCL watchdog would kill them after
-    --timeout. Rank 0's outcome (the folder, or its error) goes to every rank, and every rank checks
-    that it reads the very folder rank 0 prepared: a multi-node run needs --data on a shared
-    filesystem."""
+def prepared_once(prepare: Callable[[], Path], grid: Grid) -> Path:
+    """Rank 0 runs `prepare()` (find or make a prepared folder) while the others wait on a gloo group
+    with a DATA_WAIT timeout — not in a barrier of the default group, whose NCCL watchdog would kill
+    them after --timeout. Rank 0's outcome (the folder, or its error) reaches every rank; then every
+    rank checks that it reads the very meta.json rank 0 wrote: a multi-node run needs the data on a
+    shared filesystem."""
     group = dist.new_group(backend="gloo", timeout=DATA_WAIT) if grid.world > 1 else None
     outcome = [None]
     if grid.rank == 0:
         try:
-            path = prepared_data(args)
-            outcome[0] = (str(path), data.read_meta(path))
+            path = prepare()
+            outcome[0] = (str(path), (path / "meta.json").read_text())
         except (OSError, ValueError) as e:
             outcome[0] = (None, str(e))
     if group is not None:
@@ -416,8 +420,8 @@ def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
     if path is None:
         raise ValueError(meta)  # rank 0's error, raised on every rank
     try:
-        seen = "same" if data.read_meta(Path(path)) == meta else "a different meta.json"
-    except (OSError, ValueError) as e:
+        seen = "same" if (Path(path) / "meta.json").read_text() == meta else "a different meta.json"
+    except OSError as e:
         seen = str(e)
     views = [None] * grid.world
     if group is not None:
@@ -430,7 +434,12 @@ def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
         raise ValueError(f"ranks {blind} do not see the data rank 0 prepared at {path} (rank {blind[0]}: "
                          f"{views[blind[0]]}): a multi-node run needs --data on a filesystem every "
                          f"node shares, or the prepared folder copied to the same path on each node")
-    return data.TokenDataset(path, args.seq_len)
+    return Path(path)
+
+
+def load_data(args: argparse.Namespace, grid: Grid) -> data.TokenDataset:
+    """The pretraining rows, prepared once by rank 0 (`prepared_once`)."""
+    return data.TokenDataset(prepared_once(lambda: prepared_data(args), grid), args.seq_len)
 
 
 def load_val(args: argparse.Namespace, ds: data.TokenDataset,
@@ -483,32 +492,52 @@ def val_loss(model: M.Llama, val: data.TokenDataset, batches: int, args: argpars
     return total.item()
 
 
-def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, object, list]:
-    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval)."""
+def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
+    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval), tokenized
+    once by rank 0 into a cache every rank maps (sft.prepare_sft: next to --data, in ~/.cache/attotron
+    for the built-in set), re-made when the data, the tokenizer or the chat template changes."""
     tok = data.load_tokenizer(args.tokenizer)
+    tpl = sft.chat_template(tok, args.reply_end)
     if args.data:
-        convs, bad = sft.load_jsonl(args.data, skip_bad=args.skip_bad)
+        out = Path(str(args.data).rstrip("/") + ".attotron-sft")
+        key = lambda: {"sha256": sft.file_digest(args.data), "skip_bad": args.skip_bad}  # noqa: E731
+        load = lambda: sft.load_jsonl(args.data, skip_bad=args.skip_bad)  # noqa: E731
         eval_set = []
     else:
-        (convs, eval_set), bad = sft.arithmetic_chats(), 0
-    ds = sft.SFTDataset(convs, tok, args.seq_len, args.packing, args.overlong)
+        convs, eval_set = sft.arithmetic_chats()
+        out = Path.home() / ".cache" / "attotron" / "sft-arithmetic"
+        key = lambda: hashlib.sha256(json.dumps(convs).encode()).hexdigest()  # noqa: E731
+        load = lambda: (convs, 0)  # noqa: E731
+    def prepare() -> Path:
+        sft.prepare_sft(out, key, load, tpl)
+        return out
+    tokenized = sft.read_cache(prepared_once(prepare, grid))
+    if tokenized is None:  # prepared_once checked its meta.json: only its arrays can be missing
+        raise ValueError(f"the SFT cache {out} rank 0 wrote is incomplete on rank {grid.rank}")
+    ds = sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong, template=tpl)
     if grid.rank == 0:
+        bad = tokenized.skipped
         print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else ""), flush=True)
-    return ds, tok, eval_set
+    return ds, tpl, eval_set
 
 
 def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
-              device: torch.device) -> list[dict[str, torch.Tensor]]:
+              device: torch.device) -> list[dict]:
     """This rank's rows as micro-batches of (b, S) tensors: input_ids, labels (already shifted)
-    and, for packed SFT rows, position_ids (restarting per conversation)."""
+    and, for packed SFT rows, position_ids (restarting per conversation) and `docs`, their document
+    boundaries (attention.Documents: derived here, on the host, once per micro-batch, so no layer
+    builds a mask and the step never waits for a device→host copy)."""
     items = [ds[i] for i in rows]
     if isinstance(items[0], dict):
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
     else:
         tokens = torch.stack(items)  # (b, S+1)
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-    batch = {k: v.to(device) for k, v in batch.items()}
-    return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
+    micro = [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
+    for mb in micro:
+        if "position_ids" in mb:
+            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], device)
+    return [{k: v.to(device) for k, v in mb.items()} for mb in micro]
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -551,10 +580,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
                         tied=PP.tied_copy(model), embed_group=grid.embed_group)
 
 
-def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tok: object | None):
-    """The tokenizer the trained ids come from: SFT's, or the one --data was prepared with."""
-    if tok is not None:
-        return tok
+def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
+    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
     path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
     return data.load_tokenizer(path)
 
@@ -691,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("\n  ".join(["invalid configuration:"] + errors), grid)
     ckpt = plan_resume(args, grid)
     try:
-        ds, tok, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
+        ds, tpl, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if args.sft else load_val(args, ds, grid)
         make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout)
@@ -707,7 +734,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = make_optimizer(args, model, shards, grid)
     start = resume(ckpt, args, opt, cfg, shards, sampler, grid)
     try:
-        export_tok = export_tokenizer(args, ds, tok) if args.export_hf else None
+        export_tok = export_tokenizer(args, ds) if args.export_hf else None
     except (OSError, ValueError) as e:
         fail(f"--export-hf: the tokenizer to export: {e}", grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)
@@ -768,7 +795,7 @@ def main(argv: list[str] | None = None) -> None:
         evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
         if eval_set and evaluate:
             with stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
-                record["eval_exact_match"] = sft.evaluate(model, tok, eval_set)
+                record["eval_exact_match"] = sft.evaluate(model, None, eval_set, template=tpl)
             if log:
                 print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
                       flush=True)

@@ -4,16 +4,22 @@ References: a brute-force FFD and an exact bin-packing search (OPT), an independ
 the expected masks (by hand for the built-in template, from the tokenizer's character offsets for an
 HF chat template), and the plain unpacked model (one conversation per forward, causal attention
 without position_ids) for the packed loss and gradients."""
+import functools
 import json
 import math
 import random
 import re
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import chat
 import sft
 from data import ByteTokenizer
+from dist import run_ranks
 from model import LlamaConfig, build
 from weights import materialize
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
@@ -113,21 +119,39 @@ def test_builtin_template_mask_token_by_token():
     assert TOK.decode([x for x in labels if x != -100]) == "82<|eos|>The answer is 87.<|eos|>"
 
 
-def chatml_tokenizer(template: str | None = None):
-    """A real HF fast tokenizer, built locally: byte-level BPE trained on a few lines + ChatML."""
+@functools.lru_cache(maxsize=None)
+def bpe_json(vocab_size: int = 400) -> str:
+    """A byte-level BPE (GPT-2 pre-tokenizer), trained once per module on a few lines (milliseconds). It
+    learns "\n\n" as one token, so "\n\n" at the end of a text tokenizes differently from "\n\n" before
+    more text: the trap of Llama-3's generation prompt."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator(["What is 37 + 45? The answer is 82.", "system user assistant"] * 10, trainer)
-    template = template or ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                            "{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|pad|>",
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tk.train_from_iterator(["What is 37 + 45? The answer is 82.", "system user assistant model",
+                            "Be brief.\n\n", "Now add 5.\n\n", "Check:\n\n82 + 5 = 87."] * 20, trainer)
+    return tk.to_str()
+
+
+def hf_tokenizer(template: str | None, specials: list[str], eos: str, bos: str | None = None,
+                 vocab_size: int = 400):
+    """A real HF fast tokenizer, built offline: the module's BPE + a family's special tokens and template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer.from_str(bpe_json(vocab_size))
+    tk.add_special_tokens(specials + ["<|pad|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token="<|pad|>",
                                    chat_template=template)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(template: str | None = None):
+    return hf_tokenizer(template or CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
 
 
 def test_hf_chat_template_mask_token_by_token():
@@ -162,6 +186,110 @@ def test_template_that_is_not_prefix_stable_raises():
                           "{% endfor %}")
     with pytest.raises(ValueError, match="not prefix-stable"):
         sft.tokenize_conversation(CHAT, sft.chat_template(hf))
+
+
+# Real template strings of five families (as their tokenizer_config.json ships them), each with the
+# family's special tokens and eos on the module's BPE. (template, specials, eos, bos, end of a reply)
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+          "<|end_header_id|>\n\n' }}{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) "
+           "%}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+           "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}{% else %}"
+           "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] "
+          "+ eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + "
+          "eos_token }}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n"
+          "{% endif %}\n{% endfor %}")
+GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+         "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+         "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = "
+         "message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + "
+         "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+FAMILIES = {
+    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|im_end|>"),
+    # a Llama-3 BASE tokenizer: eos <|end_of_text|>, while chat turns end with <|eot_id|>
+    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>"], "<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>"),
+    "mistral": (MISTRAL, ["<s>", "</s>"], "</s>", "<s>", "</s>"),
+    "zephyr": (ZEPHYR, ["<s>", "</s>"], "</s>", "<s>", "</s>"),  # <|user|> etc. are plain text there
+    "gemma": (GEMMA, ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<eos>", "<bos>", "<end_of_turn>"),
+}
+REPLIES = ["82", "The answer is 87.\n\nCheck: 82 + 5 = 87."]  # a blank line inside a reply, too
+
+
+def target_runs(ids: list[int], labels: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of every maximal run of target tokens in ids (labels[t] targets ids[t+1])."""
+    runs = []
+    for t, lab in enumerate(labels):
+        if lab != -100:
+            if runs and runs[-1][1] == t + 1:
+                runs[-1] = (runs[-1][0], t + 2)
+            else:
+                runs.append((t + 1, t + 2))
+    return runs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_real_chat_templates_ids_and_targets(family):
+    """The ids equal the tokenizer's own apply_chat_template of the whole chat; the target tokens,
+    decoded run by run, are exactly each reply followed by the family's end-of-turn token."""
+    template, specials, eos, bos, end = FAMILIES[family]
+    hf = hf_tokenizer(template, specials, eos, bos)
+    chat = [{"role": "user", "content": "What is 37 + 45?"}, {"role": "assistant", "content": REPLIES[0]},
+            {"role": "user", "content": "Now add 5."}, {"role": "assistant", "content": REPLIES[1]}]
+    if family not in ("mistral", "gemma"):  # their templates refuse a system turn
+        chat = [{"role": "system", "content": "Be brief."}] + chat
+    tpl = sft.chat_template(hf)
+    assert (hf.decode([tpl.end_id]), tpl.end_source) == (end, "detected from the template")
+    ids, labels = sft.tokenize_conversation(chat, tpl)
+    assert ids == hf.apply_chat_template(chat, return_dict=True)["input_ids"]
+    assert [hf.decode(ids[a:b]) for a, b in target_runs(ids, labels)] == [r + end for r in REPLIES]
+    if family == "llama3":
+        # the trap of the issue: the generation prompt's "\n\n" is one token alone, two inside the chat,
+        # so a token-prefix mask would have failed here
+        prompt = hf.apply_chat_template(chat[:2], add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert ids[:len(prompt)] != prompt
+        assert sft.chat_template(hf, reply_end="<|eot_id|>").end_source == "--reply-end"
+        with pytest.raises(ValueError, match="not one token"):
+            sft.chat_template(hf, reply_end="eot id")
+
+
+def test_straddling_token_is_a_target_iff_it_holds_reply_characters():
+    hf = chatml_tokenizer()
+    text = "What is 37"  # tokens What | Ġis | Ġ37; the span starts inside "Ġis" (at its "s")
+    ids, flags = chat._tokens_of_spans(hf, text, [(6, 10)])
+    assert hf.convert_ids_to_tokens(ids) == ["What", "Ġis", "Ġ37"] and flags == [False, True, True]
+    assert chat._tokens_of_spans(hf, text, [(4, 4)])[1] == [False] * 3  # an empty span holds nothing
+
+
+def test_template_that_rewrites_earlier_turns_trains_per_turn():
+    """A Qwen3-like template drops the reasoning of earlier assistant turns: the chat becomes one sample
+    per assistant turn, each what inference sees (the tokenizer's rendering of turns[:k+1]), with only
+    its last reply as the target; counted in the report."""
+    think = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not "
+             "loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf = chatml_tokenizer(think)
+    replies = ["<think>37 + 45</think>82", "<think>82 + 5</think>87"]
+    conv = [{"role": "user", "content": "What is 37 + 45?"}, {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": "Now add 5."}, {"role": "assistant", "content": replies[1]}]
+    tpl = sft.chat_template(hf)
+    with pytest.raises(chat.TemplateRewritesTurns, match="not prefix-stable"):
+        sft.tokenize_conversation(conv, tpl)
+    samples, split = chat.tokenize_samples(conv, tpl)
+    assert split and len(samples) == 2
+    for (ids, labels), k, reply in zip(samples, (2, 4), replies):
+        assert ids == hf.apply_chat_template(conv[:k], return_dict=True)["input_ids"]
+        assert [hf.decode(ids[a:b]) for a, b in target_runs(ids, labels)] == [reply + "<|im_end|>"]
+    ds = sft.SFTDataset([conv, conv[:2]], hf, seq_len=128, template=tpl)
+    assert (ds.stats.conversations, ds.stats.per_turn, ds.stats.samples) == (2, 1, 3)
+    assert "1 rendered one sample per assistant turn, 3 samples" in ds.report()
 
 
 # ----------------------------------------------------------------------------------------- packing
@@ -215,7 +343,7 @@ def test_packed_loss_and_grads_equal_one_by_one():
     # conversation's own closing eos, and the padded tail is its own document with no targets
     padded = 0
     for r in rows:
-        row, lens = ds[r], [ds.offsets[i + 1] - ds.offsets[i] for i in ds.rows[r]]
+        row, lens = ds[r], [b - a for a, b in (ds.spans[i] for i in ds.rows[r])]
         start = 0
         for n in lens:  # each conversation: bos at position 0 ... its own eos as the last label
             assert row["position_ids"][start:start + n].tolist() == list(range(n))
@@ -235,14 +363,14 @@ def test_truncate_and_drop_are_counted():
     chats += [long_reply, late_reply]  # 61 inputs each (first target at 20 | 58), others 20..24
     ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="truncate")
     # the late reply keeps no target after truncation: dropped, not truncated
-    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (1, 1, 6)
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.spans)) == (1, 1, 6)
     ids, labels = sft.tokenize_conversation(long_reply, tpl)
     i = 5  # the truncated one is the 6th kept conversation
-    a, b = ds.offsets[i], ds.offsets[i + 1]
+    a, b = ds.spans[i]
     assert ds.tokens[a:b].tolist() == ids[:30] and ds.labels[a:b].tolist() == labels[:30]
     assert "1 truncated and 1 dropped at seq_len 30" in ds.report()
     ds = sft.SFTDataset(chats, TOK, seq_len=30, overlong="drop")
-    assert (ds.stats.truncated, ds.stats.dropped, len(ds.offsets) - 1) == (0, 2, 5)
+    assert (ds.stats.truncated, ds.stats.dropped, len(ds.spans)) == (0, 2, 5)
     with pytest.raises(ValueError, match="all 1 were dropped at seq_len 10"):
         sft.SFTDataset([long_reply], TOK, seq_len=10, overlong="drop")
     with pytest.raises(ValueError, match="packing must be ffd"):
@@ -257,6 +385,7 @@ def test_packing_none_and_default_set_fill():
     ids, labels = sft.tokenize_conversation(chats[3], sft.chat_template(TOK))
     n = len(labels)
     assert row["input_ids"][:n].tolist() == ids[:-1] and row["labels"][:n].tolist() == labels
+    assert "position_ids" not in row  # one conversation per row: plain causal attention, no boundaries
     assert (row["labels"][n:] == -100).all()
     assert "* packing none: 20 rows" in ds.report()
     ds.check_vocab(260)
@@ -272,6 +401,69 @@ def test_packing_none_and_default_set_fill():
     bound = math.ceil(st.tokens / st.seq_len)
     assert st.tokens / (st.rows * st.seq_len) >= 0.99 and st.rows <= 1.01 * bound
     assert sft.arithmetic_chats() == (train, held_out)  # deterministic
+
+
+# ----------------------------------------------------------------------------------------- preparation
+def test_prepare_sft_tokenizes_once_and_remakes_on_change(tmp_path, capsys):
+    """The cache is made once (progress printed), then mapped; a different source key, template,
+    tokenizer, reply end token, or a damaged file re-makes it. Reference: tokenizing in memory."""
+    chats, loads = short_chats(40, seed=5), []
+
+    def load():
+        loads.append(1)
+        return chats, 2  # 2 "skipped lines", carried by the cache
+    tpl = sft.chat_template(chatml_tokenizer())
+    out = tmp_path / "chats.jsonl.attotron-sft"
+    made = sft.prepare_sft(out, lambda: "v1", load, tpl)
+    printed = capsys.readouterr()
+    assert "tokenizing chats" in printed.err and "conv/s" in printed.out and "tok/s" in printed.out
+    again = sft.prepare_sft(out, lambda: "v1", load, tpl)
+    assert len(loads) == 1 and "cached in" in capsys.readouterr().out
+    assert isinstance(again.inputs, np.memmap) and again.skipped == 2
+    ref = sft.SFTDataset(chats, None, seq_len=64, template=tpl)
+    ds = sft.SFTDataset(again, None, seq_len=64, template=tpl)
+    assert ds.report() == ref.report() and len(ds) == len(ref)
+    assert all(torch.equal(ds[i][k], ref[i][k]) for i in range(len(ds)) for k in ref[i])
+    other_template = sft.chat_template(chatml_tokenizer(CHATML.replace("\\n{{ m['content'] }}", ": {{ m['content'] }}")))
+    other_tokenizer = sft.chat_template(hf_tokenizer(CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>",
+                                                     vocab_size=280))
+    reply_end = sft.chat_template(chatml_tokenizer(), reply_end="\n")  # ends after <|im_end|>\n
+    for key, t in (("v2", tpl), ("v1", other_template), ("v1", other_tokenizer), ("v1", reply_end), ("v1", tpl)):
+        sft.prepare_sft(out, lambda: key, load, t)
+    assert len(loads) == 6  # each change re-made it, and going back to the first one too
+    with open(out / "labels.bin", "r+b") as f:
+        f.truncate(8)  # a damaged cache is made again, never read
+    assert sft.prepare_sft(out, lambda: "v1", load, tpl).labels.tolist() == made.labels.tolist()
+    assert len(loads) == 7
+
+
+def _prepare_on_ranks(rank: int, world: int, out: str, fail: bool) -> object:
+    """train.load_sft's pattern: rank 0 prepares (train.prepared_once) while the others wait, then
+    every rank maps the cache."""
+    import train
+
+    def load():
+        assert rank == 0  # only rank 0 ever reads and tokenizes
+        if fail:
+            raise ValueError("chats.jsonl:3: malformed conversation")
+        time.sleep(1.0)  # the other ranks wait meanwhile
+        return short_chats(20, seed=2), 0
+
+    def prepare():
+        sft.prepare_sft(out, lambda: "k", load, sft.chat_template(TOK))
+        return Path(out)
+    try:
+        t = sft.read_cache(train.prepared_once(prepare, train.Grid(rank, world, torch.device("cpu"))))
+    except ValueError as e:
+        return str(e)
+    return t.inputs.tolist(), t.labels.tolist(), t.lengths.tolist()
+
+
+def test_prepare_sft_rank0_prepares_others_wait(tmp_path):
+    results = run_ranks(_prepare_on_ranks, 3, str(tmp_path / "c"), False)
+    assert results[0] == results[1] == results[2] and len(results[0][2]) == 20
+    errors = run_ranks(_prepare_on_ranks, 2, str(tmp_path / "d"), True)  # rank 0's error reaches every rank
+    assert errors[0] == errors[1] == "chats.jsonl:3: malformed conversation"
 
 
 # ----------------------------------------------------------------------------------------- loading

@@ -127,10 +127,14 @@ def sft_reference(setup_dirs):
 
 
 @pytest.mark.parametrize("name,world,extra", [("sft-tp2", 2, ["--tp", "2"]), ("sft-dp2", 2, []),
-                                              ("sft-pp2-dp2-zero1", 4, ["--pp", "2", "--zero", "1"])])
+                                              ("sft-pp2-dp2-zero1", 4, ["--pp", "2", "--zero", "1"]),
+                                              ("sft-tp2-sp-zero3-ac", 4, ["--tp", "2", "--sp", "--zero", "3", "--ac"]),
+                                              ("sft-tp2-pp2-sp-zero2", 8, ["--tp", "2", "--pp", "2", "--sp",
+                                                                           "--zero", "2"])])
 def test_packed_sft_matches_single_process(setup_dirs, sft_reference, name, world, extra):
-    """Packed rows (position_ids restarting per conversation, block-diagonal attention) through
-    every parallel path give the single-process SFT loss curve."""
+    """Packed rows (position_ids restarting per conversation, attention within each one through
+    attention.Documents built by get_batch) through every parallel path give the single-process SFT
+    loss curve. Every run maps the tokenized cache the first one made (rank 0 prepares it)."""
     run_ranks(_main, world, sft_args(setup_dirs, *extra, metrics=f"{name}.jsonl"), timeout=240)
     assert_curve(losses(setup_dirs / f"{name}.jsonl"), sft_reference)
 

@@ -267,7 +267,9 @@ def _data_wait_main(rank: int, world: int, port: int, tmp: str) -> list[str]:
     got = [str(train.load_data(args, grid)[0].tolist())]
     data.prepare = slow
     if rank == 1:  # a node that does not see the prepared folder
-        data.read_meta = lambda path: (_ for _ in ()).throw(FileNotFoundError(f"{path}/meta.json not found"))
+        read = Path.read_text
+        Path.read_text = lambda self, *a, **k: (read(self, *a, **k) if self.name != "meta.json" else
+                                                (_ for _ in ()).throw(FileNotFoundError(f"{self} not found")))
     for argv in (["--data", f"{tmp}/c.jsonl"], ["--data", f"{tmp}/missing.txt"]):
         try:
             train.load_data(train.parse_args([*argv, "--seq-len", "8"]), grid)

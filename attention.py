@@ -1,0 +1,178 @@
+"""Causal attention over packed documents without an S×S mask.
+
+What it does
+    A packed row holds several documents back to back (sft.py's FFD rows); a token may attend only to
+    earlier tokens of its own document. `Documents.from_position_ids` finds the boundaries ONCE per
+    batch, on the host where the rows are built (a document starts wherever the position does not
+    continue the previous one, and at every row start), and keeps them as host lengths plus
+    `cu_seqlens`, flash attention's cumulative boundaries over the flattened B·S tokens. `attend` is
+    the model's attention (model.Attention.attn_fn, a seam another file may swap, e.g. for ring
+    attention):
+      docs None                    plain causal SDPA (unpacked rows)
+      Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask at all
+      Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
+      (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
+                                   per layer call; for tests and custom masks, never for training
+
+Run
+    torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: train.get_batch builds Documents)
+
+Reference
+    Dao 2023 (FlashAttention-2, variable-length batches via cu_seqlens); Krell et al. 2021 ("Efficient
+    sequence packing without cross-contamination"); transformers' packed-sequence masks
+    (masking_utils.find_packed_sequence_indices: the same boundary rule).
+
+Why varlen_attn and not FlexAttention
+    varlen_attn takes exactly what packing produces (cu_seqlens, max length), runs the flash kernel
+    with GQA and needs no compilation. FlexAttention needs torch.compile to be fast, a BlockMask
+    built per batch (O(S²/128²) blocks), and has no CPU backward in torch 2.13.
+    varlen_attn runs only on CUDA with bf16/fp16: that path is untested here (no GPU in CI). It
+    shares everything else — the boundaries, their derivation, the seam — with the tested CPU path.
+
+The CPU path: length groups
+    Each document's length L is rounded up to a bucket Lb (`bucket`), documents of one
+    bucket are gathered into a dense (n, Lb) batch, run through SDPA with is_causal=True, and the
+    outputs scattered back. Exact: a document's slots L..Lb-1 come AFTER all of its real tokens, so
+    causality hides them from every real query; their own outputs are dropped, hence get a zero
+    gradient, so they add exact zeros to every gradient (they repeat the document's last token:
+    any real index works). Cost grows with Σ Lb² over documents, not with S² per row; the kernel
+    calls per layer grow with the number of distinct buckets (8 per octave of length). What backward
+    keeps is O(S): the gathered q, k, v, the output and the log-sum-exp, and the index tensors (built
+    once per batch, shared by all layers).
+
+Invariants
+    - A document never crosses a row: boundaries always include every row start.
+    - Loss and gradients equal the dense block-diagonal mask's (1e-6 in fp32; only the kernels'
+      summation order differs) and transformers' on packed position_ids (tests/test_model.py).
+    - Nothing S²-sized is built or saved on the Documents paths (tests measure it with
+      ac.SavedActivationMeter).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
+
+GRANULE = 16  # smallest bucket step of the CPU path, in tokens (see `bucket`)
+
+
+def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The dense reference: a block-diagonal causal mask (B, 1, S, S), with the boundary rule of
+    `Documents.from_position_ids`. S² memory; training passes Documents instead."""
+    start = torch.ones_like(position_ids, dtype=torch.bool)
+    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc = start.cumsum(-1)  # (B, S) document index of every token
+    S = position_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # (B, 1, S, S)
+
+
+def bucket(n: int) -> int:
+    """A document of n tokens runs in a slot of bucket(n) >= n tokens on the CPU path: n rounded up
+    to a multiple of max(GRANULE, 2^(floor(log2 n) - 3)), so at most 8 buckets per octave of length
+    and at most 1/8 (or GRANULE tokens) of padding: fewer kernel calls against less padded work.
+    Measured on the default SFT set at seq 1024 (tiny model, one layer's attention forward + backward,
+    one thread, CPU time): steps of 8 or 16 8.3-9.2 ms, 32 9.5-10.5, 64 12.0-12.7, exact lengths
+    9.2-9.5; the same conversations padded to the batch's longest 14 ms."""
+    step = max(GRANULE, 1 << max(n.bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
+class Documents:
+    """Document boundaries of a packed (B, S) batch, shared by every layer, the backward and any
+    recompute.
+        lengths     host tuple: each document's length, row by row, in token order (sum B·S)
+        cu_seqlens  (D+1,) int32 on `device`: 0, l0, l0+l1, ..., B·S (flash's convention)
+        max_len     the longest document (flash's max_seqlen)
+    """
+
+    def __init__(self, lengths: Sequence[int], shape: tuple[int, int],
+                 device: torch.device | str | None = None):
+        self.lengths, self.shape = tuple(int(n) for n in lengths), tuple(shape)
+        B, S = self.shape
+        ends, total = set(), 0
+        for n in self.lengths:
+            total += n
+            ends.add(total)
+        if min(self.lengths, default=0) < 1 or total != B * S or not {S * r for r in range(1, B + 1)} <= ends:
+            raise ValueError(f"document lengths {self.lengths[:8]}... must be positive, sum to B·S = "
+                             f"{B}·{S} and end at every row end (a document never crosses a row)")
+        self.max_len = max(self.lengths)
+        cu = torch.tensor((0, *self.lengths), dtype=torch.int64).cumsum(0)  # (D+1,)
+        self.cu_seqlens = cu.to(device=device, dtype=torch.int32)
+        self._plans: dict[torch.device, tuple] = {}  # device → CPU-path gather/scatter plan
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor,
+                          device: torch.device | str | None = None) -> "Documents":
+        """A document starts at every row start and wherever the position does not continue the
+        previous one (packed rows restart at 0). Reads position_ids on the host: call it where the
+        rows are built (a CUDA tensor here costs a device→host copy)."""
+        pos = position_ids.detach().cpu()  # (B, S)
+        start = torch.ones_like(pos, dtype=torch.bool)
+        start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        first = start.flatten().nonzero().squeeze(1)  # (D,) flat index of every document's start
+        lengths = torch.diff(first, append=torch.tensor([pos.numel()]))
+        return cls(lengths.tolist(), tuple(pos.shape), position_ids.device if device is None else device)
+
+    def to(self, device: torch.device | str) -> "Documents":
+        if self.cu_seqlens.device == torch.device(device):
+            return self
+        return Documents(self.lengths, self.shape, device)
+
+    def plan(self, device: torch.device) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+        """The CPU path's plan, built once per batch and device: groups [(n documents, bucket Lb)],
+        `gather` (Σ n·Lb,) flat token index of every slot (group after group, document after
+        document), `scatter` (B·S,) the slot holding each token's output."""
+        if device not in self._plans:
+            lens = torch.tensor(self.lengths)  # (D,)
+            starts = torch.tensor((0, *self.lengths[:-1])).cumsum(0)  # (D,)
+            buckets = torch.tensor([bucket(n) for n in self.lengths])  # (D,)
+            groups, gathers, scatter, base = [], [], torch.empty(sum(self.lengths), dtype=torch.int64), 0
+            for lb in sorted(set(buckets.tolist())):
+                d = (buckets == lb).nonzero().squeeze(1)  # documents of this bucket
+                j = torch.arange(lb)  # (lb,) slot within the document
+                real = j < lens[d, None]  # (n, lb)
+                idx = starts[d, None] + torch.minimum(j, lens[d, None] - 1)  # (n, lb) padding: last token
+                slots = base + torch.arange(len(d) * lb).view(len(d), lb)  # (n, lb)
+                scatter[idx[real]] = slots[real]
+                groups.append((len(d), lb))
+                gathers.append(idx.flatten())
+                base += len(d) * lb
+            self._plans[device] = (groups, torch.cat(gathers).to(device), scatter.to(device))
+        return self._plans[device]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA on (b, s, heads, hd) tensors (views, no copies): causal, or under a boolean mask."""
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=q.shape[2] != k.shape[2])  # (b, nh, s, hd)
+    return y.transpose(1, 2)  # (b, s, nh, hd)
+
+
+def _varlen_ok(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           docs: Documents | torch.Tensor | None) -> torch.Tensor:
+    """Causal attention within documents. q (B, S, nh, hd), k and v (B, S, nkv, hd), RoPE applied;
+    returns (B, S, nh, hd). docs: None (one document per row), Documents, or a dense boolean
+    (B, 1, S, S) mask (the reference path)."""
+    if docs is None or isinstance(docs, torch.Tensor):
+        return _sdpa(q, k, v, docs)
+    B, S, nh, hd = q.shape
+    if _varlen_ok(q):
+        cu = docs.cu_seqlens
+        y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
+                        docs.max_len, window_size=(-1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
+        return y.view(B, S, nh, hd)
+    groups, gather, scatter = docs.plan(q.device)
+    qs, ks, vs = (t.flatten(0, 1).index_select(0, gather) for t in (q, k, v))  # (slots, heads, hd)
+    sizes = [n * lb for n, lb in groups]
+    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts), None).reshape(n * lb, nh, hd)
+          for (n, lb), *parts in zip(groups, qs.split(sizes), ks.split(sizes), vs.split(sizes))]
+    return torch.cat(ys).index_select(0, scatter).view(B, S, nh, hd)  # (B, S, nh, hd)
