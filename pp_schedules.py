@@ -1,0 +1,494 @@
+"""Pipeline schedules as action lists, and the simulator that checks them (pure Python, no torch).
+
+What it does
+    A schedule says, for each of the p pipeline ranks, in which order it computes and communicates.
+    Compute actions are F (forward), B (backward) and W (weight gradient) of one micro-batch on one
+    of the rank's v chunks; rank s, chunk c is virtual stage c·p + s (Megatron's placement: layers
+    go round the ranks v times). `gpipe`, `one_f_one_b`, `interleaved` and `zero_bubble` first fix
+    each rank's compute order; `add_comm` then inserts the point-to-point messages (one `Comm` =
+    one batch_isend_irecv with one peer). `simulate` runs all ranks' lists against a virtual clock:
+    it is how schedules are tested and what bench.py prints beside measured times; `show` draws it.
+        python pp.py --show interleaved --pp 4 --micro-batches 8
+
+The schedules (m micro-batches, p ranks, v chunks per rank)
+    gpipe        all forwards, then all backwards: m micro-batches hold activations.
+    1f1b         warm-up forwards, then one forward / one backward, then the remaining backwards;
+                 at most p - s micro-batches in flight on rank s.
+    interleaved  1F1B over v chunks per rank. Micro-batches go in rounds of p to 2p-1 (r = m // p
+                 rounds, the larger first): a rank runs chunk 0 of a round, then chunk 1, ..., so a
+                 micro-batch comes back to rank 0 for its next chunk just when rank 0 finished the
+                 round. Warm-up: Megatron's (v-1)·g + 2(p-1-s) forwards (g = the first round's size).
+                 With free messages (v-1)·g + p-1-s gives the same bubble with fewer activations
+                 (p=4, v=2, m=8: 8 instead of 11 chunk activations on rank 0), but the extra p-1-s
+                 forwards are slack for message latency: at a message cost of F/4 the simulated
+                 bubble is 25% instead of 30% (1F1B: 39%). m need not be a multiple of p (Megatron's
+                 constraint): any m >= p gives the bubble below; m < p runs with a larger bubble.
+    zb           ZB-H1 (Qi et al. 2023), for any v: the backward is split into B, the input gradient
+                 (on the critical path: the previous stage waits for it) and W, the weight gradient
+                 (nobody waits for it). The 1F1B / interleaved order runs with B, and rank s defers
+                 each W by s micro-batches; the deferred Ws fill what would be the drain bubble.
+                 Warm-up: (v-1)·g + p-1-s forwards (1F1B's; no Megatron slack), so every rank holds at
+                 most v·p... exactly the first 1F1B stage's activations (ZB-H1's promise; torch's
+                 ScheduleInterleavedZeroBubble builds the same order). ZB-H2 / ZB-V (no bubble at all,
+                 up to twice the memory) are not built.
+
+Bubble (idle share of p · step time; balanced chunks of cost f, b, w, free communication)
+    gpipe, 1f1b   (p-1) / (m+p-1)               for any f, b (p=4, m=8: 27.3%)
+    interleaved   (p-1) / (v·m+p-1)             for m >= p   (p=4, m=8, v=2: 15.8%)
+    zb            idle (p-1)(f+b-w) of v·m(f+b+w) per rank   (f=b=w=1, p=4, m=8: 3 of 27 = 11.1%,
+                  one third of 1F1B's idle time; with v=2: 3 of 51 = 5.9%)
+
+Communication model (what the simulator checks, what NCCL does)
+    NCCL runs the messages between two ranks on one stream per pair: batches posted one after the
+    other complete in order, and a send completes only once the peer posted the matching receive.
+    Two ranks that each send first and receive later both wait forever. So `add_comm` takes every
+    message of the step in ONE global order (by the time it is produced in a unit-cost run) and
+    both ranks of a pair post their messages in that order; messages between two computations go
+    in one batch. Receives are therefore posted early (with the batch that precedes them), sends
+    right after the computation that produced them, and the executor waits on a receive only
+    before the computation that reads it, on a send never (until the step ends).
+
+Reference
+    Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B as PipeDream-Flush, interleaved 1F1B);
+    Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (B/W split, ZB-H1).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+F, B, W = "F", "B", "W"  # forward; backward (input gradient, or all of it without W); weight gradient
+
+
+@dataclass(frozen=True)
+class Action:
+    """Compute `kind` of one micro-batch on one of this rank's chunks."""
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + "'" * self.chunk
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One tensor: an activation (payload F, to the next virtual stage) or a gradient (payload B, to
+    the previous one), of this rank's `chunk`: the chunk that produced it (send) or will read it."""
+    send: bool
+    payload: str
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{'SEND' if self.send else 'RECV'}_{self.payload}({self.microbatch}{chr(39) * self.chunk})"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One batch of messages with one peer rank (one dist.batch_isend_irecv)."""
+    peer: int
+    msgs: tuple[Msg, ...]
+
+    def __str__(self) -> str:
+        return "+".join(map(str, self.msgs)) + f"@{self.peer}"
+
+
+Step = Action | Comm
+
+
+# ----------------------------------------------------------------------------------------- orders
+def rounds(m: int, p: int) -> list[range]:
+    """m micro-batches in max(1, m // p) rounds of near-equal size (>= p when m >= p), larger first."""
+    n = max(1, m // p)
+    base, extra = divmod(m, n)
+    starts = [k * base + min(k, extra) for k in range(n + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(n)]
+
+
+def _gpipe_order(m: int, s: int, p: int, v: int) -> list[Action]:
+    if v != 1:
+        raise ValueError("gpipe runs one chunk per rank (virtual stages go with interleaved or zb)")
+    return [Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
+
+
+def _one_f_one_b_order(m: int, s: int, p: int, v: int, split: bool) -> list[Action]:
+    """Warm-up forwards, then one forward and one backward at a time, then the remaining backwards;
+    with `split` each B is followed by the W deferred by s backwards (ZB-H1), the rest at the end."""
+    rs = rounds(m, p)
+    fwd = [(c, i) for r in rs for c in range(v) for i in r]  # a round's chunk 0, then chunk 1, ...
+    bwd = [(c, i) for r in rs for c in reversed(range(v)) for i in r]  # backwards: last chunk first
+    slack = 2 if v > 1 and not split else 1  # Megatron's interleaved warm-up: see the docstring
+    warmup = min(len(fwd), (v - 1) * len(rs[0]) + slack * (p - 1 - s))
+    acts = [Action(F, i, c) for c, i in fwd[:warmup]]
+    for k, (c, i) in enumerate(bwd):
+        if warmup + k < len(fwd):
+            acts.append(Action(F, fwd[warmup + k][1], fwd[warmup + k][0]))
+        acts.append(Action(B, i, c))
+        if split and k >= s:
+            acts.append(Action(W, bwd[k - s][1], bwd[k - s][0]))
+    if split:
+        acts += [Action(W, i, c) for c, i in bwd[max(0, len(bwd) - s):]]
+    return acts
+
+
+# ----------------------------------------------------------------------------------------- messages
+def _sources(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg]]:
+    """(peer, receive) that compute action a on rank s waits for: its input activation or gradient."""
+    vs, last = a.chunk * p + s, p * v - 1
+    if a.kind == F and vs > 0:
+        return [((vs - 1) % p, Msg(False, F, a.microbatch, a.chunk))]
+    if a.kind == B and vs < last:
+        return [((vs + 1) % p, Msg(False, B, a.microbatch, a.chunk))]
+    return []
+
+
+def _products(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg, int]]:
+    """(peer, send, the peer's chunk that reads it) that compute action a on rank s produces."""
+    vs, last = a.chunk * p + s, p * v - 1
+    if a.kind == F and vs < last:
+        return [((vs + 1) % p, Msg(True, F, a.microbatch, a.chunk), (vs + 1) // p)]
+    if a.kind == B and vs > 0:
+        return [((vs - 1) % p, Msg(True, B, a.microbatch, a.chunk), (vs - 1) // p)]
+    return []
+
+
+def _unit_times(orders: Sequence[Sequence[Action]], v: int) -> dict[tuple[int, Action], int]:
+    """End time of every compute action with unit costs and free messages (ValueError if the
+    orders wait on each other in a cycle)."""
+    p, end, pc, clock = len(orders), {}, [0] * len(orders), [0] * len(orders)
+    where = {(s, a): None for s, o in enumerate(orders) for a in o}
+    progress = True
+    while progress:
+        progress = False
+        for s, order in enumerate(orders):
+            while pc[s] < len(order):
+                a = order[pc[s]]
+                deps = [(peer, Action(F if m.payload == F else B, a.microbatch,
+                                      (a.chunk * p + s + (-1 if m.payload == F else 1)) // p))
+                        for peer, m in _sources(a, s, p, v)]
+                deps += [(s, Action(F, a.microbatch, a.chunk))] * (a.kind == B)
+                deps += [(s, Action(B, a.microbatch, a.chunk))] * (a.kind == W)
+                if any(d not in end for d in deps):
+                    if any(d not in where for d in deps):
+                        raise ValueError(f"rank {s}: {a} needs {[str(d[1]) for d in deps if d not in where]}, "
+                                         f"which no rank computes")
+                    break
+                clock[s] = max([clock[s]] + [end[d] for d in deps]) + 1
+                end[s, a] = clock[s]
+                pc[s] += 1
+                progress = True
+    if any(pc[s] < len(o) for s, o in enumerate(orders)):
+        raise ValueError("compute orders wait on each other: " + "; ".join(
+            f"rank {s} at {o[pc[s]]}" for s, o in enumerate(orders) if pc[s] < len(o)))
+    return end
+
+
+def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]:
+    """Insert the messages into per-rank compute orders (see "Communication model" above)."""
+    p = len(orders)
+    if p == 1:
+        return [list(orders[0])]
+    end = _unit_times(orders, v)
+    produced = sorted(((end[s, a], s), peer, send, dst_chunk)  # (time, rank) is unique
+                      for s, order in enumerate(orders) for a in order
+                      for peer, send, dst_chunk in _products(a, s, p, v))
+    queues: dict[tuple[int, int], list[Msg]] = {}  # (rank, peer) → its messages, in the global order
+    for (_, s), peer, send, dst_chunk in produced:
+        queues.setdefault((s, peer), []).append(send)
+        queues.setdefault((peer, s), []).append(Msg(False, send.payload, send.microbatch, dst_chunk))
+    out = []
+    for s, order in enumerate(orders):
+        posted = {peer: 0 for (r, peer) in queues if r == s}  # messages posted so far, per peer
+        done: set[Action] = set()
+        steps: list[Step] = []
+        batch: dict[int, list[Msg]] = {}  # peer → messages to post at this point (one Comm each)
+
+        def post_through(peer: int, msg: Msg) -> None:
+            queue = queues[s, peer]
+            while posted[peer] <= queue.index(msg):  # and every message before it, in order
+                nxt = queue[posted[peer]]
+                if nxt.send and Action(nxt.payload, nxt.microbatch, nxt.chunk) not in done:
+                    raise ValueError(f"rank {s}: {nxt} is due before it is computed")
+                batch.setdefault(peer, []).append(nxt)
+                posted[peer] += 1
+
+        def flush() -> None:  # a receive closes its batch: a computation waits for ONE message
+            for peer, msgs in batch.items():
+                cut = [0] + [k + 1 for k, msg in enumerate(msgs) if not msg.send]
+                cut += [len(msgs)] * (cut[-1] < len(msgs))
+                steps.extend(Comm(peer, tuple(msgs[a:z])) for a, z in zip(cut, cut[1:]))
+            batch.clear()
+
+        for a in order:
+            for peer, recv in _sources(a, s, p, v):
+                post_through(peer, recv)
+            flush()
+            steps.append(a)
+            done.add(a)
+            for peer, send, _ in _products(a, s, p, v):
+                post_through(peer, send)
+        flush()
+        out.append(steps)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- schedules
+@functools.lru_cache(maxsize=64)
+def _build(name: str, m: int, p: int, v: int) -> tuple[tuple[Step, ...], ...]:
+    if m < 1 or p < 1 or v < 1 or (v > 1 and p < 2):
+        raise ValueError(f"need micro-batches, stages and virtual stages >= 1 (virtual stages > 1 with "
+                         f">= 2 stages), got m={m}, p={p}, v={v}")
+    if name == "gpipe":
+        orders = [_gpipe_order(m, s, p, v) for s in range(p)]
+    else:
+        orders = [_one_f_one_b_order(m, s, p, v, split=name == "zb") for s in range(p)]
+    return tuple(tuple(steps) for steps in add_comm(orders, v))
+
+
+def gpipe(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """All forwards, then all backwards (in the same order, so gradients accumulate as in 1F1B)."""
+    return list(_build("gpipe", m, p, v)[stage])
+
+
+def one_f_one_b(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """1F1B (PipeDream-Flush); with v > 1 chunks per rank, interleaved 1F1B."""
+    return list(_build("1f1b", m, p, v)[stage])
+
+
+def interleaved(m: int, stage: int, p: int, v: int = 2) -> list[Step]:
+    """Interleaved 1F1B: v >= 2 chunks per rank (v = 1 is plain 1F1B)."""
+    if v < 2:
+        raise ValueError(f"interleaved needs >= 2 virtual stages per rank, got {v} (v=1 is 1f1b)")
+    return one_f_one_b(m, stage, p, v)
+
+
+def zero_bubble(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """ZB-H1: 1F1B (v = 1) or interleaved 1F1B (v > 1) with B and W apart, W deferred by `stage`."""
+    return list(_build("zb", m, p, v)[stage])
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
+
+
+def bubble_formula(name: str, m: int, p: int, v: int = 1, f: float = 1, b: float = 2,
+                   w: float = 1) -> Fraction:
+    """The idle share the module docstring gives (interleaved and zb: for m >= p); f, b, w: costs
+    of one chunk's F, B and W (b is the whole backward for the schedules without W)."""
+    if name in ("gpipe", "1f1b"):
+        return Fraction(p - 1, m + p - 1)
+    if name == "interleaved":
+        return Fraction(p - 1, v * m + p - 1)
+    idle, busy = (p - 1) * Fraction(f + b - w), v * m * Fraction(f + b + w)
+    return idle / (idle + busy)
+
+
+# ----------------------------------------------------------------------------------------- simulator
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # per rank: time spent computing
+    idle: list[float]  # per rank: makespan - busy
+    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk) holding activations (F done, last
+    #                            backward action — W if the schedule has one, else B — not yet)
+    bubble: Fraction | float  # idle share of p · makespan (exact for rational costs)
+    timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
+
+
+class _Batch:
+    """A posted Comm in the simulator: its messages complete pairwise with the peer's."""
+    def __init__(self, rank: int, comm: Comm, post: float):
+        self.rank, self.comm, self.post = rank, comm, post
+        self.times: dict[int, float] = {}  # message index → completion time
+        self.start: float | None = None  # when it reached the head of its pair stream
+        self.done: float | None = None
+
+
+def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: float = 2,
+             w_cost: float = 1, comm_cost: float = 0,
+             weights: Sequence[Sequence[float]] | None = None) -> SimResult:
+    """Run every rank's list together against a virtual clock (NCCL's semantics, see "Communication
+    model"): a Comm is posted at once; between two ranks, batches complete in posting order; a
+    message completes comm_cost after both ends posted it; a computation waits for the whole
+    batch that brought its input. Compute costs f/b/w_cost, times weights[rank][chunk] if given.
+    Raises ValueError on a wrong schedule (input not received, B before F, twice the same F, a
+    message that does not match the peer's, a missing action) and RuntimeError naming every
+    rank's stuck action on deadlock."""
+    p = len(schedules)
+    v = 1 + max((a.chunk for sch in schedules for a in sch if isinstance(a, Action)), default=0)
+    m = 1 + max((a.microbatch for sch in schedules for a in sch if isinstance(a, Action)), default=-1)
+    cost = {F: Fraction(f_cost) if isinstance(f_cost, int) else f_cost,
+            B: Fraction(b_cost) if isinstance(b_cost, int) else b_cost,
+            W: Fraction(w_cost) if isinstance(w_cost, int) else w_cost}
+    pc, clock = [0] * p, [0] * p
+    done: list[dict[Action, float]] = [{} for _ in range(p)]
+    recv_in: list[dict[Msg, _Batch]] = [{} for _ in range(p)]  # posted receive → its batch
+    stream: dict[tuple[int, int], list[_Batch]] = {}  # (rank, peer) → batches in posting order
+    head: dict[tuple[int, int], int] = {}
+    lane: dict[tuple[int, int, bool], list[tuple[_Batch, int]]] = {}  # (src, dst, send?) → messages
+    with_w = [any(isinstance(a, Action) and a.kind == W for a in sch) for sch in schedules]
+    in_flight, peak = [0] * p, [0] * p
+    timeline: list[list] = [[] for _ in range(p)]
+
+    def need(ok: bool, s: int, a: Step, why: str) -> None:
+        if not ok:
+            raise ValueError(f"stage {s} action #{pc[s]} {a}: {why}")
+
+    def post(s: int, c: Comm) -> None:
+        need(0 <= c.peer < p and c.peer != s, s, c, f"no stage {c.peer} to talk to")
+        batch = _Batch(s, c, clock[s])
+        stream.setdefault((s, c.peer), []).append(batch)
+        for k, msg in enumerate(c.msgs):
+            if msg.send:
+                need(Action(msg.payload, msg.microbatch, msg.chunk) in done[s], s, c,
+                     f"sends {msg.payload}{msg.microbatch} before it exists")
+            else:
+                recv_in[s][msg] = batch
+            src, dst = (s, c.peer) if msg.send else (c.peer, s)
+            mine, theirs = lane.setdefault((src, dst, msg.send), []), lane.get((src, dst, not msg.send), [])
+            mine.append((batch, k))
+            if len(theirs) >= len(mine):  # the n-th send from src to dst meets the n-th receive
+                other = theirs[len(mine) - 1]
+                sent, got = (msg, other[0].comm.msgs[other[1]]) if msg.send else (other[0].comm.msgs[other[1]], msg)
+                vs = sent.chunk * p + src + (1 if sent.payload == F else -1)
+                if (sent.payload, sent.microbatch, vs // p) != (got.payload, got.microbatch, got.chunk):
+                    raise ValueError(f"stage {src} sends {sent} to stage {dst}, which receives {got} in its "
+                                     f"place (messages between two stages must be posted in one order)")
+
+    def start(key: tuple[int, int]) -> float:
+        batch, i = stream[key][head[key]], head[key]
+        if batch.start is None:
+            batch.start = max(batch.post, stream[key][i - 1].done if i else 0)
+        return batch.start
+
+    def resolve() -> bool:
+        """Complete what can complete at the heads of the pair streams; True if anything did."""
+        changed = True
+        any_change = False
+        while changed:
+            changed = False
+            for key, batches in stream.items():
+                head.setdefault(key, 0)
+                while head[key] < len(batches):
+                    batch = batches[head[key]]
+                    for k, msg in enumerate(batch.comm.msgs):
+                        if k in batch.times:
+                            continue
+                        src, dst = (batch.rank, batch.comm.peer) if msg.send else (batch.comm.peer, batch.rank)
+                        n = [i for i, (bt, j) in enumerate(lane[src, dst, msg.send]) if bt is batch and j == k][0]
+                        theirs = lane.get((src, dst, not msg.send), [])
+                        peer_key = (batch.comm.peer, batch.rank)
+                        if n >= len(theirs) or peer_key not in stream:
+                            continue
+                        other, j = theirs[n]
+                        head.setdefault(peer_key, 0)
+                        if head[peer_key] >= len(stream[peer_key]) or stream[peer_key][head[peer_key]] is not other:
+                            continue  # the peer's batch waits behind an earlier one
+                        t = max(start(key), start(peer_key)) + comm_cost
+                        batch.times[k] = other.times[j] = t
+                        changed = any_change = True
+                    if len(batch.times) < len(batch.comm.msgs):
+                        break
+                    batch.done = max(batch.times.values())
+                    head[key] += 1
+                    changed = any_change = True
+        return any_change
+
+    def ready(s: int, a: Action) -> float | None:
+        """When a's inputs are there (None: not yet known)."""
+        need(a not in done[s], s, a, "computed twice")
+        t = clock[s]
+        if a.kind == B:
+            need(Action(F, a.microbatch, a.chunk) in done[s], s, a, "backward before forward")
+        if a.kind == W:
+            need(Action(B, a.microbatch, a.chunk) in done[s], s, a, "weight gradient before backward")
+        for _, recv in _sources(a, s, p, v):
+            what = "input activation" if a.kind == F else "output gradient"
+            need(recv in recv_in[s], s, a, f"{what} not received")
+            batch = recv_in[s][recv]
+            if batch.done is None:
+                return None
+            t = max(t, batch.done)
+        return t
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while pc[s] < len(schedules[s]):
+                a = schedules[s][pc[s]]
+                if isinstance(a, Comm):
+                    post(s, a)
+                else:
+                    t = ready(s, a)
+                    if t is None:
+                        break
+                    end = t + cost[a.kind] * (weights[s][a.chunk] if weights else 1)
+                    timeline[s].append((t, end, a))
+                    clock[s] = end
+                    done[s][a] = end
+                    last = W if with_w[s] else B
+                    in_flight[s] += (a.kind == F) - (a.kind == last)
+                    peak[s] = max(peak[s], in_flight[s])
+                pc[s] += 1
+                progress = True
+        progress = resolve() or progress
+    if any(pc[s] < len(schedules[s]) for s in range(p)):
+        stuck = "; ".join(f"stage {s} waits at #{pc[s]} {schedules[s][pc[s]]}"
+                          for s in range(p) if pc[s] < len(schedules[s]))
+        raise RuntimeError(f"deadlock: {stuck}")
+    open_ = [f"stage {key[0]}: {b.comm}" for key, bs in stream.items() for b in bs if b.done is None]
+    if open_:
+        raise RuntimeError(f"messages never received: {'; '.join(open_)}")
+    for s in range(p):
+        kinds = (F, B, W) if with_w[s] else (F, B)
+        want = {Action(k, i, c) for k in kinds for i in range(m) for c in range(v)}
+        if set(done[s]) != want:
+            raise ValueError(f"stage {s}: missing {sorted(map(str, want - set(done[s])))} (each micro-batch "
+                             f"needs {'/'.join(kinds)} on each of the {v} chunk(s))")
+    makespan = max(clock, default=0)
+    busy = [sum((end - start for start, end, _ in timeline[s]), Fraction(0)) for s in range(p)]
+    idle = [makespan - b for b in busy]
+    bubble = sum(idle, Fraction(0)) / (p * makespan) if makespan else Fraction(0)
+    return SimResult(makespan, busy, idle, peak, bubble, timeline)
+
+
+# ----------------------------------------------------------------------------------------- show
+def show(name: str, m: int, p: int, v: int = 1, f: int = 1, b: int | None = None, w: int = 1) -> str:
+    """The simulated schedule as text, one row per rank, one column per time unit (integer costs).
+    Chunk c is marked by c primes: F3'' is micro-batch 3's forward on the rank's chunk 2."""
+    b = (1 if name == "zb" else 2) if b is None else b
+    sim = simulate([SCHEDULES[name](m, s, p, v) for s in range(p)], f, b, w)
+    width = max(len(str(a)) for row in sim.timeline for _, _, a in row) + 1
+    rows = []
+    for s, row in enumerate(sim.timeline):
+        cells = ["." * (width - 1)] * int(sim.makespan)
+        for start, end, a in row:
+            cells[int(start)] = str(a).ljust(width - 1, "-" if end - start > 1 else " ")
+            for t in range(int(start) + 1, int(end)):
+                cells[t] = "-" * (width - 1)
+        rows.append(f"rank {s} |" + " ".join(c.ljust(width - 1) for c in cells))
+    costs = f"F={f} B={b}" + (f" W={w}" if name == "zb" else "")
+    head = (f"{name}: {p} ranks x {v} chunk(s), {m} micro-batches, costs {costs} per chunk; "
+            f"simulated bubble {float(sim.bubble):.1%} (formula {float(bubble_formula(name, m, p, v, f, b, w)):.1%}), "
+            f"peak (micro-batch, chunk)s in flight per rank {sim.peak_in_flight}")
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="draw a simulated pipeline schedule")
+    ap.add_argument("--show", required=True, choices=sorted(SCHEDULES))
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 for "
+                                                                     "interleaved, else 1)")
+    args = ap.parse_args(argv)
+    v = args.virtual_stages or (2 if args.show == "interleaved" else 1)
+    print(show(args.show, args.micro_batches, args.pp, v))
+
+
+if __name__ == "__main__":
+    main()
