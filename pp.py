@@ -46,12 +46,16 @@ The B/W split (zb), with autograd
     backward). B + W cost one backward (tests/test_pp.py counts the FLOPs); each group is one
     autograd call (~20 µs of engine overhead each). On rank 0 the embedding output is cut off as
     the chunk's input leaf (a forward hook), so B stops there and the embedding gradient is part
-    of W. Memory: W needs dY of every parameterised op (about one activation of each projection's
-    output size per layer) and the ops' saved inputs; this implementation keeps the micro-batch's
-    whole graph from F until W (retain_graph), not just those, so a micro-batch holds its
-    activations until its W, and the activations in flight are counted F to W (pp_schedules'
-    peak_in_flight). Not with activation checkpointing: each W group would re-enter the
-    checkpointed region and recompute it (train.py rejects --ac with zb).
+    of W. Memory between a micro-batch's B and W: the dY of every parameterised op, per layer and
+    token (q + 2·kv + 4·h + 2·i) values (the q, k, v, o, gate, up, down outputs and both norms; in
+    bf16 about half of the layer's activations), plus the saved inputs of those ops. This
+    implementation keeps the whole graph from F until W (retain_graph), not only those, so a
+    micro-batch holds all its activations until its W, and pp_schedules counts activations in
+    flight from F to W. The head's dY is the (B, S, V) logits gradient, larger than many layers'
+    activations with a big vocab (V = 128K: 2V bytes per token), and the last stage would hold
+    p-1 of them: lm_head's weight gradient is computed in B instead. Not with activation
+    checkpointing: each W group would re-enter the checkpointed region and recompute it (train.py
+    rejects --ac with zb).
 
 Communication
     A `Comm` is one batch_isend_irecv with one peer. A received tensor is waited on right before
@@ -250,13 +254,14 @@ def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tup
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
-                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list]:
-    """B: the gradient of `inp` (a leaf) only. Returns it and W's groups [(params, [(node,
-    gradients flowing into it)])] for backward_weight (see "The B/W split" above)."""
+                   params: Sequence[nn.Parameter], now: Sequence[nn.Parameter] = ()) -> tuple[torch.Tensor, list]:
+    """B: the gradient of `inp` (a leaf), and of the parameters `now` (accumulated into their .grad).
+    Returns the input gradient and W's groups [(params, [(node, gradients flowing into it)])] for
+    backward_weight (see "The B/W split" above)."""
     parents = _parents(out.grad_fn)
     path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
     groups: list[tuple[set, set]] = []
-    for p in params:
+    for p in [p for p in params if all(p is not q for q in now)]:
         node = get_gradient_edge(p).node
         if node not in parents:
             continue  # not used by this chunk's graph (the embedding behind the cut)
@@ -273,7 +278,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
              for _, nodes in groups for n in nodes]
     try:
-        torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+        torch.autograd.backward(out, grad, inputs=[inp, *now], retain_graph=True)
     finally:
         for h in hooks:
             h.remove()
@@ -368,10 +373,14 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
     last = lambda c: c * n + stage == n * v - 1  # noqa: E731  the last one: loss out
     split = any(isinstance(a, Action) and a.kind == W for a in actions)
-    grad_kind = W if split else B
-    syncs = {max(k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == grad_kind
-                 and a.chunk == c) for c in range(v)}  # each chunk's last gradient accumulation
+    syncs = {max(k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == kind and a.chunk == c)
+             for c in range(v) for kind in ((B, W) if split else (B,))}  # each chunk's last B (and W)
     params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
+    # zb: lm_head's weight gradient is taken in B, so that the (B, S, V) logits' gradient is not held
+    # until W (p - 1 micro-batches on the last stage); not when it is the embedding too (pp = 1, tied)
+    head = [list(c.lm_head.parameters()) if last(k) and (c.model.embed_tokens is None or
+                                                        c.lm_head.weight is not c.model.embed_tokens.weight)
+            else [] for k, c in enumerate(chunks)]
     timed = timer or (lambda a: contextlib.nullcontext())
 
     inputs: dict[tuple, torch.Tensor] = {}   # (mb, chunk) → input leaf (received, or the cut embedding)
@@ -440,7 +449,8 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
             with no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext(), timed(a):
                 if split:
                     leaf = inputs.pop(key)
-                    in_grads[key], pending[key] = backward_input(outputs.pop(key), grad, leaf, params[a.chunk])
+                    in_grads[key], pending[key] = backward_input(outputs.pop(key), grad, leaf, params[a.chunk],
+                                                                 now=head[a.chunk])
                 else:
                     torch.autograd.backward(outputs.pop(key), grad_tensors=grad)
                     if not first(a.chunk):

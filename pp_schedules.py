@@ -1,52 +1,52 @@
 """Pipeline schedules as action lists, and the simulator that checks them (pure Python, no torch).
 
 What it does
-    A schedule says, for each of the p pipeline ranks, in which order it computes and communicates.
-    Compute actions are F (forward), B (backward) and W (weight gradient) of one micro-batch on one
-    of the rank's v chunks; rank s, chunk c is virtual stage c·p + s (Megatron's placement: layers
-    go round the ranks v times). `gpipe`, `one_f_one_b`, `interleaved` and `zero_bubble` first fix
-    each rank's compute order; `add_comm` then inserts the point-to-point messages (one `Comm` =
-    one batch_isend_irecv with one peer). `simulate` runs all ranks' lists against a virtual clock:
-    it is how schedules are tested and what bench.py prints beside measured times; `show` draws it.
+    For each of p pipeline ranks, a schedule lists what it computes and sends, in order: F
+    (forward), B (backward) and W (weight gradient) of one micro-batch on one of the rank's v chunks
+    (rank s, chunk c is virtual stage c·p + s: the layers go round the ranks v times, Megatron's
+    placement), and `Comm`s, each one batch_isend_irecv with one peer. `gpipe`, `one_f_one_b`,
+    `interleaved` and `zero_bubble` fix each rank's compute order; `add_comm` derives the messages.
+    `simulate` runs all ranks' lists against a virtual clock (it is how schedules are tested, and
+    what bench.py prints beside measured times); `show` draws a schedule as text:
         python pp.py --show interleaved --pp 4 --micro-batches 8
 
 The schedules (m micro-batches, p ranks, v chunks per rank)
     gpipe        all forwards, then all backwards: m micro-batches hold activations.
-    1f1b         warm-up forwards, then one forward / one backward, then the remaining backwards;
-                 at most p - s micro-batches in flight on rank s.
-    interleaved  1F1B over v chunks per rank. Micro-batches go in rounds of p to 2p-1 (r = m // p
-                 rounds, the larger first): a rank runs chunk 0 of a round, then chunk 1, ..., so a
-                 micro-batch comes back to rank 0 for its next chunk just when rank 0 finished the
-                 round. Warm-up: Megatron's (v-1)·g + 2(p-1-s) forwards (g = the first round's size).
-                 With free messages (v-1)·g + p-1-s gives the same bubble with fewer activations
-                 (p=4, v=2, m=8: 8 instead of 11 chunk activations on rank 0), but the extra p-1-s
-                 forwards are slack for message latency: at a message cost of F/4 the simulated
-                 bubble is 25% instead of 30% (1F1B: 39%). m need not be a multiple of p (Megatron's
-                 constraint): any m >= p gives the bubble below; m < p runs with a larger bubble.
-    zb           ZB-H1 (Qi et al. 2023), for any v: the backward is split into B, the input gradient
-                 (on the critical path: the previous stage waits for it) and W, the weight gradient
-                 (nobody waits for it). The 1F1B / interleaved order runs with B, and rank s defers
-                 each W by s micro-batches; the deferred Ws fill what would be the drain bubble.
-                 Warm-up: (v-1)·g + p-1-s forwards (1F1B's; no Megatron slack), so every rank holds at
-                 most v·p... exactly the first 1F1B stage's activations (ZB-H1's promise; torch's
-                 ScheduleInterleavedZeroBubble builds the same order). ZB-H2 / ZB-V (no bubble at all,
-                 up to twice the memory) are not built.
+    1f1b         p-1-s warm-up forwards, then one forward and one backward at a time, then the
+                 remaining backwards: at most p-s micro-batches in flight on rank s.
+    interleaved  1F1B over v chunks per rank. Micro-batches go in rounds (m // p of them, p to 2p-1
+                 micro-batches each, the larger first); a rank runs a round's chunk 0, then its chunk
+                 1, ..., so a micro-batch is back on rank 0 for its next chunk just as rank 0 finishes
+                 the round. Warm-up: Megatron's (v-1)·g + 2(p-1-s) forwards (g: the first round's
+                 size). (v-1)·g + p-1-s gives the same bubble with free messages and fewer activations
+                 (p=4, v=2, m=8: 8 instead of 11 chunks' on rank 0), but the extra forwards are slack
+                 for message latency: at a message cost of F/4 the simulated bubble is 25% against 30%
+                 (1F1B: 39%). m need not be a multiple of p (Megatron's rule): any m >= p gives the
+                 bubble below; m < p works with a larger bubble.
+    zb           ZB-H1 (Qi et al. 2023), for any v: each backward is split into B, the input gradient
+                 (the previous stage waits for it), and W, the weight gradient (nobody waits for it).
+                 The 1F1B / interleaved order runs with B, and rank s runs each W s backwards late: the
+                 deferred Ws fill what would be the drain bubble. Warm-up (v-1)·g + p-1-s, so every
+                 rank holds at most (v-1)·g + p chunks' activations (F to W): with g = p, p stages'
+                 worth, the first 1F1B stage's peak (ZB-H1's promise). torch's
+                 ScheduleInterleavedZeroBubble builds the same order. ZB-H2 / ZB-V (no bubble, up to
+                 twice the memory) are not built.
 
-Bubble (idle share of p · step time; balanced chunks of cost f, b, w, free communication)
-    gpipe, 1f1b   (p-1) / (m+p-1)               for any f, b (p=4, m=8: 27.3%)
-    interleaved   (p-1) / (v·m+p-1)             for m >= p   (p=4, m=8, v=2: 15.8%)
-    zb            idle (p-1)(f+b-w) of v·m(f+b+w) per rank   (f=b=w=1, p=4, m=8: 3 of 27 = 11.1%,
-                  one third of 1F1B's idle time; with v=2: 3 of 51 = 5.9%)
+Bubble (idle share of p · step time; balanced chunks of cost f, b, w each, free messages)
+    gpipe, 1f1b   (p-1) / (m+p-1)             any f, b           p=4, m=8: 27.3%
+    interleaved   (p-1) / (v·m+p-1)           m >= p             p=4, m=8, v=2: 15.8%
+    zb            idle (p-1)(f+b-w) per rank, busy v·m(f+b+w)     f=b=w=1, p=4, m=8: 11.1% (3 of 27:
+                  a third of 1F1B's idle time, in a shorter step); v=2: 5.9%
 
-Communication model (what the simulator checks, what NCCL does)
-    NCCL runs the messages between two ranks on one stream per pair: batches posted one after the
-    other complete in order, and a send completes only once the peer posted the matching receive.
-    Two ranks that each send first and receive later both wait forever. So `add_comm` takes every
-    message of the step in ONE global order (by the time it is produced in a unit-cost run) and
-    both ranks of a pair post their messages in that order; messages between two computations go
-    in one batch. Receives are therefore posted early (with the batch that precedes them), sends
-    right after the computation that produced them, and the executor waits on a receive only
-    before the computation that reads it, on a send never (until the step ends).
+Communication model (what the simulator checks: NCCL's semantics)
+    NCCL carries the messages between two ranks on one stream per pair: batches complete in the
+    order they were posted, and a send completes only once the peer posted the matching receive.
+    Two ranks that each send first and receive later wait for each other forever. So `add_comm`
+    puts all messages of the step in ONE global order (the time each is produced in a unit-cost
+    run) and both ranks of a pair post theirs in that order: a send right after the computation
+    that produced it, a receive right before the computation that reads it, or earlier when a later
+    message to the same peer must go first. A receive closes its batch (sends posted before it ride
+    along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its input's whole batch.
 
 Reference
     Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B as PipeDream-Flush, interleaved 1F1B);
@@ -156,45 +156,14 @@ def _products(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg, int]]:
     return []
 
 
-def _unit_times(orders: Sequence[Sequence[Action]], v: int) -> dict[tuple[int, Action], int]:
-    """End time of every compute action with unit costs and free messages (ValueError if the
-    orders wait on each other in a cycle)."""
-    p, end, pc, clock = len(orders), {}, [0] * len(orders), [0] * len(orders)
-    where = {(s, a): None for s, o in enumerate(orders) for a in o}
-    progress = True
-    while progress:
-        progress = False
-        for s, order in enumerate(orders):
-            while pc[s] < len(order):
-                a = order[pc[s]]
-                deps = [(peer, Action(F if m.payload == F else B, a.microbatch,
-                                      (a.chunk * p + s + (-1 if m.payload == F else 1)) // p))
-                        for peer, m in _sources(a, s, p, v)]
-                deps += [(s, Action(F, a.microbatch, a.chunk))] * (a.kind == B)
-                deps += [(s, Action(B, a.microbatch, a.chunk))] * (a.kind == W)
-                if any(d not in end for d in deps):
-                    if any(d not in where for d in deps):
-                        raise ValueError(f"rank {s}: {a} needs {[str(d[1]) for d in deps if d not in where]}, "
-                                         f"which no rank computes")
-                    break
-                clock[s] = max([clock[s]] + [end[d] for d in deps]) + 1
-                end[s, a] = clock[s]
-                pc[s] += 1
-                progress = True
-    if any(pc[s] < len(o) for s, o in enumerate(orders)):
-        raise ValueError("compute orders wait on each other: " + "; ".join(
-            f"rank {s} at {o[pc[s]]}" for s, o in enumerate(orders) if pc[s] < len(o)))
-    return end
-
-
 def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]:
     """Insert the messages into per-rank compute orders (see "Communication model" above)."""
     p = len(orders)
     if p == 1:
         return [list(orders[0])]
-    end = _unit_times(orders, v)
-    produced = sorted(((end[s, a], s), peer, send, dst_chunk)  # (time, rank) is unique
-                      for s, order in enumerate(orders) for a in order
+    run = simulate(orders, 1, 1, 1, free_messages=True)  # unit costs: when each message is produced
+    produced = sorted(((end, s), peer, send, dst_chunk)  # (time, rank) is unique
+                      for s, row in enumerate(run.timeline) for _, end, a in row
                       for peer, send, dst_chunk in _products(a, s, p, v))
     queues: dict[tuple[int, int], list[Msg]] = {}  # (rank, peer) → its messages, in the global order
     for (_, s), peer, send, dst_chunk in produced:
@@ -292,45 +261,46 @@ class SimResult:
     makespan: float
     busy: list[float]  # per rank: time spent computing
     idle: list[float]  # per rank: makespan - busy
-    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk) holding activations (F done, last
-    #                            backward action — W if the schedule has one, else B — not yet)
+    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk)s whose F ran and whose last
+    #                            backward action (W if the schedule has Ws, else B) did not yet
     bubble: Fraction | float  # idle share of p · makespan (exact for rational costs)
     timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
 
 
-class _Batch:
-    """A posted Comm in the simulator: its messages complete pairwise with the peer's."""
-    def __init__(self, rank: int, comm: Comm, post: float):
-        self.rank, self.comm, self.post = rank, comm, post
-        self.times: dict[int, float] = {}  # message index → completion time
-        self.start: float | None = None  # when it reached the head of its pair stream
-        self.done: float | None = None
+@dataclass(eq=False)
+class _Posted:
+    """A Comm in flight: its messages complete with the peer's matching ones."""
+    rank: int
+    comm: Comm
+    post: float
+    lane_pos: list[int]  # per message: its index among the messages from src to dst
+    times: dict = None  # message index → completion time
+    start: float | None = None  # when it reached the head of its pair stream
+    done: float | None = None
 
 
 def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: float = 2,
              w_cost: float = 1, comm_cost: float = 0,
-             weights: Sequence[Sequence[float]] | None = None) -> SimResult:
-    """Run every rank's list together against a virtual clock (NCCL's semantics, see "Communication
-    model"): a Comm is posted at once; between two ranks, batches complete in posting order; a
-    message completes comm_cost after both ends posted it; a computation waits for the whole
-    batch that brought its input. Compute costs f/b/w_cost, times weights[rank][chunk] if given.
-    Raises ValueError on a wrong schedule (input not received, B before F, twice the same F, a
-    message that does not match the peer's, a missing action) and RuntimeError naming every
-    rank's stuck action on deadlock."""
+             weights: Sequence[Sequence[float]] | None = None, free_messages: bool = False) -> SimResult:
+    """Run every rank's list together against a virtual clock, with NCCL's semantics (module
+    docstring): a Comm is posted at once; between two ranks, Comms complete in posting order; the
+    n-th send from a to b meets the n-th receive posted by b, comm_cost after both are at the head
+    of their pair streams; a computation waits for the Comm that brought its input. F, B, W cost
+    f/b/w_cost (times weights[rank][chunk]). free_messages: compute orders without Comms, an input is
+    there when its producer finished. Raises ValueError on a wrong schedule (an input never
+    received, B before F, twice the same F, a message meeting another one, a missing action) and
+    RuntimeError naming every rank's stuck action on deadlock."""
     p = len(schedules)
-    v = 1 + max((a.chunk for sch in schedules for a in sch if isinstance(a, Action)), default=0)
-    m = 1 + max((a.microbatch for sch in schedules for a in sch if isinstance(a, Action)), default=-1)
-    cost = {F: Fraction(f_cost) if isinstance(f_cost, int) else f_cost,
-            B: Fraction(b_cost) if isinstance(b_cost, int) else b_cost,
-            W: Fraction(w_cost) if isinstance(w_cost, int) else w_cost}
-    pc, clock = [0] * p, [0] * p
-    done: list[dict[Action, float]] = [{} for _ in range(p)]
-    recv_in: list[dict[Msg, _Batch]] = [{} for _ in range(p)]  # posted receive → its batch
-    stream: dict[tuple[int, int], list[_Batch]] = {}  # (rank, peer) → batches in posting order
-    head: dict[tuple[int, int], int] = {}
-    lane: dict[tuple[int, int, bool], list[tuple[_Batch, int]]] = {}  # (src, dst, send?) → messages
+    acts = [a for sch in schedules for a in sch if isinstance(a, Action)]
+    v, m = 1 + max((a.chunk for a in acts), default=0), 1 + max((a.microbatch for a in acts), default=-1)
+    cost = {k: Fraction(c) if isinstance(c, int) else c for k, c in ((F, f_cost), (B, b_cost), (W, w_cost))}
     with_w = [any(isinstance(a, Action) and a.kind == W for a in sch) for sch in schedules]
-    in_flight, peak = [0] * p, [0] * p
+    pc, clock, in_flight, peak = [0] * p, [0] * p, [0] * p, [0] * p
+    done: list[dict[Action, float]] = [{} for _ in range(p)]
+    arrives: list[dict[Msg, _Posted]] = [{} for _ in range(p)]  # posted receive → its Comm
+    streams: dict[tuple[int, int], list[_Posted]] = {}  # (rank, peer) → Comms in posting order
+    heads: dict[tuple[int, int], int] = {}
+    lanes: dict[tuple[int, int, bool], list[tuple[_Posted, int]]] = {}  # (src, dst, send?) → messages
     timeline: list[list] = [[] for _ in range(p)]
 
     def need(ok: bool, s: int, a: Step, why: str) -> None:
@@ -339,80 +309,69 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
 
     def post(s: int, c: Comm) -> None:
         need(0 <= c.peer < p and c.peer != s, s, c, f"no stage {c.peer} to talk to")
-        batch = _Batch(s, c, clock[s])
-        stream.setdefault((s, c.peer), []).append(batch)
+        posted = _Posted(s, c, clock[s], [], {})
+        streams.setdefault((s, c.peer), []).append(posted)
         for k, msg in enumerate(c.msgs):
             if msg.send:
                 need(Action(msg.payload, msg.microbatch, msg.chunk) in done[s], s, c,
                      f"sends {msg.payload}{msg.microbatch} before it exists")
             else:
-                recv_in[s][msg] = batch
+                arrives[s][msg] = posted
             src, dst = (s, c.peer) if msg.send else (c.peer, s)
-            mine, theirs = lane.setdefault((src, dst, msg.send), []), lane.get((src, dst, not msg.send), [])
-            mine.append((batch, k))
+            mine, theirs = lanes.setdefault((src, dst, msg.send), []), lanes.get((src, dst, not msg.send), [])
+            posted.lane_pos.append(len(mine))
+            mine.append((posted, k))
             if len(theirs) >= len(mine):  # the n-th send from src to dst meets the n-th receive
                 other = theirs[len(mine) - 1]
-                sent, got = (msg, other[0].comm.msgs[other[1]]) if msg.send else (other[0].comm.msgs[other[1]], msg)
+                sent, got = (msg, other[0].comm.msgs[other[1]])[::1 if msg.send else -1]
                 vs = sent.chunk * p + src + (1 if sent.payload == F else -1)
                 if (sent.payload, sent.microbatch, vs // p) != (got.payload, got.microbatch, got.chunk):
                     raise ValueError(f"stage {src} sends {sent} to stage {dst}, which receives {got} in its "
                                      f"place (messages between two stages must be posted in one order)")
 
-    def start(key: tuple[int, int]) -> float:
-        batch, i = stream[key][head[key]], head[key]
-        if batch.start is None:
-            batch.start = max(batch.post, stream[key][i - 1].done if i else 0)
-        return batch.start
+    def head(key: tuple[int, int]) -> _Posted | None:
+        """The Comm at the head of a pair stream (with its start time), or None."""
+        stream, i = streams.get(key, []), heads.setdefault(key, 0)
+        if i >= len(stream):
+            return None
+        if stream[i].start is None:
+            stream[i].start = max(stream[i].post, stream[i - 1].done if i else 0)
+        return stream[i]
 
     def resolve() -> bool:
-        """Complete what can complete at the heads of the pair streams; True if anything did."""
+        """Complete the messages whose both ends are at the heads of their pair streams."""
         changed = True
-        any_change = False
         while changed:
             changed = False
-            for key, batches in stream.items():
-                head.setdefault(key, 0)
-                while head[key] < len(batches):
-                    batch = batches[head[key]]
-                    for k, msg in enumerate(batch.comm.msgs):
-                        if k in batch.times:
+            for key in list(streams):
+                while (c := head(key)) is not None:
+                    for k, msg in enumerate(c.comm.msgs):
+                        src, dst = key if msg.send else key[::-1]
+                        theirs = lanes.get((src, dst, not msg.send), [])
+                        if k in c.times or c.lane_pos[k] >= len(theirs):
                             continue
-                        src, dst = (batch.rank, batch.comm.peer) if msg.send else (batch.comm.peer, batch.rank)
-                        n = [i for i, (bt, j) in enumerate(lane[src, dst, msg.send]) if bt is batch and j == k][0]
-                        theirs = lane.get((src, dst, not msg.send), [])
-                        peer_key = (batch.comm.peer, batch.rank)
-                        if n >= len(theirs) or peer_key not in stream:
-                            continue
-                        other, j = theirs[n]
-                        head.setdefault(peer_key, 0)
-                        if head[peer_key] >= len(stream[peer_key]) or stream[peer_key][head[peer_key]] is not other:
-                            continue  # the peer's batch waits behind an earlier one
-                        t = max(start(key), start(peer_key)) + comm_cost
-                        batch.times[k] = other.times[j] = t
-                        changed = any_change = True
-                    if len(batch.times) < len(batch.comm.msgs):
+                        other, j = theirs[c.lane_pos[k]]
+                        if head(key[::-1]) is other:
+                            c.times[k] = other.times[j] = max(c.start, other.start) + comm_cost
+                    if len(c.times) < len(c.comm.msgs):
                         break
-                    batch.done = max(batch.times.values())
-                    head[key] += 1
-                    changed = any_change = True
-        return any_change
+                    c.done, heads[key] = max(c.times.values()), heads[key] + 1
+                    changed = True
 
     def ready(s: int, a: Action) -> float | None:
-        """When a's inputs are there (None: not yet known)."""
+        """When a's input is there (None: not known yet)."""
         need(a not in done[s], s, a, "computed twice")
-        t = clock[s]
-        if a.kind == B:
-            need(Action(F, a.microbatch, a.chunk) in done[s], s, a, "backward before forward")
-        if a.kind == W:
-            need(Action(B, a.microbatch, a.chunk) in done[s], s, a, "weight gradient before backward")
-        for _, recv in _sources(a, s, p, v):
-            what = "input activation" if a.kind == F else "output gradient"
-            need(recv in recv_in[s], s, a, f"{what} not received")
-            batch = recv_in[s][recv]
-            if batch.done is None:
-                return None
-            t = max(t, batch.done)
-        return t
+        need(a.kind != B or Action(F, a.microbatch, a.chunk) in done[s], s, a, "backward before forward")
+        need(a.kind != W or Action(B, a.microbatch, a.chunk) in done[s], s, a, "weight gradient before backward")
+        for peer, recv in _sources(a, s, p, v):  # (at most one)
+            if free_messages:
+                t = done[peer].get(Action(a.kind, a.microbatch, (a.chunk * p + s + (1 if a.kind == B else -1)) // p))
+            else:
+                need(recv in arrives[s], s, a, f"{'input activation' if a.kind == F else 'output gradient'} "
+                                               f"not received")
+                t = arrives[s][recv].done
+            return None if t is None else max(clock[s], t)
+        return clock[s]
 
     progress = True
     while progress:
@@ -422,27 +381,25 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
                 a = schedules[s][pc[s]]
                 if isinstance(a, Comm):
                     post(s, a)
+                elif (t := ready(s, a)) is None:
+                    break
                 else:
-                    t = ready(s, a)
-                    if t is None:
-                        break
                     end = t + cost[a.kind] * (weights[s][a.chunk] if weights else 1)
                     timeline[s].append((t, end, a))
-                    clock[s] = end
-                    done[s][a] = end
-                    last = W if with_w[s] else B
-                    in_flight[s] += (a.kind == F) - (a.kind == last)
+                    clock[s] = done[s][a] = end
+                    in_flight[s] += (a.kind == F) - (a.kind == (W if with_w[s] else B))
                     peak[s] = max(peak[s], in_flight[s])
                 pc[s] += 1
                 progress = True
-        progress = resolve() or progress
+        before = sum(heads.values())
+        resolve()
+        progress = progress or sum(heads.values()) > before
     if any(pc[s] < len(schedules[s]) for s in range(p)):
-        stuck = "; ".join(f"stage {s} waits at #{pc[s]} {schedules[s][pc[s]]}"
-                          for s in range(p) if pc[s] < len(schedules[s]))
-        raise RuntimeError(f"deadlock: {stuck}")
-    open_ = [f"stage {key[0]}: {b.comm}" for key, bs in stream.items() for b in bs if b.done is None]
-    if open_:
-        raise RuntimeError(f"messages never received: {'; '.join(open_)}")
+        raise RuntimeError("deadlock: " + "; ".join(f"stage {s} waits at #{pc[s]} {schedules[s][pc[s]]}"
+                                                    for s in range(p) if pc[s] < len(schedules[s])))
+    unmatched = [f"stage {c.rank}: {c.comm}" for cs in streams.values() for c in cs if c.done is None]
+    if unmatched:
+        raise RuntimeError(f"messages never received: {'; '.join(unmatched)}")
     for s in range(p):
         kinds = (F, B, W) if with_w[s] else (F, B)
         want = {Action(k, i, c) for k in kinds for i in range(m) for c in range(v)}
@@ -467,7 +424,7 @@ def show(name: str, m: int, p: int, v: int = 1, f: int = 1, b: int | None = None
     for s, row in enumerate(sim.timeline):
         cells = ["." * (width - 1)] * int(sim.makespan)
         for start, end, a in row:
-            cells[int(start)] = str(a).ljust(width - 1, "-" if end - start > 1 else " ")
+            cells[int(start)] = str(a)
             for t in range(int(start) + 1, int(end)):
                 cells[t] = "-" * (width - 1)
         rows.append(f"rank {s} |" + " ".join(c.ljust(width - 1) for c in cells))
@@ -486,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 for "
                                                                      "interleaved, else 1)")
     args = ap.parse_args(argv)
-    v = args.virtual_stages or (2 if args.show == "interleaved" else 1)
+    v = args.virtual_stages if args.virtual_stages is not None else 2 if args.show == "interleaved" else 1
     print(show(args.show, args.micro_batches, args.pp, v))
 
 

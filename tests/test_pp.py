@@ -322,6 +322,14 @@ def test_bw_split_costs_one_backward():
     with FlopCounterMode(display=False) as b:
         dx, work = backward_input(out, None, inp, list(model.parameters()))
     assert fired == [] and all(p.grad is None for p in model.parameters())  # B touches no parameter
+    # W's inputs held from B to W: dY of every parameterised op (pp.py's docstring), fp32 here: per
+    # layer and token q + 2 kv + 4 h + 2 i values, the final norm h, lm_head's the logits' V
+    c = CFG
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_token = c.num_hidden_layers * (q + 2 * kv + 4 * c.hidden_size + 2 * c.intermediate_size) + \
+        c.hidden_size + c.vocab_size
+    held = sum(g.nbytes for _, nodes in work for _, gs in nodes for g in gs if g is not None)
+    assert held == 4 * x.shape[0] * x.shape[1] * per_token
     with FlopCounterMode(display=False) as w:
         backward_weight(work)
     assert b.get_total_flops() > 0 and w.get_total_flops() > 0
@@ -329,6 +337,20 @@ def test_bw_split_costs_one_backward():
     assert torch.equal(dx, leaf.grad)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     assert sorted(fired) == sorted(id(p) for p in model.parameters())  # once each
+    # run_pipeline takes lm_head's weight gradient in B: the (T, V) logits gradient is not held
+    # (compared with a backward outside FlopCounterMode, which may pick other kernels)
+    plain = split_stage(full_model(CFG), 0, 1, partition(4, 1))
+    plain.model.embed_tokens = None
+    plain(x.clone().requires_grad_(), labels=mbs[0]["labels"], reduction="sum").backward()
+    model.zero_grad(set_to_none=True)
+    head = list(model.lm_head.parameters())
+    out = model(inp, labels=mbs[0]["labels"], reduction="sum")
+    _, work = backward_input(out, None, inp, list(model.parameters()), now=head)
+    assert torch.equal(head[0].grad, plain.lm_head.weight.grad)
+    assert sum(g.nbytes for _, nodes in work for _, gs in nodes for g in gs if g is not None) == \
+        4 * x.shape[0] * x.shape[1] * (per_token - c.vocab_size)
+    backward_weight(work)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
 
 
 # ----------------------------------------------------------------------------------------- multi-rank
