@@ -51,9 +51,11 @@ The B/W split (zb), with autograd
     bf16 about half of the layer's activations), plus the saved inputs of those ops. This
     implementation keeps the whole graph from F until W (retain_graph), not only those, so a
     micro-batch holds all its activations until its W, and pp_schedules counts activations in
-    flight from F to W. The head's dY is the (B, S, V) logits gradient, larger than many layers'
-    activations with a big vocab (V = 128K: 2V bytes per token), and the last stage would hold
-    p-1 of them: lm_head's weight gradient is computed in B instead. Not with activation
+    flight from F to W. On the last stage the head's dY is the (B, S, V) logits gradient, 2V bytes
+    per token in bf16 (V = 128K: 0.5 GB for 2048 tokens), held for the p-1 micro-batches whose W
+    waits there: more than a few layers' activations. (Taking lm_head's dW in B would avoid it, but
+    then a gradient bucket or ZeRO-3 unit holding lm_head and the final norm would get its
+    gradients at two times: dp.py/zero.py count them per backward.) Not with activation
     checkpointing: each W group would re-enter the checkpointed region and recompute it (train.py
     rejects --ac with zb).
 
@@ -254,14 +256,13 @@ def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tup
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
-                   params: Sequence[nn.Parameter], now: Sequence[nn.Parameter] = ()) -> tuple[torch.Tensor, list]:
-    """B: the gradient of `inp` (a leaf), and of the parameters `now` (accumulated into their .grad).
-    Returns the input gradient and W's groups [(params, [(node, gradients flowing into it)])] for
-    backward_weight (see "The B/W split" above)."""
+                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list]:
+    """B: the gradient of `inp` (a leaf) only. Returns it and W's groups [(params, [(node,
+    gradients flowing into it)])] for backward_weight (see "The B/W split" above)."""
     parents = _parents(out.grad_fn)
     path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
     groups: list[tuple[set, set]] = []
-    for p in [p for p in params if all(p is not q for q in now)]:
+    for p in params:
         node = get_gradient_edge(p).node
         if node not in parents:
             continue  # not used by this chunk's graph (the embedding behind the cut)
@@ -278,7 +279,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
              for _, nodes in groups for n in nodes]
     try:
-        torch.autograd.backward(out, grad, inputs=[inp, *now], retain_graph=True)
+        torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
     finally:
         for h in hooks:
             h.remove()
@@ -373,14 +374,10 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
     last = lambda c: c * n + stage == n * v - 1  # noqa: E731  the last one: loss out
     split = any(isinstance(a, Action) and a.kind == W for a in actions)
-    syncs = {max(k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == kind and a.chunk == c)
-             for c in range(v) for kind in ((B, W) if split else (B,))}  # each chunk's last B (and W)
+    grad_kind = W if split else B  # the action that accumulates into .grad
+    syncs = {max(k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == grad_kind
+                 and a.chunk == c) for c in range(v)}  # each chunk's last one
     params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
-    # zb: lm_head's weight gradient is taken in B, so that the (B, S, V) logits' gradient is not held
-    # until W (p - 1 micro-batches on the last stage); not when it is the embedding too (pp = 1, tied)
-    head = [list(c.lm_head.parameters()) if last(k) and (c.model.embed_tokens is None or
-                                                        c.lm_head.weight is not c.model.embed_tokens.weight)
-            else [] for k, c in enumerate(chunks)]
     timed = timer or (lambda a: contextlib.nullcontext())
 
     inputs: dict[tuple, torch.Tensor] = {}   # (mb, chunk) → input leaf (received, or the cut embedding)
@@ -449,8 +446,7 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
             with no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext(), timed(a):
                 if split:
                     leaf = inputs.pop(key)
-                    in_grads[key], pending[key] = backward_input(outputs.pop(key), grad, leaf, params[a.chunk],
-                                                                 now=head[a.chunk])
+                    in_grads[key], pending[key] = backward_input(outputs.pop(key), grad, leaf, params[a.chunk])
                 else:
                     torch.autograd.backward(outputs.pop(key), grad_tensors=grad)
                     if not first(a.chunk):
