@@ -15,7 +15,7 @@ What it does
 Run
     torchrun --nproc_per_node 4 bench.py --only pp,memory
 
-Builds on: bench.py, ac.py, model.py, pp.py, precision.py, zero.py
+Builds on: bench.py, ac.py, pp.py, precision.py, zero.py
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 import ac as AC
-import model as M
 import pp as PP
 import precision as P
 import zero as Z

@@ -1,18 +1,18 @@
-"""Pipeline parallelism: partition the layers, cut the model into stages, execute a schedule.
+"""Pipeline parallelism: partition the layers, cut the model into stages, run a schedule.
 
 What it does
-    `partition` cuts the layers into p·v consecutive ranges (virtual stages), balancing the cost of
-    the last one's head; `split_stage` keeps on a meta-built Llama what rank s owns: virtual stages
-    s, s+p, ..., the embedding on rank 0 and the final norm, lm_head and loss on rank p-1;
-    `stage_chunks` gives each of them as a module (views sharing the parameters). pp_schedules.py
-    makes each rank's list of actions (gpipe, 1f1b, interleaved, zb) and simulates them;
-    `run_pipeline` executes one rank's list with batched isend/irecv on the pp group.
+    `partition` cuts the layers into p·v consecutive ranges (virtual stages), the last one's
+    lm_head + loss counted as layers (`head_cost`, from FLOPs); `split_stage` keeps on a meta-built
+    Llama what rank s owns: virtual stages s, s+p, ..., the embedding on rank 0, the final norm,
+    lm_head and loss on rank p-1; `stage_chunks` gives each chunk as a module (views sharing the
+    parameters). pp_schedules.py lists each rank's actions (gpipe, 1f1b, interleaved, zb) and
+    simulates them; `run_pipeline` executes one rank's list on the pp group.
         python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
 
 Reference
-    GPipe: Huang et al. 2019. 1F1B and interleaved 1F1B: Narayanan et al. 2021, "Efficient
-    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (also the tied-embedding
-    group). Zero bubble: Qi et al. 2023, "Zero Bubble Pipeline Parallelism".
+    Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+    on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B, the tied-embedding group); Qi et al.
+    2023, "Zero Bubble Pipeline Parallelism" (B/W split).
 
 Run
     torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved --virtual-stages 2
@@ -20,54 +20,47 @@ Run
 
 Invariants
     - Modules a rank does not own are deleted before materialize: never allocated, never read from a
-      checkpoint. Layer names stay HF's (`model.layers.<global index>`), so checkpoints do not depend
-      on pp or v.
+      checkpoint. Layer names stay HF's (`model.layers.<global index>`): checkpoints ignore pp and v.
     - The gradient equals the single-process one: every stage sees the same micro-batches, the last
-      stage divides each micro-batch's token-loss SUM by the target count of the whole step (the
-      rule of precision.normalized_loss), gradients accumulate over micro-batches in .grad, and the
-      B/W split computes the same products as one backward. No gradient is reduced here: hook-based
-      dp/ZeRO pass their `no_sync`; every backward runs inside it except each chunk's last action
-      that accumulates into its parameters (its last W under zb, else its last B), so they reduce
-      once per parameter, after its last gradient.
+      divides each micro-batch's token-loss SUM by the target count of the whole step (the rule of
+      precision.normalized_loss), gradients accumulate over micro-batches in .grad, and B + W
+      compute the products of one backward. Nothing is reduced here: every backward action runs
+      inside dp/ZeRO's `no_sync` but each chunk's last one that accumulates into .grad (its last
+      W under zb, else its last B): hook-based dp/ZeRO reduce after a parameter's last gradient.
     - Tied embeddings with pp > 1: rank p-1 holds its own copy as `lm_head.weight`; the two copies'
       gradients are summed over a 2-rank group before the step, so they stay identical.
     - A disagreement between pp peers (micro-batch count or shape, target count) raises on every
       stage instead of hanging: a small header is all-gathered before any point-to-point message.
 
 The B/W split (zb), with autograd
-    B = `torch.autograd.backward(out, grad, inputs=[x])`, x this chunk's input leaf, retain_graph:
-    autograd runs only the nodes on the path from the output to x, and each of them computes only
-    the outputs that lead to x: a linear's MmBackward computes dX = dY·W, not dW = dYᵀ·X. Where a
-    parameter's branch leaves that path (the MmBackward of a linear, the Mul of an RMSNorm weight)
-    a node pre-hook keeps the gradient flowing into the node (dY). W then runs, per group of
-    parameters sharing such nodes, `torch.autograd.backward(GradientEdge(node, k) with dY,
-    inputs=params)`: the node runs again and computes only its parameter outputs, and the parameters'
-    AccumulateGrad fires once each (dp/ZeRO hooks see one gradient per parameter, as in one
-    backward). B + W cost one backward (tests/test_pp.py counts the FLOPs); each group is one
-    autograd call (~20 µs of engine overhead each). On rank 0 the embedding output is cut off as
-    the chunk's input leaf (a forward hook), so B stops there and the embedding gradient is part
-    of W. Memory between a micro-batch's B and W: the dY of every parameterised op, per layer and
-    token (q + 2·kv + 4·h + 2·i) values (the q, k, v, o, gate, up, down outputs and both norms; in
-    bf16 about half of the layer's activations), plus the saved inputs of those ops. This
-    implementation keeps the whole graph from F until W (retain_graph), not only those, so a
-    micro-batch holds all its activations until its W, and pp_schedules counts activations in
-    flight from F to W. On the last stage the head's dY is the (B, S, V) logits gradient, 2V bytes
-    per token in bf16 (V = 128K: 0.5 GB for 2048 tokens), held for the p-1 micro-batches whose W
-    waits there: more than a few layers' activations. (Taking lm_head's dW in B would avoid it, but
-    then a gradient bucket or ZeRO-3 unit holding lm_head and the final norm would get its
-    gradients at two times: dp.py/zero.py count them per backward.) Not with activation
-    checkpointing: each W group would re-enter the checkpointed region and recompute it (train.py
-    rejects --ac with zb).
+    B = `torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)`, x the chunk's input
+    leaf: autograd runs only the nodes between the output and x, each computing only the outputs
+    that lead to x (a linear's MmBackward computes dX = dY·W, not dW = dYᵀ·X). Where a parameter's
+    branch leaves that path (a linear's MmBackward, an RMSNorm weight's Mul), a node pre-hook keeps
+    the gradient flowing in (dY). W runs, per group of parameters joining the path at the same
+    nodes, `torch.autograd.backward(GradientEdge(node, k) with dY, inputs=params)`: the node runs
+    again for its parameter outputs only, and each AccumulateGrad (dp/ZeRO's hook) fires once. So
+    B + W cost one backward (tests count the FLOPs), plus ~20 µs of engine call per group. On rank
+    0 a forward hook cuts the embedding's output off as the chunk's input leaf: B stops there and
+    the embedding's gradient is part of W. Held from B to W: the dY of every parameterised op, per
+    layer and token q + 2·kv + 4·h + 2·i values (q, k, v, o, gate, up, down outputs and both norms:
+    in bf16 about half the layer's activations) and the ops' saved inputs; here the whole graph
+    stays alive from F to W (retain_graph), so pp_schedules counts activations in flight from F to
+    W. On the last stage the head's dY is the (B, S, V) logits gradient, 2V bytes per token in bf16
+    (V = 128K: 0.5 GB per 2048 tokens), held for the p-1 micro-batches whose W waits: lm_head's dW
+    in B would avoid it, but then a bucket or ZeRO-3 unit holding lm_head and the final norm would
+    get gradients at two times (dp.py/zero.py count them per backward). Not with activation
+    checkpointing: each W group would recompute the checkpointed layer (train.py rejects it).
 
 Communication
-    A `Comm` is one batch_isend_irecv with one peer. A received tensor is waited on right before
-    the computation that reads it; a send is never waited on during the step (its work keeps the
-    buffer alive; finished ones are dropped at each Comm, the rest waited at the end). On NCCL a
-    batch is one coalesced work, so a computation waits for its whole batch: pp_schedules puts at
-    most one receive in a batch. The output is sent whole by every tp rank: with --sp stages
-    exchange (B, S/tp, H) shards already (Megatron's scatter/gather for free); without it,
-    splitting the send over tp ranks would add an all-gather on the critical path of every message,
-    a win only across slow links — use --sp there.
+    A `Comm` is one batch_isend_irecv with one peer. A receive is waited on right before the
+    computation that reads it; a send never during the step (its work keeps the buffer alive;
+    completed ones are dropped at each Comm, the rest waited at the end). The stage output is sent
+    whole by every tp rank: with --sp stages already exchange (B, S/tp, H) shards (Megatron's
+    scatter/gather for free); without it, sending 1/tp and all-gathering would put an all-gather on
+    the critical path of every message — a gain only across slow links, where --sp is the answer.
+
+Builds on: pp_schedules.py (actions, schedules, simulator)
 """
 from __future__ import annotations
 
@@ -83,8 +76,6 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_formula,  # noqa: F401
                           gpipe, interleaved, one_f_one_b, simulate, zero_bubble)
-
-# Builds on: pp_schedules.py (actions, schedules, simulator)
 
 
 # ----------------------------------------------------------------------------------------- partition
@@ -242,13 +233,14 @@ def _parents(root: Node) -> dict[Node, list[Node]]:
     return parents
 
 
-def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], set[Node]]:
-    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met."""
-    seen, met, todo = set(starts), set(), list(starts)
+def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], dict]:
+    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met
+    (a dict: an ordered set, so every rank lists them in the same order)."""
+    seen, met, todo = set(starts), {}, list(starts)
     while todo:
         for par in parents.get(todo.pop(), []):
             if par in stop:
-                met.add(par)
+                met[par] = None
             elif par not in seen:
                 seen.add(par)
                 todo.append(par)
@@ -261,16 +253,16 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     gradients flowing into it)])] for backward_weight (see "The B/W split" above)."""
     parents = _parents(out.grad_fn)
     path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
-    groups: list[tuple[set, set]] = []
+    groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
     for p in params:
         node = get_gradient_edge(p).node
         if node not in parents:
             continue  # not used by this chunk's graph (the embedding behind the cut)
-        ps, nodes = {p}, _up([node], parents, stop=path)[1]  # where p's branch joins the path
-        for g in [g for g in groups if g[0] & ps or g[1] & nodes]:
+        ids, nodes = {id(p)}, _up([node], parents, stop=path)[1]
+        for g in [g for g in groups if g[0] & ids or g[1].keys() & nodes]:
             groups.remove(g)
-            ps, nodes = ps | g[0], nodes | g[1]
-        groups.append((ps, nodes))
+            ids, nodes = ids | g[0], {**g[1], **nodes}
+        groups.append((ids, nodes))
     for _, nodes in groups:  # a parameter joining the path at two depths would get dY twice in W
         if len(nodes) > 1 and any(n in _up([m], parents)[0] for n in nodes for m in nodes if m is not n):
             raise ValueError("a parameter is used at several depths of one chunk: the B/W split "
@@ -283,9 +275,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     finally:
         for h in hooks:
             h.remove()
-    by_id = {id(p): p for p in params}
-    work = [([by_id[id(p)] for p in ps], [(n, saved[n]) for n in nodes]) for ps, nodes in groups]
-    return inp.grad, work
+    return inp.grad, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
 
 
 def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
@@ -380,12 +370,11 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
     timed = timer or (lambda a: contextlib.nullcontext())
 
-    inputs: dict[tuple, torch.Tensor] = {}   # (mb, chunk) → input leaf (received, or the cut embedding)
-    outputs: dict[tuple, torch.Tensor] = {}  # → this chunk's output (hidden states, or the loss) until B
-    grads: dict[tuple, torch.Tensor] = {}    # → received gradient of that output
+    inputs: dict[tuple, torch.Tensor] = {}    # (mb, chunk) → input leaf (received, or the cut embedding)
+    outputs: dict[tuple, torch.Tensor] = {}   # → this chunk's output (hidden states, or the loss) until B
     in_grads: dict[tuple, torch.Tensor] = {}  # → gradient of the input, to send back
-    pending: dict[tuple, tuple] = {}          # → what W needs (zb)
-    embeds: dict[tuple, torch.Tensor] = {}    # → the embedding output cut off on virtual stage 0 (zb)
+    pending: dict[tuple, list] = {}           # → what W needs (zb)
+    embeds: dict[tuple, tuple] = {}           # → zb, virtual stage 0: the embedding's share of W
     recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
     sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
     loss = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -395,6 +384,22 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
         for w in works:
             w.wait()
         return t
+
+    def deferred(k: int) -> ContextManager:
+        return no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def cut_embedding(chunk: nn.Module, key: tuple):
+        """zb, virtual stage 0: the embedding's output becomes the chunk's input leaf, so that B
+        stops there as on any stage (and the embedding's gradient waits for W)."""
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            embeds[key], inputs[key] = out, out.detach().requires_grad_()
+            return inputs[key]
+        handle = chunk.model.embed_tokens.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     for k, a in enumerate(actions):
         if isinstance(a, Comm):
@@ -422,42 +427,30 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
             mb = microbatches[a.microbatch]
             kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
             x = mb["input_ids"] if first(a.chunk) else received(F, key).requires_grad_()
-            cut = None
-            if split and first(a.chunk):  # B stops at the embedding output: a leaf input like any stage
-                def cut_embedding(module, args, out):
-                    embeds[key], inputs[key] = out, out.detach().requires_grad_()
-                    return inputs[key]
-                cut = c.model.embed_tokens.register_forward_hook(cut_embedding)
-            try:
-                with timed(a):
-                    if last(a.chunk):
-                        out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / max(targets, 1)
-                        loss += out.detach()
-                    else:
-                        out = c(x, **kwargs)  # (B, S, H)
-            finally:
-                if cut is not None:
-                    cut.remove()
+            with cut_embedding(c, key) if split and first(a.chunk) else contextlib.nullcontext(), timed(a):
+                if last(a.chunk):
+                    out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / max(targets, 1)
+                    loss += out.detach()
+                else:
+                    out = c(x, **kwargs)  # (B, S, H)
             if not first(a.chunk):
                 inputs[key] = x
             outputs[key] = out
         elif a.kind == B:
             grad = None if last(a.chunk) else received(B, key)
-            with no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext(), timed(a):
+            with deferred(k), timed(a):
                 if split:
-                    leaf = inputs.pop(key)
-                    in_grads[key], pending[key] = backward_input(outputs.pop(key), grad, leaf, params[a.chunk])
+                    dx, pending[key] = backward_input(outputs.pop(key), grad, inputs.pop(key), params[a.chunk])
                 else:
                     torch.autograd.backward(outputs.pop(key), grad_tensors=grad)
-                    if not first(a.chunk):
-                        in_grads[key] = inputs.pop(key).grad
-            if first(a.chunk) and split:
-                embeds[key] = (embeds[key], in_grads.pop(key))
+                    dx = None if first(a.chunk) else inputs.pop(key).grad
+            if not first(a.chunk):
+                in_grads[key] = dx
+            elif split:
+                embeds[key] = (embeds[key], dx, list(c.model.embed_tokens.parameters()))
         else:  # W
-            with no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext(), timed(a):
-                embed = embeds.pop(key, None)
-                emb_params = list(c.model.embed_tokens.parameters()) if embed is not None else []
-                backward_weight(pending.pop(key), embed and (*embed, emb_params))
+            with deferred(k), timed(a):
+                backward_weight(pending.pop(key), embeds.pop(key, None))
     for ws in sends:
         for w in ws:
             w.wait()

@@ -169,40 +169,42 @@ def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]
     for (_, s), peer, send, dst_chunk in produced:
         queues.setdefault((s, peer), []).append(send)
         queues.setdefault((peer, s), []).append(Msg(False, send.payload, send.microbatch, dst_chunk))
-    out = []
-    for s, order in enumerate(orders):
-        posted = {peer: 0 for (r, peer) in queues if r == s}  # messages posted so far, per peer
-        done: set[Action] = set()
-        steps: list[Step] = []
-        batch: dict[int, list[Msg]] = {}  # peer → messages to post at this point (one Comm each)
+    return [_with_messages(s, order, queues, p, v) for s, order in enumerate(orders)]
 
-        def post_through(peer: int, msg: Msg) -> None:
-            queue = queues[s, peer]
-            while posted[peer] <= queue.index(msg):  # and every message before it, in order
-                nxt = queue[posted[peer]]
-                if nxt.send and Action(nxt.payload, nxt.microbatch, nxt.chunk) not in done:
-                    raise ValueError(f"rank {s}: {nxt} is due before it is computed")
-                batch.setdefault(peer, []).append(nxt)
-                posted[peer] += 1
 
-        def flush() -> None:  # a receive closes its batch: a computation waits for ONE message
-            for peer, msgs in batch.items():
-                cut = [0] + [k + 1 for k, msg in enumerate(msgs) if not msg.send]
-                cut += [len(msgs)] * (cut[-1] < len(msgs))
-                steps.extend(Comm(peer, tuple(msgs[a:z])) for a, z in zip(cut, cut[1:]))
-            batch.clear()
+def _with_messages(s: int, order: Sequence[Action], queues: dict, p: int, v: int) -> list[Step]:
+    """Rank s's compute order with its messages posted in the pair order of `queues`."""
+    posted = {peer: 0 for (r, peer) in queues if r == s}  # messages posted so far, per peer
+    done: set[Action] = set()
+    steps: list[Step] = []
+    batch: dict[int, list[Msg]] = {}  # peer → messages to post at this point
 
-        for a in order:
-            for peer, recv in _sources(a, s, p, v):
-                post_through(peer, recv)
-            flush()
-            steps.append(a)
-            done.add(a)
-            for peer, send, _ in _products(a, s, p, v):
-                post_through(peer, send)
+    def post_through(peer: int, msg: Msg) -> None:
+        queue = queues[s, peer]
+        while posted[peer] <= queue.index(msg):  # and every message before it, in order
+            nxt = queue[posted[peer]]
+            if nxt.send and Action(nxt.payload, nxt.microbatch, nxt.chunk) not in done:
+                raise ValueError(f"rank {s}: {nxt} is due before it is computed")
+            batch.setdefault(peer, []).append(nxt)
+            posted[peer] += 1
+
+    def flush() -> None:  # a receive closes its batch: a computation waits for ONE message
+        for peer, msgs in batch.items():
+            cut = [0] + [k + 1 for k, msg in enumerate(msgs) if not msg.send]
+            cut += [len(msgs)] * (cut[-1] < len(msgs))
+            steps.extend(Comm(peer, tuple(msgs[a:z])) for a, z in zip(cut, cut[1:]))
+        batch.clear()
+
+    for a in order:
+        for peer, recv in _sources(a, s, p, v):
+            post_through(peer, recv)
         flush()
-        out.append(steps)
-    return out
+        steps.append(a)
+        done.add(a)
+        for peer, send, _ in _products(a, s, p, v):
+            post_through(peer, send)
+    flush()
+    return steps
 
 
 # ----------------------------------------------------------------------------------------- schedules
