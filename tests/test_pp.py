@@ -168,6 +168,37 @@ def pipeline_step(model, schedule: str, mbs, pp_group, embed_group=None, step_ta
     return float(loss)
 
 
+class WaitLog:
+    """pp.py's `dist` in a test: logs each posted send/receive, each wait on one, each computation."""
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    def batch_isend_irecv(self, ops: list) -> list:
+        works = dist.batch_isend_irecv(ops)
+        kinds = ["send" if op.op is dist.isend else "recv" for op in ops]
+        self.events += [("post", k) for k in kinds]
+        return [self.Logged(w, k, self.events) for w, k in zip(works, kinds)]
+
+    class Logged:
+        def __init__(self, work, kind: str, events: list):
+            self.work, self.kind, self.events = work, kind, events
+
+        def wait(self):
+            self.events.append(("wait", self.kind))
+            return self.work.wait()
+
+        def is_completed(self) -> bool:
+            return self.work.is_completed()
+
+    @contextlib.contextmanager
+    def compute(self, action):
+        self.events.append(("compute", action.kind))
+        yield
+
+
 def group_of(rank: int, lists: list[list[int]]):
     """new_group for every list (same order on all ranks); return this rank's group or None."""
     mine = None
@@ -381,6 +412,19 @@ def _pp2(rank: int, world: int) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             pipeline_step(model, schedule, batches(m, seed=5), pp)
         out["saved"][schedule, m] = (meter.peak, meter.now)
+    # sends are never waited on while the stage still computes (only in the drain at the end)
+    import pp as pp_module
+    for schedule, v in (("1f1b", 1), ("zb", 2)):
+        log = WaitLog()
+        pp_module.dist = log
+        try:
+            model = stage_model(CFG, rank, 2, v=v)
+            chunks = stage_chunks(model, partition(4, 2 * v), rank, 2)
+            mbs = batches(4, seed=6)
+            run_pipeline(chunks, SCHEDULES[schedule](4, rank, 2, v), mbs, pp, targets(mbs), timer=log.compute)
+        finally:
+            pp_module.dist = dist
+        out["waits", schedule] = log.events
     # peers given different shapes, and a micro-batch of another shape: every stage raises
     model = stage_model(CFG, rank, 2)
     for label, mbs in [("peers", batches(2, seed=1, S=8 if rank == 0 else 16)),
@@ -421,6 +465,11 @@ def test_pp2():
     assert r0["saved"]["1f1b", 4][0] == r0["saved"]["1f1b", 8][0] == 2 * r0["saved"]["gpipe", 1][0]
     assert r1["saved"]["1f1b", 4][0] == r1["saved"]["1f1b", 8][0] == r1["saved"]["gpipe", 1][0]
     for r in (r0, r1):
+        for schedule in ("1f1b", "zb"):
+            events = r["waits", schedule]
+            last_compute = max(i for i, e in enumerate(events) if e[0] == "compute")
+            assert ("wait", "recv") in events and ("post", "send") in events
+            assert all(i > last_compute for i, e in enumerate(events) if e == ("wait", "send")), events
         assert "pipeline peers disagree" in r["error", "peers"] and "[2, 2, 16," in r["error", "peers"]
         assert "shape (2, 8) of the first" in r["error", "inside"]
 
