@@ -48,6 +48,10 @@ Communication model (what the simulator checks: NCCL's semantics)
     message to the same peer must go first. A receive closes its batch (sends posted before it ride
     along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its input's whole batch.
 
+Run
+    python pp.py --show zb --pp 4 --micro-batches 8 --virtual-stages 2
+    torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved     # executed by pp.py
+
 Reference
     Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B as PipeDream-Flush, interleaved 1F1B);
     Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (B/W split, ZB-H1).
