@@ -15,10 +15,11 @@ What it does
                                                   sharded params where ZeRO-2 keeps full ones)
       zero3   per-layer units                     FSDP2 fully_shard with the same units
       tp      Megatron column/row + vocab CE      parallelize_module Colwise/Rowwise + loss_parallel
-      pp      run_pipeline gpipe / 1f1b           torch.distributed.pipelining ScheduleGPipe/1F1B
+      pp      run_pipeline gpipe / 1f1b /         torch.distributed.pipelining ScheduleGPipe / 1F1B /
+              interleaved / zb (v=2)              ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble
       ac      apply_ac full / selective           no checkpointing (one process)
     Then bench_theory.py's tables, each measurement beside its formula: the pipeline bubble per
-    stage (time inside pp.py's communication calls) beside pp.simulate and (p-1)/(m+p-1), per-rank
+    stage (outside F/B/W: CUDA events on CUDA) beside pp.simulate and the closed form, per-rank
     persistent bytes of every ZeRO layout, saved activations per layer; SFT packing, FFD vs padding
     to the batch's longest on the same conversations; on CUDA, bench_mfu.py's 1B single-GPU bf16
     tokens/s and MFU, ours vs transformers' Llama.
@@ -55,7 +56,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
@@ -281,27 +283,41 @@ def sec_tp(ctx: Ctx) -> None:
 
 
 def sec_pp(ctx: Ctx) -> None:
-    p, m, L = ctx.world, ctx.args.micro_batches, ctx.cfg.num_hidden_layers
-    if L < p or ctx.cfg.tie_word_embeddings:
-        ctx.tables["Pipeline"] = [f"skipped: needs untied embeddings and layers ({L}) >= pp ({p})"]
+    """Each schedule vs its torch.distributed.pipelining peer, on the largest pp that divides the
+    world and leaves a layer per chunk (v = 2 for interleaved and zb: ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble); the other ranks form replica pipelines on the same data."""
+    m, L = ctx.args.micro_batches, ctx.cfg.num_hidden_layers
+    if ctx.cfg.tie_word_embeddings:
+        ctx.tables["Pipeline"] = ["skipped: needs untied embeddings"]
         return
-    ranges, first, last, world = PP.partition(L, p), ctx.rank == 0, ctx.rank == p - 1, dist.group.WORLD
-
-    def micro(i: int) -> list[dict]:
-        x, y = ctx.batch(i)
-        return [{"input_ids": a, "labels": b} for a, b in zip(x.chunk(m), y.chunk(m))]
-
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        ours, peer = (ctx.fresh(lambda model: PP.split_stage(model, ctx.rank, p, ranges)) for _ in range(2))
-        opt = P.MixedPrecisionOptimizer(ours.named_parameters(), ctx.ocfg, norm_groups=[world],
+    groups: dict[int, dist.ProcessGroup] = {}
+    for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
+                         ("interleaved", ScheduleInterleaved1F1B, 2), ("zb", ScheduleInterleavedZeroBubble, 2)):
+        p = max(d for d in range(1, ctx.world + 1) if ctx.world % d == 0 and d * v <= L)
+        if p < 2:
+            ctx.tables.setdefault("Pipeline", []).append(f"{name} skipped: {L} layers, {ctx.world} ranks")
+            continue
+        if p not in groups:  # every rank creates every replica's group, in the same order
+            mine = [dist.new_group(list(range(k, k + p))) for k in range(0, ctx.world, p)]
+            groups[p] = mine[ctx.rank // p]
+        group, r, ranges = groups[p], ctx.rank % p, PP.partition(L, p * v)
+        first, last = r == 0, r == p - 1
+        ours, peer = (ctx.fresh(lambda model: PP.split_stage(model, r, p, ranges)) for _ in range(2))
+        chunks, peer_chunks = PP.stage_chunks(ours, ranges, r, p), PP.stage_chunks(peer, ranges, r, p)
+        opt = P.MixedPrecisionOptimizer(ours.named_parameters(), ctx.ocfg, norm_groups=[group],
                                         counted=PP.norm_counted(ours))
-        actions = PP.SCHEDULES[name](m, ctx.rank, p)
-        schedule = cls(PipelineStage(peer, ctx.rank, p, ctx.device), m, scale_grads=False,
+        actions = PP.SCHEDULES[name](m, r, p, v)
+        stages = [PipelineStage(c, k * p + r, p * v, ctx.device, group=group) for k, c in enumerate(peer_chunks)]
+        schedule = cls(stages if v > 1 else stages[0], m, scale_grads=False,
                        loss_fn=lambda out, y: M.cross_entropy(out, y, "sum") / ctx.targets)
-        update = peer_update(ctx, peer, adamw(peer, ctx.ocfg), world)
+        update = peer_update(ctx, peer, adamw(peer, ctx.ocfg), group)
+
+        def micro(i: int) -> list[dict]:
+            x, y = ctx.batch(i)
+            return [{"input_ids": a, "labels": b} for a, b in zip(x.chunk(m), y.chunk(m))]
 
         def ours_step(i: int) -> tuple[torch.Tensor, float]:
-            loss = PP.run_pipeline(ours, actions, micro(i), world, ctx.targets)
+            loss = PP.run_pipeline(chunks, actions, micro(i), group, ctx.targets)
             return loss, opt.step(ctx.args.lr)
 
         def peer_step(i: int) -> tuple[torch.Tensor, float]:
@@ -309,10 +325,12 @@ def sec_pp(ctx: Ctx) -> None:
             schedule.step(*([x] if first else []), **(dict(target=y, losses=losses) if last else {}))
             return torch.stack(losses).detach().sum() if losses else torch.zeros(()), update()
 
-        r = ctx.race({"ours": ours_step, "peer": peer_step}, loss_from=p - 1)
-        ctx.add_row(f"pp {name}", f"run_pipeline {name} (pp={p}, m={m})", f"pipelining {cls.__name__}",
-                    r["ours"], r["peer"])
-        bench_theory.bubble(ctx, ours, actions, micro, name, m)
+        r_ = ctx.race({"ours": ours_step, "peer": peer_step}, loss_from=p - 1)
+        layout = f"pp={p}" + (f", v={v}" if v > 1 else "") + f", m={m}" + \
+            (f", x{ctx.world // p} replicas" if ctx.world > p else "")
+        ctx.add_row(f"pp {name}", f"run_pipeline {name} ({layout})", f"pipelining {cls.__name__}",
+                    r_["ours"], r_["peer"])
+        bench_theory.bubble(ctx, chunks, actions, micro, name, m, p, v, group)
 
 
 def sec_ac(ctx: Ctx) -> None:

@@ -2,8 +2,9 @@
 ZeRO layout, saved activations per decoder layer — each beside the formula it should match.
 
 What it does
-    bubble      run_pipeline with pp.py's communication calls timed (TimedDist): the idle share of
-                each stage beside pp.simulate (F=1, B=2) and (p-1)/(m+p-1); bench.sec_pp calls it.
+    bubble      run_pipeline with each computation timed (ComputeTimer: CUDA events on CUDA, wall
+                clock on CPU): the idle share of each stage beside pp.simulate with unit costs and
+                with the measured F/B/W costs, and the closed form; bench.sec_pp calls it.
     sec_memory  two bf16 steps of ZeRO stages 0-3 without and with full AC (and pp=2 1F1B with
                 ZeRO-1/2): the bytes each rank holds after the gradient reduction, read from the
                 tensors (zero.persistent_bytes), beside 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; with the
@@ -14,12 +15,13 @@ What it does
 Run
     torchrun --nproc_per_node 4 bench.py --only pp,memory
 
-Builds on: bench.py, ac.py, model.py, pp.py, precision.py, zero.py
+Builds on: bench.py, ac.py, pp.py, precision.py, zero.py
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -27,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 import ac as AC
-import model as M
 import pp as PP
 import precision as P
 import zero as Z
@@ -37,59 +38,82 @@ if TYPE_CHECKING:  # bench.py imports this file and passes its Ctx in
 
 
 # ------------------------------------------------------------------------------------- bubble
-class TimedDist:
-    """pp.py's `dist` while the bubble is measured: its communication calls are timed (there a stage
-    waits); every other name is torch.distributed's own."""
-    def __init__(self) -> None:
-        self.wait = 0.0
+class ComputeTimer:
+    """run_pipeline's `timer`: how long each computation (F, B, W) takes — CUDA events on CUDA (a
+    host timer around queued kernels measures their launch, not their run), perf_counter on CPU.
+    The step's span is timed the same way (start/stop), so idle = span - busy on either device."""
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.marks = device.type == "cuda", []
 
-    def __getattr__(self, name: str):
-        fn = getattr(dist, name)
-        if name not in ("batch_isend_irecv", "broadcast", "all_gather_single"):
-            return fn
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
-        def timed(*args, **kw):
-            t0 = time.perf_counter()
-            out = fn(*args, **kw)
-            if name == "batch_isend_irecv":  # pp.py waits on every work right away: do it here
-                for work in out:
-                    work.wait()
-                out = []
-            self.wait += time.perf_counter() - t0
-            return out
-        return timed
+    @contextlib.contextmanager
+    def __call__(self, action: PP.Action):
+        start = self._mark()
+        yield
+        self.marks.append((action.kind, start, self._mark()))
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def read(self) -> tuple[float, dict[str, list[float]]]:
+        """(busy seconds, durations per kind), then forget the marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        per: dict[str, list[float]] = {}
+        for kind, a, b in self.marks:
+            per.setdefault(kind, []).append(self.seconds(a, b))
+        self.marks = []
+        return sum(sum(d) for d in per.values()), per
 
 
-def bubble(ctx: Ctx, model: M.Llama, actions: list, micro: Callable, schedule: str, m: int) -> None:
-    """Idle share per stage = (makespan − this stage's busy time) / makespan, where busy is its wall
-    time outside communication and the makespan the slowest stage's; beside simulate (F=1, B=2)."""
-    timed, rec, p = TimedDist(), [], ctx.world
-    PP.dist = timed
-    try:
-        for i in range(ctx.args.steps):
-            mbs = micro(i)
-            dist.barrier()
-            timed.wait, t0 = 0.0, time.perf_counter()
-            PP.run_pipeline(model, actions, mbs, dist.group.WORLD, ctx.targets)
-            wall = time.perf_counter() - t0
-            rec.append([wall, wall - timed.wait])
-            model.zero_grad(set_to_none=True)
-    finally:
-        PP.dist = dist
-    mine = torch.tensor(rec, dtype=torch.float64, device=ctx.device)  # (steps, 2): wall, busy
+def bubble(ctx: Ctx, chunks: list, actions: list, micro: Callable, schedule: str, m: int, p: int,
+           v: int, group: dist.ProcessGroup) -> None:
+    """Idle share per stage = (step span − this stage's busy time) / span, span = the slowest
+    stage's; beside pp.simulate with unit costs (F=1, B=2; zb F=B=W=1), with the measured mean F/B/W
+    costs (free messages: what is left is latency and imbalance), and the closed form."""
+    timer, rec = ComputeTimer(ctx.device), []
+    kinds = {PP.F: [], PP.B: [], PP.W: []}
+    for i in range(ctx.args.steps):
+        mbs = micro(i)
+        dist.barrier(group=group)
+        start = timer._mark()
+        PP.run_pipeline(chunks, actions, mbs, group, ctx.targets, timer=timer)
+        stop = timer._mark()
+        busy, per = timer.read()
+        rec.append([timer.seconds(start, stop), busy])
+        for kind, d in per.items():
+            kinds[kind] += d
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+    mine = torch.tensor(rec + [[statistics.mean(kinds[k]) if kinds[k] else 0.0 for k in (PP.F, PP.B)],
+                               [statistics.mean(kinds[PP.W]) if kinds[PP.W] else 0.0, 0.0]],
+                        dtype=torch.float64, device=ctx.device)  # (steps + 2, 2): span, busy; mean F, B; W
     allr = torch.zeros(p * mine.numel(), dtype=torch.float64, device=ctx.device)
-    dist.all_gather_single(allr, mine.view(-1))
-    allr = allr.view(p, *mine.shape).cpu()  # (p, steps, 2)
-    span = allr[:, :, 0].max(dim=0).values  # (steps,)
-    idle = (span - allr[:, :, 1]) / span  # (p, steps)
-    sim = PP.simulate([PP.SCHEDULES[schedule](m, s, p) for s in range(p)], 1, 2)
-    tag, ms, theory = f"{schedule} p={p} m={m}", f"{1e3 * span.median():.1f}", f"{(p - 1) / (m + p - 1):.1%}"
-    rows = [[tag, s, ms, f"{1e3 * allr[s, :, 1].median():.1f}", f"{idle[s].median():.1%}",
-             f"{sim.idle[s] / sim.makespan:.1%}", theory] for s in range(p)]
-    rows.append([tag, "all", ms, "", f"{idle.mean(0).median():.1%}", f"{float(sim.bubble):.1%}", theory])
-    ctx.table("Pipeline bubble (idle share of the step; busy = outside communication)",
-              ["schedule", "stage", "step ms", "busy ms", "measured idle", "simulator (F=1, B=2)",
-               "(p-1)/(m+p-1)"], rows)
+    dist.all_gather_single(allr, mine.view(-1), group=group)
+    allr = allr.view(p, *mine.shape).cpu()  # (p, steps + 2, 2)
+    steps, costs = allr[:, :-2], allr[:, -2:].mean(dim=0)  # costs: [[F, B], [W, 0]] averaged over ranks
+    span = steps[:, :, 0].max(dim=0).values  # (steps,)
+    idle = (span - steps[:, :, 1]) / span  # (p, steps)
+    scheds = [PP.SCHEDULES[schedule](m, s, p, v) for s in range(p)]
+    unit = PP.simulate(scheds, 1, 1 if schedule == "zb" else 2, 1)
+    f, b, w = float(costs[0, 0]), float(costs[0, 1]), float(costs[1, 0])
+    measured = PP.simulate(scheds, f, b, w)
+    tag = f"{schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
+    ms, theory = f"{1e3 * span.median():.1f}", f"{float(PP.bubble_formula(schedule, m, p, v, 1, 1, 1)):.1%}"
+    rows = [[tag, s, ms, f"{1e3 * steps[s, :, 1].median():.1f}", f"{idle[s].median():.1%}",
+             f"{float(unit.idle[s] / unit.makespan):.1%}", f"{float(measured.idle[s] / measured.makespan):.1%}",
+             theory] for s in range(p)]
+    rows.append([tag, "all", ms, f"F {1e3 * f:.2f} / B {1e3 * b:.2f}" + (f" / W {1e3 * w:.2f}" if w else "") + " ms",
+                 f"{idle.mean(0).median():.1%}", f"{float(unit.bubble):.1%}", f"{float(measured.bubble):.1%}", theory])
+    ctx.table("Pipeline bubble (idle share of the step; busy = inside F/B/W, CUDA events on CUDA)",
+              ["schedule", "stage", "step ms", "busy ms", "measured idle", "simulator (unit costs)",
+               "simulator (measured F/B/W)", "formula (unit costs)"], rows)
 
 
 # ------------------------------------------------------------------------------------- memory

@@ -1,72 +1,115 @@
-"""Pipeline parallelism: split the layers into stages, schedule micro-batches, simulate, execute.
+"""Pipeline parallelism: partition the layers, cut the model into stages, run a schedule.
 
 What it does
-    `partition` + `split_stage` cut a meta-built Llama into `pp` stages of consecutive layers; the
-    first stage keeps the embedding, the last the final norm, lm_head and loss. `gpipe` and
-    `one_f_one_b` are pure functions returning each stage's list of actions (compute and
-    point-to-point communication); `simulate` runs all stages' lists against a virtual clock (this is
-    how schedules are tested, and what bench.py prints beside measured times); `run_pipeline`
-    executes one stage's list with batched isend/irecv on the pp group.
+    `partition` cuts the layers into p·v consecutive ranges (virtual stages), the last one's
+    lm_head + loss counted as layers (`head_cost`, from FLOPs); `split_stage` keeps on a meta-built
+    Llama what rank s owns: virtual stages s, s+p, ..., the embedding on rank 0, the final norm,
+    lm_head and loss on rank p-1; `stage_chunks` gives each chunk as a module (views sharing the
+    parameters). pp_schedules.py lists each rank's actions (gpipe, 1f1b, interleaved, zb) and
+    simulates them; `run_pipeline` executes one rank's list on the pp group.
+        python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
 
 Reference
-    GPipe: Huang et al. 2019. 1F1B (PipeDream-Flush): Narayanan et al. 2021, "Efficient Large-Scale
-    Language Model Training on GPU Clusters Using Megatron-LM" (also the tied-embedding group).
+    Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+    on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B, the tied-embedding group); Qi et al.
+    2023, "Zero Bubble Pipeline Parallelism" (B/W split).
 
 Run
-    torchrun --nproc_per_node 4 train.py --pp 4 --schedule 1f1b --micro-batches 8
+    torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved --virtual-stages 2
+    torchrun --nproc_per_node 4 train.py --pp 4 --schedule zb
 
 Invariants
-    - Modules a stage does not own are deleted before materialize: never allocated, never read from a
-      checkpoint. Layer names stay HF's (`model.layers.<global index>`).
+    - Modules a rank does not own are deleted before materialize: never allocated, never read from a
+      checkpoint. Layer names stay HF's (`model.layers.<global index>`): checkpoints ignore pp and v.
     - The gradient equals the single-process one: every stage sees the same micro-batches, the last
-      stage divides each micro-batch's token-loss SUM by the target count of the whole step (the
-      rule of precision.normalized_loss), and gradients accumulate over micro-batches in .grad.
-      No gradient is reduced here: hook-based dp/ZeRO pass their `no_sync`, so they reduce once, in
-      this stage's last backward.
-    - Tied embeddings with pp > 1: the last stage holds its own copy as `lm_head.weight`; the two
-      copies' gradients are summed over a 2-rank group before the step, so they stay identical.
+      divides each micro-batch's token-loss SUM by the target count of the whole step (the rule of
+      precision.normalized_loss), gradients accumulate over micro-batches in .grad, and B + W
+      compute the products of one backward. Nothing is reduced here: every backward action runs
+      inside dp/ZeRO's `no_sync` but each chunk's last one that accumulates into .grad (its last
+      W under zb, else its last B): hook-based dp/ZeRO reduce after a parameter's last gradient.
+    - Tied embeddings with pp > 1: rank p-1 holds its own copy as `lm_head.weight`; the two copies'
+      gradients are summed over a 2-rank group before the step, so they stay identical.
     - A disagreement between pp peers (micro-batch count or shape, target count) raises on every
       stage instead of hanging: a small header is all-gathered before any point-to-point message.
 
-Bubble and micro-batches (M = micro-batches per step, p = stages)
-    With balanced stages and free communication, both schedules idle (p-1)/(M+p-1) of the time
-    (whatever the forward/backward cost ratio): the last stage starts only after a micro-batch
-    crossed p-1 stages, and the first stage idles as long at the end while the backwards drain.
-    1F1B does not shrink this bubble; it caps memory. Stage s runs min(p-1-s, M) warm-up forwards,
-    then alternates one forward and one backward, so at most min(M, p-s) micro-batches hold
-    activations (GPipe: all M). M >= 1 always works, but with M < p the early stages run all their
-    forwards before any backward (1F1B saves nothing there) and the bubble is at least
-    (p-1)/(2p-2) = 1/2. Only M >> p makes it small (M = 4p: under 20%), and 1F1B keeps the memory
-    of p micro-batches however large M grows.
+The B/W split (zb), with autograd
+    B = `torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)`, x the chunk's input
+    leaf: autograd runs only the nodes between the output and x, each computing only the outputs
+    that lead to x (a linear's MmBackward computes dX = dY·W, not dW = dYᵀ·X). Where a parameter's
+    branch leaves that path (a linear's MmBackward, an RMSNorm weight's Mul), a node pre-hook keeps
+    the gradient flowing in (dY). W runs, per group of parameters joining the path at the same
+    nodes, `torch.autograd.backward(GradientEdge(node, k) with dY, inputs=params)`: the node runs
+    again for its parameter outputs only, and each AccumulateGrad (dp/ZeRO's hook) fires once. So
+    B + W cost one backward (tests count the FLOPs), plus ~20 µs of engine call per group. On rank
+    0 a forward hook cuts the embedding's output off as the chunk's input leaf: B stops there and
+    the embedding's gradient is part of W. Held from B to W: the dY of every parameterised op, per
+    layer and token q + 2·kv + 4·h + 2·i values (q, k, v, o, gate, up, down outputs and both norms:
+    in bf16 about half the layer's activations) and the ops' saved inputs; here the whole graph
+    stays alive from F to W (retain_graph), so pp_schedules counts activations in flight from F to
+    W. On the last stage the head's dY is the (B, S, V) logits gradient, 2V bytes per token in bf16
+    (V = 128K: 0.5 GB per 2048 tokens), held for the p-1 micro-batches whose W waits: lm_head's dW
+    in B would avoid it, but then a bucket or ZeRO-3 unit holding lm_head and the final norm would
+    get gradients at two times (dp.py/zero.py count them per backward). Not with activation
+    checkpointing: each W group would recompute the checkpointed layer (train.py rejects it).
+
+Communication
+    A `Comm` is one batch_isend_irecv with one peer. A receive is waited on right before the
+    computation that reads it; a send never during the step (its work keeps the buffer alive;
+    completed ones are dropped at each Comm, the rest waited at the end). The stage output is sent
+    whole by every tp rank: with --sp stages already exchange (B, S/tp, H) shards (Megatron's
+    scatter/gather for free); without it, sending 1/tp and all-gathering would put an all-gather on
+    the critical path of every message — a gain only across slow links, where --sp is the answer.
+
+Builds on: pp_schedules.py (actions, schedules, simulator)
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from fractions import Fraction
+import copy
+from collections import defaultdict
 from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_formula,  # noqa: F401
+                          forward_only, gpipe, interleaved, one_f_one_b, simulate, zero_bubble)
 
 
 # ----------------------------------------------------------------------------------------- partition
-def partition(num_layers: int, num_stages: int, layers: Sequence[int] | None = None) -> list[range]:
-    """Consecutive layer ranges, one per stage. Uniform by default, the remainder going to the
-    earliest stages (the last one also carries norm, lm_head and the vocab-sized loss); or
-    user-given counts such as [3, 3, 2]."""
+def head_cost(cfg, seq_len: int) -> float:
+    """lm_head + loss in decoder-layer equivalents, from FLOPs per token (forward + backward): a
+    layer's matmuls 6·(its weights) plus attention 12·q·S (PaLM's count), the head 6·h·V plus the
+    fp32 cross-entropy (~8 FLOPs per logit). Norms and the embedding lookup count zero. (On a GPU
+    the vocab-sized loss is memory-bound: slower than its FLOPs say; --pp-layers overrides.)"""
+    h, i, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = 6 * (2 * h * q + 2 * h * kv + 3 * h * i) + 12 * q * seq_len
+    return (6 * h * vocab + 8 * vocab) / layer
+
+
+def partition(num_layers: int, num_stages: int, layers: Sequence[int] | None = None,
+              head: float = 0.0) -> list[range]:
+    """Consecutive layer ranges, one per (virtual) stage. By default balanced: every stage starts
+    with one layer, then each further layer goes to the cheapest stage (the earliest on a tie),
+    where the last stage also carries `head` layer-equivalents (head_cost); head = 0 is uniform
+    with the remainder on the earliest stages. Or user-given counts such as [3, 3, 2]."""
     if num_stages < 1:
-        raise ValueError(f"pipeline needs at least 1 stage, got pp={num_stages}")
+        raise ValueError(f"pipeline needs at least 1 stage, got {num_stages}")
     if layers is None:
         if num_layers < num_stages:
-            raise ValueError(f"{num_layers} layers cannot fill pp={num_stages} stages (need layers >= pp)")
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (s < extra) for s in range(num_stages)]
+            raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages (every "
+                             f"stage needs a layer; virtual stages count: pp × v)")
+        counts = [1] * num_stages
+        for _ in range(num_layers - num_stages):
+            cost = [c + head * (s == num_stages - 1) for s, c in enumerate(counts)]
+            counts[cost.index(min(cost))] += 1
     else:
         counts = list(layers)
         if len(counts) != num_stages:
-            raise ValueError(f"--pp-layers {counts} has {len(counts)} entries for pp={num_stages} stages")
+            raise ValueError(f"--pp-layers {counts} has {len(counts)} entries for {num_stages} (virtual) stages")
         if min(counts) < 1:
             raise ValueError(f"--pp-layers {counts}: stage {counts.index(min(counts))} would have "
                              f"{min(counts)} layers (every stage needs at least 1)")
@@ -76,15 +119,24 @@ def partition(num_layers: int, num_stages: int, layers: Sequence[int] | None = N
     return [range(a, a + c) for a, c in zip(starts, counts)]
 
 
+def default_microbatches(schedule: str, pp: int, rows: int) -> int:
+    """Micro-batches per step when --micro-batches is not given: 4·pp for gpipe/1f1b, 2·pp for
+    interleaved/zb (simulated bubble <= 15.8% at pp=2 and 4), 1 without pipeline; the largest
+    divisor of this dp rank's `rows` not above that."""
+    want = 1 if pp == 1 else (4 if schedule in ("gpipe", "1f1b") else 2) * pp
+    return max(k for k in range(1, min(want, rows) + 1) if rows % k == 0)
+
+
 def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Sequence[range]) -> nn.Module:
-    """Keep only what `stage` owns, in place, on a META-built model (before apply_tp/materialize)."""
+    """Keep only what rank `stage` owns, in place, on a META-built model (before apply_tp/materialize):
+    with p·v layer ranges, virtual stages stage, stage + p, ... (v chunks)."""
     layers = model.model.layers  # nn.ModuleDict keyed by global layer index
-    if len(layer_ranges) != num_stages or not 0 <= stage < num_stages:
+    if not 0 <= stage < num_stages or len(layer_ranges) % num_stages:
         raise ValueError(f"stage {stage} of {num_stages} with {len(layer_ranges)} layer ranges")
     if [str(i) for r in layer_ranges for i in r] != list(layers.keys()):
         raise ValueError(f"layer ranges {list(layer_ranges)} do not cover the model's layers "
                          f"{list(layers.keys())} in order")
-    own = {str(i) for i in layer_ranges[stage]}
+    own = {str(i) for r in layer_ranges[stage::num_stages] for i in r}
     for key in [k for k in layers.keys() if k not in own]:
         del layers[key]
     first, last = stage == 0, stage == num_stages - 1
@@ -98,6 +150,29 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
         model.model.norm = None
         model.lm_head = None
     return model
+
+
+def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, num_stages: int) -> list[nn.Module]:
+    """This rank's chunks, chunk c = virtual stage c·p + stage, for run_pipeline. v = 1: [model].
+    Else each is a shallow copy of the (split, tp'd, materialized, checkpointed) model with its own
+    module table holding only its layers, the embedding only on virtual stage 0 and norm + head only
+    on the last: the modules, parameters and hooks are the model's own, and Llama.forward runs it."""
+    v = len(layer_ranges) // num_stages
+    if v == 1:
+        return [model]
+    chunks = []
+    for c in range(v):
+        vs = c * num_stages + stage
+        chunk, body = copy.copy(model), copy.copy(model.model)
+        chunk._modules, body._modules = dict(model._modules), dict(model.model._modules)
+        body.layers = nn.ModuleDict({str(i): model.model.layers[str(i)] for i in layer_ranges[vs]})
+        if vs != 0:
+            body.embed_tokens = None
+        if vs != len(layer_ranges) - 1:
+            body.norm, chunk.lm_head = None, None
+        chunk.model = body
+        chunks.append(chunk)
+    return chunks
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
@@ -142,187 +217,109 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     dist.all_reduce(w.grad, group=embed_group)
 
 
-# ----------------------------------------------------------------------------------------- schedules
-F, B = "F", "B"                    # forward / backward of one micro-batch on this stage
-SEND_F, RECV_F = "SEND_F", "RECV_F"  # activations: to the next stage / from the previous one
-SEND_B, RECV_B = "SEND_B", "RECV_B"  # gradients: to the previous stage / from the next one
-# Posted together in one batch: two neighbours that each first sent and then received would both
-# wait in their send (NCCL's rendezvous) — a deadlock in 1F1B's steady phase.
-SEND_F_RECV_B, SEND_B_RECV_F = "SEND_F_RECV_B", "SEND_B_RECV_F"
+# ----------------------------------------------------------------------------------------- B/W split
+def _parents(root: Node) -> dict[Node, list[Node]]:
+    """Every node of the backward graph under `root` → the nodes whose next_functions hold it."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    todo, seen = [root], {root}
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+    return parents
 
 
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    microbatch: int  # the micro-batch computed, sent or received
-    recv_microbatch: int | None = None  # combined actions: the micro-batch received
-
-    def __str__(self) -> str:
-        extra = "" if self.recv_microbatch is None else f",{self.recv_microbatch}"
-        return f"{self.kind}({self.microbatch}{extra})"
-
-
-def _forward(mb: int, first: bool, last: bool) -> list[Action]:
-    return [Action(RECV_F, mb)] * (not first) + [Action(F, mb)] + [Action(SEND_F, mb)] * (not last)
-
-
-def _backward(mb: int, first: bool, last: bool) -> list[Action]:
-    return [Action(RECV_B, mb)] * (not last) + [Action(B, mb)] + [Action(SEND_B, mb)] * (not first)
+def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], dict]:
+    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met
+    (a dict: an ordered set, so every rank lists them in the same order)."""
+    seen, met, todo = set(starts), {}, list(starts)
+    while todo:
+        for par in parents.get(todo.pop(), []):
+            if par in stop:
+                met[par] = None
+            elif par not in seen:
+                seen.add(par)
+                todo.append(par)
+    return seen, met
 
 
-def gpipe(num_microbatches: int, stage: int, num_stages: int) -> list[Action]:
-    """All forwards, then all backwards (in the same order, so gradients accumulate exactly as in
-    1F1B). Every micro-batch's activations are alive at the turn: M in flight."""
-    first, last = stage == 0, stage == num_stages - 1
-    fwd = [a for mb in range(num_microbatches) for a in _forward(mb, first, last)]
-    return fwd + [a for mb in range(num_microbatches) for a in _backward(mb, first, last)]
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
+                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list]:
+    """B: the gradient of `inp` (a leaf) only. Returns it and W's groups [(params, [(node,
+    gradients flowing into it)])] for backward_weight (see "The B/W split" above)."""
+    parents = _parents(out.grad_fn)
+    path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
+    groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
+    for p in params:
+        node = get_gradient_edge(p).node
+        if node not in parents:
+            continue  # not used by this chunk's graph (the embedding behind the cut)
+        ids, nodes = {id(p)}, _up([node], parents, stop=path)[1]
+        for g in [g for g in groups if g[0] & ids or g[1].keys() & nodes]:
+            groups.remove(g)
+            ids, nodes = ids | g[0], {**g[1], **nodes}
+        groups.append((ids, nodes))
+    for _, nodes in groups:  # a parameter joining the path at two depths would get dY twice in W
+        if len(nodes) > 1 and any(n in _up([m], parents)[0] for n in nodes for m in nodes if m is not n):
+            raise ValueError("a parameter is used at several depths of one chunk: the B/W split "
+                             "would count its gradient twice (use a schedule without W)")
+    saved: dict[Node, tuple] = {}
+    hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
+             for _, nodes in groups for n in nodes]
+    try:
+        torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inp.grad, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
 
 
-def one_f_one_b(num_microbatches: int, stage: int, num_stages: int) -> list[Action]:
-    """1F1B: warm-up forwards fill the pipe, the steady phase alternates forward(k + warmup) and
-    backward(k), the cool-down drains the remaining backwards. At most min(M, p - stage) in flight."""
-    m, first, last = num_microbatches, stage == 0, stage == num_stages - 1
-    warmup = min(num_stages - 1 - stage, m)
-    steady = m - warmup
-    acts = [a for mb in range(warmup) for a in _forward(mb, first, last)]  # warm-up
-    for k in range(steady):  # steady: the sends and receives of neighbours are posted pairwise
-        f = warmup + k
-        if k == 0 and not first:
-            acts.append(Action(RECV_F, f))  # later inputs arrive with the previous SEND_B_RECV_F
-        acts.append(Action(F, f))
-        if not last:
-            acts.append(Action(SEND_F_RECV_B, f, k))
-        acts.append(Action(B, k))
-        if not first:
-            acts.append(Action(SEND_B, k) if k == steady - 1 else Action(SEND_B_RECV_F, k, f + 1))
-    acts += [a for mb in range(steady, m) for a in _backward(mb, first, last)]  # cool-down
-    return acts
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def p2p_ops(a: Action, stage: int) -> list[tuple[bool, int, str, int]]:
-    """A communication action as its pieces (is_send, peer stage, payload "F"|"B", micro-batch)."""
-    mb, rmb, nxt, prv = a.microbatch, a.recv_microbatch, stage + 1, stage - 1
-    return {SEND_F: [(True, nxt, F, mb)], RECV_F: [(False, prv, F, mb)],
-            SEND_B: [(True, prv, B, mb)], RECV_B: [(False, nxt, B, mb)],
-            SEND_F_RECV_B: [(True, nxt, F, mb), (False, nxt, B, rmb)],
-            SEND_B_RECV_F: [(True, prv, B, mb), (False, prv, F, rmb)]}[a.kind]
-
-
-# ----------------------------------------------------------------------------------------- simulator
-@dataclass
-class SimResult:
-    makespan: float
-    busy: list[float]  # per stage: time spent in F and B
-    idle: list[float]  # per stage: makespan - busy
-    peak_in_flight: list[int]  # per stage: most micro-batches forwarded but not yet backwarded
-    bubble: Fraction  # idle share of p * makespan (exact for integer costs)
-    timeline: list[list[tuple[float, float, Action]]]  # per stage: (start, end, F/B action)
-
-
-def simulate(schedules: Sequence[Sequence[Action]], f_cost: float = 1, b_cost: float = 2,
-             comm_cost: float = 0) -> SimResult:
-    """Run every stage's actions together. Compute takes f_cost/b_cost; a communication action is
-    posted whole (like one batch_isend_irecv) and each piece completes when the peer has posted the
-    matching piece (a rendezvous, the strictest send semantics), comm_cost later. Raises ValueError
-    on a dependency violation (F without its input, B before F, twice the same F...) and
-    RuntimeError naming every stage's stuck action on deadlock."""
-    p = len(schedules)
-    pc, clock = [0] * p, [0] * p
-    matched: list[dict] = [{} for _ in range(p)]  # pieces of the current action matched -> time
-    got = [set() for _ in range(p)]  # (payload, mb) received
-    done = [set() for _ in range(p)]  # (F|B, mb) computed
-    in_flight, peak = [0] * p, [0] * p
-    timeline: list[list] = [[] for _ in range(p)]
-
-    def need(ok: bool, s: int, a: Action, why: str) -> None:
-        if not ok:
-            raise ValueError(f"stage {s} action #{pc[s]} {a}: {why}")
-
-    def current_ops(s: int) -> list:
-        a = schedules[s][pc[s]] if pc[s] < len(schedules[s]) else None
-        return [] if a is None or a.kind in (F, B) else p2p_ops(a, s)
-
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while pc[s] < len(schedules[s]):
-                a = schedules[s][pc[s]]
-                mb = a.microbatch
-                if a.kind in (F, B):
-                    need((a.kind, mb) not in done[s], s, a, "computed twice")
-                    if a.kind == F:
-                        need(s == 0 or (F, mb) in got[s], s, a, "input activation not received")
-                    else:
-                        need((F, mb) in done[s], s, a, "backward before forward")
-                        need(s == p - 1 or (B, mb) in got[s], s, a, "output gradient not received")
-                    cost = f_cost if a.kind == F else b_cost
-                    timeline[s].append((clock[s], clock[s] + cost, a))
-                    clock[s] += cost
-                    done[s].add((a.kind, mb))
-                    in_flight[s] += 1 if a.kind == F else -1
-                    peak[s] = max(peak[s], in_flight[s])
-                else:
-                    ops = p2p_ops(a, s)
-                    for piece in ops:
-                        is_send, peer, what, j = piece
-                        need(0 <= peer < p, s, a, f"no stage {peer} to talk to")
-                        need(not is_send or (what, j) in done[s], s, a, f"sends {what}{j} before it exists")
-                        mate = (not is_send, s, what, j)  # the same piece seen from the peer
-                        free = piece not in matched[s] and mate not in matched[peer]
-                        if free and mate in current_ops(peer):
-                            t = max(clock[s], clock[peer]) + comm_cost
-                            matched[s][piece] = matched[peer][mate] = t
-                    if len(matched[s]) < len(ops):
-                        break  # blocked: wait for the peers
-                    clock[s] = max(matched[s].values())
-                    got[s] |= {(what, j) for is_send, _, what, j in ops if not is_send}
-                    matched[s] = {}
-                pc[s] += 1
-                progress = True
-    if any(pc[s] < len(schedules[s]) for s in range(p)):
-        stuck = "; ".join(f"stage {s} waits at #{pc[s]} {schedules[s][pc[s]]}"
-                          for s in range(p) if pc[s] < len(schedules[s]))
-        raise RuntimeError(f"deadlock: {stuck}")
-    m = 1 + max((a.microbatch for sch in schedules for a in sch), default=-1)
-    want = {(k, i) for k in (F, B) for i in range(m)}
-    for s in range(p):
-        if done[s] != want:
-            raise ValueError(f"stage {s}: missing {sorted(want - done[s])} (each micro-batch needs F and B)")
-    makespan = max(clock, default=0)
-    busy = [sum(end - start for start, end, _ in timeline[s]) for s in range(p)]
-    idle = [makespan - b for b in busy]
-    bubble = Fraction(sum(idle)) / Fraction(p * makespan) if makespan else Fraction(0)
-    return SimResult(makespan, busy, idle, peak, bubble, timeline)
+def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
+    """W: run each group's nodes again with the saved gradients, for its parameters only; they
+    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). embed: (the
+    embedding output cut off on rank 0, its gradient, the embedding's parameters), one more root."""
+    groups = [(ps, [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None],
+               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in work]
+    if embed is not None:
+        out, grad, eps = embed
+        tied = [g for g in groups if set(map(id, g[0])) & set(map(id, eps))]  # pp=1, tied: lm_head
+        ps, roots, grads = tied[0] if tied else (list(eps), [], [])
+        groups = [g for g in groups if not any(g is t for t in tied)]
+        groups.append((ps, roots + [get_gradient_edge(out)], grads + [grad]))
+    for ps, roots, grads in groups:
+        torch.autograd.backward(roots, grads, inputs=ps)
 
 
 # ----------------------------------------------------------------------------------------- executor
-def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_targets: int,
-                group: dist.ProcessGroup | None, stage: int, n: int, device: torch.device,
+KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
+
+
+def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], step_targets: int,
+                group: dist.ProcessGroup | None, stage: int, n: int, v: int, device: torch.device,
                 seq_shards: int) -> None:
     """Local checks, then one tiny all_gather so that every pp peer raises the same error rather
     than some of them waiting forever for a message of another shape."""
     m = len(microbatches)
     shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
-    shapes = [tuple(mb[k].shape) for mb in microbatches for k in ("input_ids", "labels", "position_ids")
-              if mb.get(k) is not None]
+    shapes = [tuple(mb[k].shape) for mb in microbatches for k in KEYS_CHECKED if mb.get(k) is not None]
     problem = ""
     if m == 0:
         problem = "no micro-batches"
     elif len(shape) != 2:
         problem = f"input_ids must be (B, S) token ids, got shape {shape}"
     elif any(s != shape for s in shapes):
-        problem = f"every micro-batch tensor must have the shape {shape} of the first, got {shapes}"
+        problem = f"every micro-batch's {'/'.join(KEYS_CHECKED)} must have the shape {shape} of the first, got {shapes}"
     elif shape[1] % seq_shards:
         problem = f"sequence length {shape[1]} does not split into {seq_shards} sequence shards"
     for a in actions:
-        pieces = [] if a.kind in (F, B) else p2p_ops(a, stage)
-        ids = [a.microbatch] + [q[3] for q in pieces]
-        if not problem and (any(not 0 <= i < m for i in ids) or any(not 0 <= q[1] < n for q in pieces)):
-            problem = f"action {a} does not fit {m} micro-batches on stage {stage} of {n}"
+        pieces = [a] if isinstance(a, Action) else a.msgs
+        bad_peer = isinstance(a, Comm) and not (0 <= a.peer < n and a.peer != stage)
+        if not problem and (bad_peer or any(not (0 <= x.microbatch < m and 0 <= x.chunk < v) for x in pieces)):
+            problem = f"action {a} does not fit {m} micro-batches and {v} chunk(s) on stage {stage} of {n}"
     bs = shape if len(shape) == 2 else (0, 0)
     header = torch.tensor([m, *bs, step_targets, int(not problem)], dtype=torch.int64, device=device)
     if n > 1:
@@ -338,68 +335,130 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Action], step_ta
                          f"ok]): {rows}; all pp peers must be given the same micro-batches")
 
 
-def run_pipeline(model: nn.Module, actions: Sequence[Action], microbatches: Sequence[dict],
-                 pp_group: dist.ProcessGroup | None, step_targets: int | torch.Tensor,
-                 no_sync: Callable[[], ContextManager] | None = None,
-                 seq_shards: int = 1) -> torch.Tensor:
-    """Run this stage's `actions` over `microbatches` (dicts of (B, S) tensors: input_ids, labels,
-    optional position_ids; identical on every pp peer), accumulating gradients in .grad. Every
-    other key (e.g. `docs`, the document boundaries) is passed to the model as a keyword argument.
+def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
+                 microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
+                 step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
+                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None) -> torch.Tensor:
+    """Run this rank's `actions` over `microbatches` (dicts with (B, S) input_ids and labels; every
+    other key, e.g. position_ids, goes to the model as a keyword; identical on every pp peer),
+    accumulating gradients in .grad.
 
+    model: the stage model, or its chunks (stage_chunks) when the schedule has virtual stages.
     step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
     no_sync: the dp/ZeRO object's context that defers its gradient reduction (hook-based dp such as
-    dp.GradSync reduces during backward); every backward but this stage's last runs inside it.
+    dp.GradSync reduces during backward); every B and W runs inside it except the last action that
+    accumulates into each chunk's parameters.
     seq_shards: tp under sequence parallelism (tp.py): stages exchange (B, S/seq_shards, H) shards.
+    timer: a context manager around each computation (bench_theory.py measures busy time with it).
     Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
     from the last stage to every pp peer; sum it over dp for the global loss.
     pp_group None (or of size 1) runs the whole model locally without communication."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
     stage = dist.get_rank(pp_group) if pp_group is not None else 0
     n = dist.get_world_size(pp_group) if pp_group is not None else 1
-    first, last = stage == 0, stage == n - 1
-    param = next(model.parameters())
+    v, param = len(chunks), next(chunks[0].parameters())
     targets = int(step_targets)
-    _check_step(microbatches, actions, targets, pp_group, stage, n, param.device, seq_shards)
-    rows, seq = microbatches[0]["input_ids"].shape  # (not B, S: B names the backward action here)
-    act_shape = (rows, seq // seq_shards, model.config.hidden_size)  # (B, S/seq_shards, H)
+    _check_step(microbatches, actions, targets, pp_group, stage, n, v, param.device, seq_shards)
+    rows, seq = microbatches[0]["input_ids"].shape
+    act_shape = (rows, seq // seq_shards, chunks[0].config.hidden_size)  # (B, S/seq_shards, H)
+    first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
+    last = lambda c: c * n + stage == n * v - 1  # noqa: E731  the last one: loss out
+    split = any(isinstance(a, Action) and a.kind == W for a in actions)
+    grad_kind = W if split else B  # the action that accumulates into .grad
+    syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == grad_kind
+                  and a.chunk == c), default=-1) for c in range(v)}  # each chunk's last one
+    params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
+    timed = timer or (lambda a: contextlib.nullcontext())
 
-    inputs: dict[int, torch.Tensor] = {}   # received activations: leaves that collect the input grad
-    outputs: dict[int, torch.Tensor] = {}  # this stage's outputs (hidden states, or the loss) until B
-    grads: dict[int, torch.Tensor] = {}    # received gradients of this stage's outputs
+    inputs: dict[tuple, torch.Tensor] = {}    # (mb, chunk) → input leaf (received, or the cut embedding)
+    outputs: dict[tuple, torch.Tensor] = {}   # → this chunk's output (hidden states, or the loss) until B
+    in_grads: dict[tuple, torch.Tensor] = {}  # → gradient of the input, to send back
+    pending: dict[tuple, list] = {}           # → what W needs (zb)
+    embeds: dict[tuple, tuple] = {}           # → zb, virtual stage 0: the embedding's share of W
+    recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
+    sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
     loss = torch.zeros((), dtype=torch.float32, device=param.device)
-    last_backward = max((k for k, a in enumerate(actions) if a.kind == B), default=-1)
+
+    def received(what: str, key: tuple) -> torch.Tensor:
+        works, t = recvs.pop((what, *key))
+        for w in works:
+            w.wait()
+        return t
+
+    def deferred(k: int) -> ContextManager:
+        return no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def cut_embedding(chunk: nn.Module, key: tuple):
+        """zb, virtual stage 0: the embedding's output becomes the chunk's input leaf, so that B
+        stops there as on any stage (and the embedding's gradient waits for W)."""
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            embeds[key], inputs[key] = out, out.detach().requires_grad_()
+            return inputs[key]
+        handle = chunk.model.embed_tokens.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     for k, a in enumerate(actions):
-        i = a.microbatch
-        if a.kind == F:
-            mb = microbatches[i]
-            x = mb["input_ids"] if first else inputs[i]
-            extra = {k: v for k, v in mb.items() if k not in ("input_ids", "labels")}  # position_ids, docs
-            if last:
-                out = model(x, labels=mb["labels"], reduction="sum", **extra) / max(targets, 1)
-                loss += out.detach()
-            else:
-                out = model(x, **extra)  # (B, S, H)
-            outputs[i] = out
-        elif a.kind == B:
-            defer = no_sync is not None and k != last_backward
-            with no_sync() if defer else contextlib.nullcontext():
-                torch.autograd.backward(outputs.pop(i), grad_tensors=None if last else grads.pop(i))
-        else:
-            ops, received = [], []
-            for is_send, peer, what, j in p2p_ops(a, stage):
-                if is_send:  # F: our output activation; B: the gradient of our received input
-                    t = (outputs[j].detach() if what == F else inputs.pop(j).grad).contiguous()
+        if isinstance(a, Comm):
+            sends[:] = [ws for ws in sends if not all(w.is_completed() for w in ws)]
+            ops, tensors = [], []
+            for msg in a.msgs:
+                key = (msg.microbatch, msg.chunk)
+                if msg.send:  # F: our output activation; B: the gradient of our input
+                    t = (outputs[key].detach() if msg.payload == F else in_grads.pop(key)).contiguous()
                 else:
                     t = torch.empty(act_shape, dtype=param.dtype, device=param.device)  # (B, S, H)
-                    received.append((what, j, t))
-                ops.append(dist.P2POp(dist.isend if is_send else dist.irecv, t, group=pp_group,
-                                      group_peer=peer))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            for what, j, t in received:
-                if what == F:
-                    inputs[j] = t.requires_grad_()
+                ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=pp_group,
+                                      group_peer=a.peer))
+                tensors.append(t)
+            works = dist.batch_isend_irecv(ops)
+            for j, (msg, t) in enumerate(zip(a.msgs, tensors)):
+                mine = [works[j]] if len(works) == len(ops) else works  # NCCL: one coalesced work
+                if msg.send:
+                    sends.append(mine)
                 else:
-                    grads[j] = t
+                    recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, t)
+            continue
+        key, c = (a.microbatch, a.chunk), chunks[a.chunk]
+        if a.kind == F:
+            mb = microbatches[a.microbatch]
+            kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
+            x = mb["input_ids"] if first(a.chunk) else received(F, key).requires_grad_()
+            with cut_embedding(c, key) if split and first(a.chunk) else contextlib.nullcontext(), timed(a):
+                if last(a.chunk):
+                    out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / max(targets, 1)
+                    loss += out.detach()
+                else:
+                    out = c(x, **kwargs)  # (B, S, H)
+            if not first(a.chunk):
+                inputs[key] = x
+            outputs[key] = out
+        elif a.kind == B:
+            grad = None if last(a.chunk) else received(B, key)
+            with deferred(k), timed(a):
+                if split:
+                    dx, pending[key] = backward_input(outputs.pop(key), grad, inputs.pop(key), params[a.chunk])
+                else:
+                    torch.autograd.backward(outputs.pop(key), grad_tensors=grad)
+                    dx = None if first(a.chunk) else inputs.pop(key).grad
+            if not first(a.chunk):
+                in_grads[key] = dx
+            elif split:
+                embeds[key] = (embeds[key], dx, list(c.model.embed_tokens.parameters()))
+        else:  # W
+            with deferred(k), timed(a):
+                backward_weight(pending.pop(key), embeds.pop(key, None))
+    for ws in sends:
+        for w in ws:
+            w.wait()
     if n > 1:
         dist.broadcast(loss, group=pp_group, group_src=n - 1)
     return loss
+
+
+if __name__ == "__main__":
+    import pp_schedules
+    pp_schedules.main()

@@ -83,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "is prepared: the split of the validation loss")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
     a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
-    a("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per dp rank")
+    a("--micro-batches", type=int, default=None,
+      help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
+           "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
     a("--steps", type=int, default=50, help="optimizer steps")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
                                               "post-training wants a lower rate than pretraining)")
@@ -130,9 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--sp", action="store_true", help="sequence parallelism with --tp: norms and residuals hold "
                                         "seq-len/tp tokens per rank (Megatron)")
     a("--pp", type=int, default=1, help="pipeline stages")
-    a("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: uniform, extra "
-                                        "layers to the first stages so the last, with the head, is lightest)")
+    a("--pp-layers", default=None, help="layers per (virtual) stage, e.g. 3,3,2 (default: balanced, the "
+                                        "last stage's lm_head + loss counted as layers by their FLOPs)")
     a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--virtual-stages", type=int, default=None,
+      help="model chunks per pp rank for interleaved / zb (default: 2 for interleaved, else 1)")
     a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
     a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
     a("--reduce-dtype", default=None, choices=["fp32", "bf16"],
@@ -256,7 +260,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
     """Every check that needs no heavy work, all reported at once."""
     errors = []
     for flag in ("seq_len", "batch_size", "micro_batches", "steps"):
-        if getattr(args, flag) < (0 if flag == "steps" else 1):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_position_embeddings:
         errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
@@ -268,13 +272,11 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
         TP.tp_validate(cfg, args.tp, seq_len=args.seq_len if args.sp else None)
     except ValueError as e:
         errors.append(str(e))
-    try:
-        PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
-    except ValueError as e:
-        errors.append(str(e))
-    if args.batch_size % (dp_size * args.micro_batches):
+    errors += validate_pipeline(args, cfg)
+    micro = micro_batches(args, grid.world)
+    if micro >= 1 and args.batch_size % (dp_size * micro):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
-                      f"--micro-batches {args.micro_batches}")
+                      f"--micro-batches {micro}")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
@@ -352,6 +354,49 @@ def check_outputs(args: argparse.Namespace) -> list[str]:
             errors.append(f"{flag} {path}: its folder {p.parent} does not exist")
         elif not os.access(p.parent, os.W_OK) or p.exists() and not os.access(p, os.W_OK):
             errors.append(f"{flag} {path}: it or its folder is not writable")  # replaced by rename
+    return errors
+
+
+def virtual_stages(args: argparse.Namespace) -> int:
+    if args.virtual_stages is not None:  # (not `or`: 0 is an error to report, not a default)
+        return args.virtual_stages
+    return 2 if args.schedule == "interleaved" else 1
+
+
+def micro_batches(args: argparse.Namespace, world: int) -> int:
+    """--micro-batches, or pp.default_microbatches for this layout (a divisor of the dp rank's rows)."""
+    if args.micro_batches is not None:
+        return args.micro_batches
+    dp_size = max(world // max(args.tp * args.pp, 1), 1)
+    rows = args.batch_size // dp_size if args.batch_size >= dp_size else 1
+    return PP.default_microbatches(args.schedule, max(args.pp, 1), max(rows, 1))
+
+
+def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
+    """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
+    return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
+                        head=PP.head_cost(cfg, args.seq_len))
+
+
+def validate_pipeline(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
+    """Schedule, virtual stages and layer split (the pipeline part of validate)."""
+    errors, v = [], virtual_stages(args)
+    if v < 1 or (v > 1 and (args.schedule not in ("interleaved", "zb") or args.pp < 2)):
+        errors.append(f"--virtual-stages {v} needs >= 1, and more than 1 goes with --schedule interleaved "
+                      f"or zb and --pp >= 2")
+    elif args.schedule == "interleaved" and v < 2:  # (v = 1 would silently be 1f1b)
+        errors.append("--schedule interleaved needs --virtual-stages >= 2 (1 is --schedule 1f1b)")
+    else:
+        try:
+            layer_ranges(args, cfg)
+        except ValueError as e:
+            errors.append(str(e))
+    if args.schedule == "zb" and (args.ac or args.ac_mode):
+        errors.append("--schedule zb with --ac: each W would recompute the checkpointed layers again; use "
+                      "--schedule interleaved (or 1f1b) with --ac")
+    if args.zero == 2 and v > 1:
+        errors.append("--zero 2 with --virtual-stages > 1: a gradient bucket may hold parameters of two chunks "
+                      "that finish backward at different times; use --zero 1 or 3")
     return errors
 
 
@@ -472,21 +517,21 @@ def load_val(args: argparse.Namespace, ds: data.TokenDataset,
 
 
 @torch.no_grad()
-def val_loss(model: M.Llama, val: data.TokenDataset, batches: int, args: argparse.Namespace,
+def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: argparse.Namespace,
              grid: Grid) -> float:
     """Mean token loss over the first `batches` global batches of the held-out split (the same rows
     at every evaluation), forward only through the same pipeline, tp and ZeRO code as training and
     normalized like its loss (sum of token losses / all target tokens): the single-process value in
     every layout."""
-    fwd = [a for a in PP.gpipe(args.micro_batches, grid.at.pp_rank, args.pp)
-           if a.kind in (PP.F, PP.SEND_F, PP.RECV_F)]
+    fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
+                                                      args.virtual_stages))
     per = args.batch_size // grid.at.dp  # this dp rank's contiguous slice, as DPSampler takes it
     first = [b * args.batch_size + grid.at.dp_rank * per for b in range(batches)]
     micro = [get_batch(val, list(range(i, i + per)), args.micro_batches, grid.device) for i in first]
     targets = dp.global_count(sum(P.count_targets(m["labels"]) for mb in micro for m in mb), grid.dp_group)
     total = torch.zeros((), dtype=torch.float32, device=grid.device)
     for mb in micro:
-        total += PP.run_pipeline(model, fwd, mb, grid.pp_group if args.pp > 1 else None, targets,
+        total += PP.run_pipeline(chunks, fwd, mb, grid.pp_group if args.pp > 1 else None, targets,
                                  seq_shards=args.tp if args.sp else 1)
     dist.all_reduce(total, group=grid.dp_group)
     return total.item()
@@ -540,6 +585,18 @@ def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_bat
     return [{k: v.to(device) for k, v in mb.items()} for mb in micro]
 
 
+def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
+    """One line: the schedule, the split, and its simulated bubble with each virtual stage's cost
+    (layers + the head's layer-equivalents; F=1, B=2 per layer, zb: B=W=1)."""
+    ranges, p, v, m = layer_ranges(args, cfg), args.pp, args.virtual_stages, args.micro_batches
+    cost = [len(r) + PP.head_cost(cfg, args.seq_len) * (k == p * v - 1) for k, r in enumerate(ranges)]
+    sim = PP.simulate([PP.SCHEDULES[args.schedule](m, s, p, v) for s in range(p)], 1,
+                      1 if args.schedule == "zb" else 2, 1, weights=[cost[s::p] for s in range(p)])
+    return (f"pipeline: {args.schedule}, {p} stages x {v} chunk(s), {m} micro-batches, layers per virtual "
+            f"stage {[len(r) for r in ranges]} (head = {cost[-1] - len(ranges[-1]):.1f} layers), simulated "
+            f"bubble {float(sim.bubble):.1%}" + ("" if m >= p else " (fewer micro-batches than stages)"))
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -556,8 +613,7 @@ def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
 def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict]:
     """Steps 3-7 of the composition order (module docstring)."""
     model = M.build(cfg)
-    ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
-    PP.split_stage(model, grid.at.pp_rank, args.pp, ranges)
+    PP.split_stage(model, grid.at.pp_rank, args.pp, layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     W.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
     if args.ac or args.ac_mode:
@@ -716,6 +772,7 @@ def main(argv: list[str] | None = None) -> None:
     errors = validate(args, cfg, grid)
     if errors:
         fail("\n  ".join(["invalid configuration:"] + errors), grid)
+    args.virtual_stages, args.micro_batches = virtual_stages(args), micro_batches(args, grid.world)
     ckpt = plan_resume(args, grid)
     try:
         ds, tpl, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
@@ -737,7 +794,8 @@ def main(argv: list[str] | None = None) -> None:
         export_tok = export_tokenizer(args, ds) if args.export_hf else None
     except (OSError, ValueError) as e:
         fail(f"--export-hf: the tokenizer to export: {e}", grid)
-    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)
+    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
+    chunks = PP.stage_chunks(model, layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
     pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
@@ -750,9 +808,8 @@ def main(argv: list[str] | None = None) -> None:
               f"world {grid.world} = tp {grid.at.tp} × dp {grid.at.dp} × pp {grid.at.pp} · "
               f"zero {args.zero} · "
               f"{args.dtype} on {grid.device.type}", flush=True)
-        if 1 < args.pp > args.micro_batches:
-            print(f"note: {args.micro_batches} micro-batches < {args.pp} stages: the pipeline bubble is "
-                  f"{(args.pp - 1) / (args.micro_batches + args.pp - 1):.0%} of the step", flush=True)
+        if args.pp > 1:
+            print(pipeline_summary(args, cfg), flush=True)
     t_start, bad, good = time.time(), 0, 0
     for step in range(start, args.steps):
         t0 = time.time()
@@ -760,7 +817,7 @@ def main(argv: list[str] | None = None) -> None:
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
-            loss = PP.run_pipeline(model, actions, micro, pp_group, targets, no_sync=opt.no_sync,
+            loss = PP.run_pipeline(chunks, actions, micro, pp_group, targets, no_sync=opt.no_sync,
                                    seq_shards=args.tp if args.sp else 1)
         with stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
@@ -801,7 +858,7 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
         if val is not None and evaluate:
             with stage("validation loss (forward over the held-out split)", grid):
-                record["val_loss"] = val_loss(model, val, val_batches, args, grid)
+                record["val_loss"] = val_loss(chunks, val, val_batches, args, grid)
             if log:
                 print(f"eval step {step + 1}: val loss {record['val_loss']:.4f}", flush=True)
         if metrics:

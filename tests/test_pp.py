@@ -1,5 +1,6 @@
-"""pp.py: partition and split, schedules through the simulator, and the executor on gloo ranks
-against the single-process model (same seed → same full weights, same global batch).
+"""pp.py: partition, split and chunks, the B/W split, and the executor of every schedule on gloo
+ranks against the single-process model (same seed → same full weights, same global batch). The
+schedules themselves are checked through the simulator in test_pp_schedules.py.
 
 Tolerances: fp32 throughout. Pipelined gradients are compared with the single process that runs the
 same micro-batches one after the other: the stages run exactly the same ops on the same values and
@@ -10,13 +11,14 @@ the independent reference) the summation order differs: <= 1e-5 relative, per te
 max|a - b| / max|b|. After 5 AdamW steps (clipping active) the loss curve is held to 1e-5 against
 the full-batch run and loss, grad norm and weights (per tensor ||a - b|| / ||b||) to 1e-5 against
 the micro-batch loop; measured errors are ~1e-7 (see curve_errors for why not bit-identical).
+Interleaved and zb run the same ops on the same values as the loop (zb's W computes dW from the
+same dY and X that one backward would), so they are held to the same bit-identity.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import weakref
-from fractions import Fraction
 
 import pytest
 import torch
@@ -25,9 +27,9 @@ import torch.distributed as dist
 from dist import run_ranks
 from model import LlamaConfig, build
 from weights import materialize
-from pp import (SCHEDULES, Action, B, F, RECV_B, RECV_F, SEND_B, SEND_B_RECV_F, SEND_F, SEND_F_RECV_B,
-                gpipe, norm_counted, one_f_one_b, partition, run_pipeline, simulate, split_stage,
-                sync_tied_grads, tied_copy, tied_embedding_ranks)
+from pp import (SCHEDULES, backward_input, backward_weight, gpipe, norm_counted, one_f_one_b, partition,
+                run_pipeline, split_stage, stage_chunks, sync_tied_grads, tied_copy, tied_embedding_ranks,
+                zero_bubble)
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -60,8 +62,8 @@ def full_model(cfg: LlamaConfig) -> torch.nn.Module:
     return materialize(build(cfg), "cpu", seed=3)
 
 
-def stage_model(cfg: LlamaConfig, stage: int, n: int, layers=None) -> torch.nn.Module:
-    model = split_stage(build(cfg), stage, n, partition(cfg.num_hidden_layers, n, layers))
+def stage_model(cfg: LlamaConfig, stage: int, n: int, layers=None, v: int = 1) -> torch.nn.Module:
+    model = split_stage(build(cfg), stage, n, partition(cfg.num_hidden_layers, n * v, layers))
     return materialize(model, "cpu", seed=3)
 
 
@@ -100,7 +102,8 @@ def train_ref(cfg: LlamaConfig, steps: list[list[dict]], full: bool) -> tuple[li
     return losses, norms, dict(model.named_parameters())
 
 
-def train_pp(model, schedule: str, steps: list[list[dict]], pp, emb=None, dp=None) -> tuple[list, list, dict]:
+def train_pp(model, schedule: str, steps: list[list[dict]], pp, emb=None, dp=None, v: int = 1
+             ) -> tuple[list, list, dict]:
     """The same steps pipelined; with dp, each dp rank takes its slice of every global batch and the
     gradients are all-reduced (summed) once per step, after the last backward."""
     dp_rank, dp_size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
@@ -110,7 +113,7 @@ def train_pp(model, schedule: str, steps: list[list[dict]], pp, emb=None, dp=Non
     for glob in steps:
         k = len(glob) // dp_size
         loss = torch.tensor(pipeline_step(model, schedule, glob[k * dp_rank: k * dp_rank + k], pp, emb,
-                                          step_targets=targets(glob)))
+                                          step_targets=targets(glob), v=v))
         if dp is not None:
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=dp)
@@ -154,12 +157,46 @@ def bitwise(model, ref: tuple[float, dict]) -> bool:
     return all(torch.equal(p.grad, ref[1][ref_name(model, n)]) for n, p in model.named_parameters())
 
 
-def pipeline_step(model, schedule: str, mbs, pp_group, embed_group=None, step_targets=None):
+def pipeline_step(model, schedule: str, mbs, pp_group, embed_group=None, step_targets=None, v: int = 1,
+                  layers=None):
+    """One step of `schedule` over v chunks per rank (the model from stage_model(..., v=v))."""
     stage, n = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    acts = SCHEDULES[schedule](len(mbs), stage, n)
-    loss = run_pipeline(model, acts, mbs, pp_group, targets(mbs) if step_targets is None else step_targets)
+    acts = SCHEDULES[schedule](len(mbs), stage, n, v)
+    chunks = stage_chunks(model, partition(model.config.num_hidden_layers, n * v, layers), stage, n)
+    loss = run_pipeline(chunks, acts, mbs, pp_group, targets(mbs) if step_targets is None else step_targets)
     sync_tied_grads(model, embed_group)
     return float(loss)
+
+
+class WaitLog:
+    """pp.py's `dist` in a test: logs each posted send/receive, each wait on one, each computation."""
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    def batch_isend_irecv(self, ops: list) -> list:
+        works = dist.batch_isend_irecv(ops)
+        kinds = ["send" if op.op is dist.isend else "recv" for op in ops]
+        self.events += [("post", k) for k in kinds]
+        return [self.Logged(w, k, self.events) for w, k in zip(works, kinds)]
+
+    class Logged:
+        def __init__(self, work, kind: str, events: list):
+            self.work, self.kind, self.events = work, kind, events
+
+        def wait(self):
+            self.events.append(("wait", self.kind))
+            return self.work.wait()
+
+        def is_completed(self) -> bool:
+            return self.work.is_completed()
+
+    @contextlib.contextmanager
+    def compute(self, action):
+        self.events.append(("compute", action.kind))
+        yield
 
 
 def group_of(rank: int, lists: list[list[int]]):
@@ -174,7 +211,9 @@ def group_of(rank: int, lists: list[list[int]]):
 
 class SavedBytes:
     """Live bytes of tensors autograd saved for backward: unique storages, parameters and buffers
-    excluded; each storage is released when the last graph node holding it is freed."""
+    excluded; each storage is released when the last graph node holding it is freed. The box holds
+    a detached alias: a saved output boxed as itself would hold its own grad_fn, a cycle through
+    C++ that would keep a retained (zb) graph alive after the step."""
 
     class _Box:
         def __init__(self, t: torch.Tensor):
@@ -195,7 +234,7 @@ class SavedBytes:
             self.now += t.untyped_storage().nbytes()
             self.peak = max(self.peak, self.now)
         self.refs[ptr] += 1
-        box = self._Box(t)
+        box = self._Box(t.detach())  # a saved output would otherwise hold its own grad_fn: a cycle
         weakref.finalize(box, self._release, ptr, t.untyped_storage().nbytes())
         return box
 
@@ -216,17 +255,20 @@ def test_partition():
     assert partition(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]  # last lightest
     assert partition(4, 2, [3, 1]) == [range(0, 3), range(3, 4)]
     assert partition(4, 1) == [range(0, 4)]
-    with pytest.raises(ValueError, match=r"3 layers cannot fill pp=4 stages"):
+    # the head counted: 2.5 layer-equivalents on the last stage
+    assert [len(r) for r in partition(12, 3, head=2.5)] == [5, 5, 2]  # costs 5, 5, 4.5
+    assert [len(r) for r in partition(8, 4, head=10)] == [3, 2, 2, 1]  # at least one layer each
+    with pytest.raises(ValueError, match=r"3 layers cannot fill 4 pipeline stages"):
         partition(3, 4)
     with pytest.raises(ValueError, match=r"\[3, 2\] sums to 5, the model has 4 layers"):
         partition(4, 2, [3, 2])
     with pytest.raises(ValueError, match=r"stage 1 would have 0 layers"):
         partition(4, 3, [4, 0, 0])
-    with pytest.raises(ValueError, match=r"has 2 entries for pp=3"):
+    with pytest.raises(ValueError, match=r"has 2 entries for 3 \(virtual\) stages"):
         partition(4, 3, [2, 2])
 
 
-def test_split_stage():
+def test_split_stage_and_chunks():
     ranges = partition(4, 3, [2, 1, 1])
     kinds = []
     for s in range(3):
@@ -248,125 +290,141 @@ def test_split_stage():
         split_stage(build(CFG), 0, 2, [range(0, 2), range(2, 3)])
     assert tied_embedding_ranks(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert tied_embedding_ranks(8, 4) == [[0, 6], [1, 7]] and tied_embedding_ranks(2, 1) == []
-
-
-def test_schedules_read_as_expected():
-    A = Action
-    assert one_f_one_b(3, 0, 2) == [A(F, 0), A(SEND_F, 0), A(F, 1), A(SEND_F_RECV_B, 1, 0), A(B, 0),
-                                    A(F, 2), A(SEND_F_RECV_B, 2, 1), A(B, 1), A(RECV_B, 2), A(B, 2)]
-    assert one_f_one_b(3, 1, 2) == [A(RECV_F, 0), A(F, 0), A(B, 0), A(SEND_B_RECV_F, 0, 1), A(F, 1),
-                                    A(B, 1), A(SEND_B_RECV_F, 1, 2), A(F, 2), A(B, 2), A(SEND_B, 2)]
-    assert gpipe(2, 1, 3) == [A(RECV_F, 0), A(F, 0), A(SEND_F, 0), A(RECV_F, 1), A(F, 1), A(SEND_F, 1),
-                              A(RECV_B, 0), A(B, 0), A(SEND_B, 0), A(RECV_B, 1), A(B, 1), A(SEND_B, 1)]
-    assert str(A(SEND_F_RECV_B, 3, 1)) == "SEND_F_RECV_B(3,1)"
-
-
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_simulated_schedules(name):
-    fn = SCHEDULES[name]
-    for p, m in itertools.product(range(1, 5), range(1, 9)):
-        scheds = [fn(m, s, p) for s in range(p)]
-        for s, sched in enumerate(scheds):  # independent of the simulator's own check
-            assert sorted(a.microbatch for a in sched if a.kind == F) == list(range(m))
-            assert sorted(a.microbatch for a in sched if a.kind == B) == list(range(m))
-        for f_cost, b_cost in [(1, 1), (1, 2), (2, 3)]:
-            r = simulate(scheds, f_cost, b_cost)  # raises on deadlock or a missing/duplicate F or B
-            # the bubble is (p-1)/(m+p-1) exactly, for equal costs and (as known) also for b != f
-            assert r.bubble == Fraction(p - 1, m + p - 1), (p, m, f_cost, b_cost, r.bubble)
-            assert r.makespan == (m + p - 1) * (f_cost + b_cost)
-            assert r.busy == [m * (f_cost + b_cost)] * p
-        want = [m] * p if name == "gpipe" else [min(m, p - s) for s in range(p)]
-        assert r.peak_in_flight == want, (p, m, r.peak_in_flight)
-    # communication cost only adds idle time
-    assert simulate([fn(8, s, 4) for s in range(4)], 1, 2, comm_cost=1).bubble > Fraction(3, 11)
-
-
-def test_simulator_reports_errors():
-    def split_comm(m, s, p):  # 1F1B with the combined actions posted one after the other
-        out = []
-        for a in one_f_one_b(m, s, p):
-            if a.kind == SEND_F_RECV_B:
-                out += [Action(SEND_F, a.microbatch), Action(RECV_B, a.recv_microbatch)]
-            elif a.kind == SEND_B_RECV_F:
-                out += [Action(SEND_B, a.microbatch), Action(RECV_F, a.recv_microbatch)]
-            else:
-                out.append(a)
-        return out
-    with pytest.raises(RuntimeError, match=r"deadlock: stage 0 waits at #3 SEND_F\(1\); "
-                                           r"stage 1 waits at #3 SEND_B\(0\)"):
-        simulate([split_comm(4, s, 2) for s in range(2)])
-    with pytest.raises(ValueError, match=r"stage 0 action #0 B\(0\): backward before forward"):
-        simulate([[Action(B, 0), Action(F, 0)]])
-    with pytest.raises(ValueError, match=r"#1 F\(0\): computed twice"):
-        simulate([[Action(F, 0), Action(F, 0)]])
-    with pytest.raises(ValueError, match=r"missing \[\('B', 0\)\]"):
-        simulate([[Action(F, 0)]])
-    with pytest.raises(ValueError, match=r"stage 0 action #1 B\(0\): output gradient not received"):
-        simulate([[Action(F, 0), Action(B, 0)], [Action(F, 0), Action(B, 0)]])
-    with pytest.raises(ValueError, match=r"stage 1 action #0 F\(0\): input activation not received"):
-        simulate([[Action(F, 0), Action(SEND_F, 0), Action(RECV_B, 0), Action(B, 0)],
-                  [Action(F, 0), Action(B, 0), Action(SEND_B, 0)]])
-    with pytest.raises(ValueError, match="no stage -1 to talk to"):
-        simulate([[Action(RECV_F, 0)]])
+    # v = 2 chunks on 2 ranks: rank 0 holds layers 0 and 2 (virtual stages 0, 2), rank 1 layers 1 and 3
+    ranges = partition(4, 4)
+    for s, own in ((0, ["0", "2"]), (1, ["1", "3"])):
+        m = materialize(split_stage(build(TIED), s, 2, ranges), "cpu", seed=3)
+        assert list(m.model.layers) == own and tied_copy(m) is not None  # names stay HF's, global index
+        chunks = stage_chunks(m, ranges, s, 2)
+        assert [list(c.model.layers) for c in chunks] == [[own[0]], [own[1]]]
+        assert [(c.model.embed_tokens is not None, c.lm_head is not None) for c in chunks] == \
+            ([(True, False), (False, False)] if s == 0 else [(False, False), (False, True)])
+        shared = {id(p) for c in chunks for p in c.parameters()}
+        assert shared == {id(p) for p in m.parameters()}  # views: the model's own parameters
+        assert list(m.model.layers) == own and (m.model.embed_tokens is not None) == (s == 0)  # untouched
+    assert stage_chunks(m, partition(4, 2), 1, 2) == [m]
 
 
 def test_pp1_is_the_plain_model():
-    """pp_group None: no communication, bit-identical to the micro-batch loop of the plain model."""
+    """pp_group None: no communication, bit-identical to the micro-batch loop of the plain model,
+    with one backward per micro-batch (1f1b) or B and W apart (zb; also with a tied embedding)."""
     mbs = batches(3, seed=1)
-    model = full_model(CFG)
-    loss = run_pipeline(model, one_f_one_b(3, 0, 1), mbs, None, targets(mbs))
-    ref = reference(CFG, mbs, full=False)
-    assert float(loss) == ref[0] and bitwise(model, ref)
-    # no_sync: every backward but the last defers the dp reduction (seen from a grad hook)
-    deferring, seen = [False], []
+    for cfg, schedule in ((CFG, one_f_one_b), (CFG, zero_bubble), (TIED, zero_bubble)):
+        model = full_model(cfg)
+        loss = run_pipeline(model, schedule(3, 0, 1), mbs, None, targets(mbs))
+        ref = reference(cfg, mbs, full=False)
+        assert float(loss) == ref[0] and bitwise(model, ref), (cfg.tie_word_embeddings, schedule)
+    # no_sync: every backward but the last defers the dp reduction (seen from a grad hook); under zb
+    # the gradients land in W, and the last W reduces
+    for schedule in (one_f_one_b, zero_bubble):
+        deferring, seen = [False], []
 
-    @contextlib.contextmanager
-    def no_sync():
-        deferring[0] = True
-        yield
-        deferring[0] = False
-    model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: seen.append(deferring[0]))
-    run_pipeline(model, one_f_one_b(3, 0, 1), mbs, None, targets(mbs), no_sync=no_sync)
-    assert seen == [True, True, False]
+        @contextlib.contextmanager
+        def no_sync():
+            deferring[0] = True
+            yield
+            deferring[0] = False
+        model = full_model(CFG)
+        model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: seen.append(deferring[0]))
+        run_pipeline(model, schedule(3, 0, 1), mbs, None, targets(mbs), no_sync=no_sync)
+        assert seen == [True, True, False], schedule
     with pytest.raises(ValueError, match=r"shape \(2, 8\) of the first, got .*\(2, 4\)"):
         run_pipeline(model, gpipe(2, 0, 1), [mbs[0], batches(1, 2, S=4)[0]], None, 1)
 
 
+def test_bw_split_costs_one_backward():
+    """B + W = one backward: the same FLOPs (B computes dX, W dW: each matmul's backward once), the
+    same gradients bit for bit, and each parameter's AccumulateGrad (dp/ZeRO's hook) fires once."""
+    from torch.utils.flop_counter import FlopCounterMode
+    mbs = batches(1, seed=4)
+    x = torch.randn(2, 8, CFG.hidden_size)
+    ref, model = (split_stage(full_model(CFG), 0, 1, partition(4, 1)) for _ in range(2))
+    for m in (ref, model):
+        m.model.embed_tokens = None  # a middle/last stage: hidden states in
+    leaf = x.clone().requires_grad_()
+    loss = ref(leaf, labels=mbs[0]["labels"], reduction="sum")
+    with FlopCounterMode(display=False) as full:
+        loss.backward()
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+    inp = x.clone().requires_grad_()
+    out = model(inp, labels=mbs[0]["labels"], reduction="sum")
+    with FlopCounterMode(display=False) as b:
+        dx, work = backward_input(out, None, inp, list(model.parameters()))
+    assert fired == [] and all(p.grad is None for p in model.parameters())  # B touches no parameter
+    # W's inputs held from B to W: dY of every parameterised op (pp.py's docstring), fp32 here: per
+    # layer and token q + 2 kv + 4 h + 2 i values, the final norm h, lm_head's the logits' V
+    c = CFG
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_token = c.num_hidden_layers * (q + 2 * kv + 4 * c.hidden_size + 2 * c.intermediate_size) + \
+        c.hidden_size + c.vocab_size
+    held = sum(g.nbytes for _, nodes in work for _, gs in nodes for g in gs if g is not None)
+    assert held == 4 * x.shape[0] * x.shape[1] * per_token
+    with FlopCounterMode(display=False) as w:
+        backward_weight(work)
+    assert b.get_total_flops() > 0 and w.get_total_flops() > 0
+    assert b.get_total_flops() + w.get_total_flops() == full.get_total_flops()
+    assert torch.equal(dx, leaf.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert sorted(fired) == sorted(id(p) for p in model.parameters())  # once each
+
+
 # ----------------------------------------------------------------------------------------- multi-rank
+LAYOUTS = [("uniform", CFG, None, True), ("uneven31", CFG, [3, 1], False), ("tied", TIED, None, False)]
+RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zb", 2)]  # (schedule, chunks per rank)
+
+
 def _pp2(rank: int, world: int) -> dict:
     pp = group_of(rank, [[0, 1]])
     emb = group_of(rank, tied_embedding_ranks(world, 2))
     out, grads = {}, {}
-    # loss and every gradient vs the single process, both schedules, three layouts
-    for schedule, (label, cfg, layers, packed) in itertools.product(
-            ["gpipe", "1f1b"], [("uniform", CFG, None, True), ("uneven31", CFG, [3, 1], False),
-                                ("tied", TIED, None, False)]):
+    # loss and every gradient vs the single process, every schedule, three layouts
+    for (schedule, v), (label, cfg, layers, packed) in itertools.product(RUNS, LAYOUTS):
+        if layers and v > 1:
+            continue  # [3, 1] is a 2-stage split
         mbs = batches(4, seed=10, packed=packed)
-        model = stage_model(cfg, rank, 2, layers)
-        loss = pipeline_step(model, schedule, mbs, pp, emb)
-        grads[schedule, label] = {n: p.grad for n, p in model.named_parameters()}
-        out[schedule, label] = (*compare(model, loss, reference(cfg, mbs, full=True)),
-                                bitwise(model, reference(cfg, mbs, full=False)))
-    for label in ["uniform", "uneven31", "tied"]:  # the schedules differ in order only: same bits
-        g1 = grads["1f1b", label]
-        out["same", label] = all(torch.equal(g, g1[n]) for n, g in grads["gpipe", label].items())
+        model = stage_model(cfg, rank, 2, layers, v)
+        loss = pipeline_step(model, schedule, mbs, pp, emb, v=v, layers=layers)
+        grads[schedule, v, label] = {n: p.grad for n, p in model.named_parameters()}
+        out[schedule, v, label] = (*compare(model, loss, reference(cfg, mbs, full=True)),
+                                   bitwise(model, reference(cfg, mbs, full=False)))
+    for (schedule, v, label), g in grads.items():  # the schedules differ in order only: same bits
+        g1 = grads["1f1b", 1, label]  # (with v = 2 a rank holds other layers: compare the common ones)
+        out["same", schedule, v, label] = all(torch.equal(t, g1[n]) for n, t in g.items() if n in g1)
     # 5 AdamW steps (clipped: OPT.clip < grad norm), a new batch each step
     steps = [batches(4, seed=100 + i) for i in range(5)]
-    for schedule, cfg in [("gpipe", CFG), ("1f1b", CFG), ("1f1b", TIED)]:
-        model = stage_model(cfg, rank, 2)
-        got = train_pp(model, schedule, steps, pp, emb)
-        out["adamw", schedule, cfg.tie_word_embeddings] = curve_errors(cfg, steps, got)
-    copies = [torch.empty_like(tied_copy(model)) for _ in range(2)]
-    dist.all_gather(copies, tied_copy(model).detach(), group=emb)
-    out["tied copies equal"] = torch.equal(*copies)  # same summed grads, same norm: same bits
-    # saved activations per stage: 1F1B holds min(m, p - stage) micro-batches, GPipe all m
+    for schedule, v, cfg in [("gpipe", 1, CFG), ("1f1b", 1, TIED), ("interleaved", 2, CFG), ("zb", 1, CFG),
+                             ("zb", 2, TIED)]:
+        model = stage_model(cfg, rank, 2, v=v)
+        got = train_pp(model, schedule, steps, pp, emb, v=v)
+        out["adamw", schedule, v, cfg.tie_word_embeddings] = curve_errors(cfg, steps, got)
+        if cfg.tie_word_embeddings:
+            copies = [torch.empty_like(tied_copy(model)) for _ in range(2)]
+            dist.all_gather(copies, tied_copy(model).detach(), group=emb)
+            out["tied copies equal", schedule] = torch.equal(*copies)  # same summed grads: same bits
+    # saved activations per stage: 1F1B holds min(m, p - stage) micro-batches, GPipe all m, zb p
+    # (its graph lives from F to W)
     out["saved"] = {}
-    for schedule, m in [("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]:
+    for schedule, m in [("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("zb", 4), ("zb", 8)]:
         model = stage_model(CFG, rank, 2)
         meter = SavedBytes(model)
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             pipeline_step(model, schedule, batches(m, seed=5), pp)
         out["saved"][schedule, m] = (meter.peak, meter.now)
+    # sends are never waited on while the stage still computes (only in the drain at the end)
+    import pp as pp_module
+    for schedule, v in (("1f1b", 1), ("zb", 2)):
+        log = WaitLog()
+        pp_module.dist = log
+        try:
+            model = stage_model(CFG, rank, 2, v=v)
+            chunks = stage_chunks(model, partition(4, 2 * v), rank, 2)
+            mbs = batches(4, seed=6)
+            run_pipeline(chunks, SCHEDULES[schedule](4, rank, 2, v), mbs, pp, targets(mbs), timer=log.compute)
+        finally:
+            pp_module.dist = dist
+        out["waits", schedule] = log.events
     # peers given different shapes, and a micro-batch of another shape: every stage raises
     model = stage_model(CFG, rank, 2)
     for label, mbs in [("peers", batches(2, seed=1, S=8 if rank == 0 else 16)),
@@ -379,65 +437,78 @@ def _pp2(rank: int, world: int) -> dict:
     return out
 
 
+def assert_adamw(e: dict, key, rank) -> None:
+    assert e["loss_vs_full"] <= TOL, (key, rank, e)
+    assert max(e["loss_vs_loop"], e["norm_vs_loop"], e["weights_vs_loop"]) <= TOL, (key, rank, e)
+
+
 def test_pp2():
     r0, r1 = run_ranks(_pp2, 2)
-    for key in [k for k in r0 if len(k) == 2 and k[0] in SCHEDULES]:
+    for key in [k for k in r0 if len(k) == 3 and k[0] in SCHEDULES]:
         for stage, r in enumerate((r0, r1)):
             loss_err, grad_err, exact = r[key]
             assert loss_err <= TOL and grad_err <= TOL, (key, stage, loss_err, grad_err)
             # untied: the very same ops in the same order as the single-process micro-batch loop
-            assert exact or key[1] == "tied", (key, stage)
-            assert r["same", key[1]], (key, stage)  # gpipe and 1f1b gradients bit-identical
+            assert exact or key[2] == "tied", (key, stage)
+            assert r["same", *key], (key, stage)  # every schedule: bit-identical gradients
     for key in [k for k in r0 if k[0] == "adamw"]:
         for stage, r in enumerate((r0, r1)):
-            e = r[key]
-            assert e["loss_vs_full"] <= TOL, (key, stage, e)
-            assert max(e["loss_vs_loop"], e["norm_vs_loop"], e["weights_vs_loop"]) <= TOL, (key, stage, e)
-    assert r0["tied copies equal"] and r1["tied copies equal"]
+            assert_adamw(r[key], key, stage)
+    assert all(r["tied copies equal", s] for r in (r0, r1) for s in ("1f1b", "zb"))
     for r in (r0, r1):
         saved = r["saved"]
         assert all(now == 0 for _, now in saved.values())  # everything released after the step
         unit = saved["gpipe", 1][0]
         assert unit > 0
         assert saved["gpipe", 4][0] == 4 * unit and saved["gpipe", 8][0] == 8 * unit
+        assert saved["zb", 4][0] == saved["zb", 8][0] == 2 * unit  # p micro-batches from F to W
     assert r0["saved"]["1f1b", 4][0] == r0["saved"]["1f1b", 8][0] == 2 * r0["saved"]["gpipe", 1][0]
     assert r1["saved"]["1f1b", 4][0] == r1["saved"]["1f1b", 8][0] == r1["saved"]["gpipe", 1][0]
     for r in (r0, r1):
+        for schedule in ("1f1b", "zb"):
+            events = r["waits", schedule]
+            last_compute = max(i for i, e in enumerate(events) if e[0] == "compute")
+            assert ("wait", "recv") in events and ("post", "send") in events
+            assert all(i > last_compute for i, e in enumerate(events) if e == ("wait", "send")), events
         assert "pipeline peers disagree" in r["error", "peers"] and "[2, 2, 16," in r["error", "peers"]
         assert "shape (2, 8) of the first" in r["error", "inside"]
+
+
+CFG8 = LlamaConfig(**{**CFG.__dict__, "num_hidden_layers": 8})
 
 
 def _pp4_and_pp2dp2(rank: int, world: int) -> dict:
     out = {}
     pp4 = group_of(rank, [[0, 1, 2, 3]])
-    for schedule, m in itertools.product(["gpipe", "1f1b"], [3, 6]):  # m < p and m > p
+    for (schedule, v), m in itertools.product([("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1),
+                                               ("zb", 2)], [3, 6]):  # m < p and m > p, not a multiple
+        cfg = CFG8 if v > 1 else CFG
         mbs = batches(m, seed=20 + m, packed=True)
-        model = stage_model(CFG, rank, 4)
-        loss = pipeline_step(model, schedule, mbs, pp4)
-        out[schedule, m] = (*compare(model, loss, reference(CFG, mbs, full=True)),
-                            bitwise(model, reference(CFG, mbs, full=False)))
+        model = stage_model(cfg, rank, 4, v=v)
+        loss = pipeline_step(model, schedule, mbs, pp4, v=v)
+        out[schedule, v, m] = (*compare(model, loss, reference(cfg, mbs, full=True)),
+                               bitwise(model, reference(cfg, mbs, full=False)))
     steps = [batches(5, seed=200 + i) for i in range(5)]
-    out["adamw"] = curve_errors(CFG, steps, train_pp(stage_model(CFG, rank, 4), "1f1b", steps, pp4))
+    for schedule, v in [("1f1b", 1), ("interleaved", 2), ("zb", 1)]:
+        cfg = CFG8 if v > 1 else CFG
+        got = train_pp(stage_model(cfg, rank, 4, v=v), schedule, steps, pp4, v=v)
+        out["adamw", schedule, v] = curve_errors(cfg, steps, got)
     # pp=2 x dp=2 (grid: dp inner, pp outer), tied embeddings, uneven layers, plain dp all-reduce
     pp = group_of(rank, [[0, 2], [1, 3]])
     dp = group_of(rank, [[0, 1], [2, 3]])
     emb = group_of(rank, tied_embedding_ranks(world, 2))
     steps = [batches(6, seed=300 + i) for i in range(5)]
-    got = train_pp(stage_model(TIED, rank // 2, 2, [3, 1]), "1f1b", steps, pp, emb, dp)
-    out["dp"] = curve_errors(TIED, steps, got)
+    for schedule in ("1f1b", "zb"):
+        got = train_pp(stage_model(TIED, rank // 2, 2, [3, 1]), schedule, steps, pp, emb, dp)
+        out["dp", schedule] = curve_errors(TIED, steps, got)
     return out
 
 
 def test_pp4_and_pp2_dp2():
     results = run_ranks(_pp4_and_pp2dp2, 4)
     for rank, r in enumerate(results):
-        for schedule, m in itertools.product(["gpipe", "1f1b"], [3, 6]):
-            loss_err, grad_err, exact = r[schedule, m]
-            assert loss_err <= TOL and grad_err <= TOL and exact, (rank, schedule, m, r[schedule, m])
-        e = r["adamw"]
-        assert e["loss_vs_full"] <= TOL, (rank, e)
-        assert max(e["loss_vs_loop"], e["norm_vs_loop"], e["weights_vs_loop"]) <= TOL, (rank, e)
-        e = r["dp"]
-        assert e["loss_vs_full"] <= TOL, (rank, e)
-        assert max(e["loss_vs_loop"], e["norm_vs_loop"], e["weights_vs_loop"]) <= TOL, (rank, e)
-
+        for key in [k for k in r if k[0] in SCHEDULES]:
+            loss_err, grad_err, exact = r[key]
+            assert loss_err <= TOL and grad_err <= TOL and exact, (rank, key, r[key])
+        for key in [k for k in r if k[0] in ("adamw", "dp")]:
+            assert_adamw(r[key], key, rank)

@@ -1,0 +1,471 @@
+"""Pipeline schedules as action lists, and the simulator that checks them (pure Python, no torch).
+
+What it does
+    For each of p pipeline ranks, a schedule lists what it computes and sends, in order: F
+    (forward), B (backward) and W (weight gradient) of one micro-batch on one of the rank's v chunks
+    (rank s, chunk c is virtual stage c·p + s: the layers go round the ranks v times, Megatron's
+    placement), and `Comm`s, each one batch_isend_irecv with one peer. `gpipe`, `one_f_one_b`,
+    `interleaved` and `zero_bubble` fix each rank's compute order; `add_comm` derives the messages.
+    `simulate` runs all ranks' lists against a virtual clock (it is how schedules are tested, and
+    what bench.py prints beside measured times); `show` draws a schedule as text:
+        python pp.py --show interleaved --pp 4 --micro-batches 8
+
+The schedules (m micro-batches, p ranks, v chunks per rank)
+    gpipe        all forwards, then all backwards: m micro-batches hold activations.
+    1f1b         p-1-s warm-up forwards, then one forward and one backward at a time, then the
+                 remaining backwards: at most p-s micro-batches in flight on rank s.
+    interleaved  1F1B over v chunks per rank. Micro-batches go in rounds (m // p of them, p to 2p-1
+                 micro-batches each, the larger first); a rank runs a round's chunk 0, then its chunk
+                 1, ..., so a micro-batch is back on rank 0 for its next chunk just as rank 0 finishes
+                 the round. Warm-up: Megatron's (v-1)·g + 2(p-1-s) forwards (g: the first round's
+                 size). (v-1)·g + p-1-s gives the same bubble with free messages and fewer activations
+                 (p=4, v=2, m=8: 8 instead of 11 chunks' on rank 0), but the extra forwards are slack
+                 for message latency: at a message cost of F/4 the simulated bubble is 25% against 30%
+                 (1F1B: 39%). m need not be a multiple of p (Megatron's rule): any m >= p gives the
+                 bubble below; m < p works with a larger bubble.
+    zb           ZB-H1 (Qi et al. 2023), for any v: each backward is split into B, the input gradient
+                 (the previous stage waits for it), and W, the weight gradient (nobody waits for it).
+                 The 1F1B / interleaved order runs with B, and rank s runs each W s backwards late: the
+                 deferred Ws fill what would be the drain bubble. Warm-up (v-1)·g + p-1-s, so every
+                 rank holds at most (v-1)·g + p chunks' activations (F to W): with g = p, p stages'
+                 worth, the first 1F1B stage's peak (ZB-H1's promise). torch's
+                 ScheduleInterleavedZeroBubble builds the same order. ZB-H2 / ZB-V (no bubble, up to
+                 twice the memory) are not built.
+
+Bubble (idle share of p · step time; balanced chunks of cost f, b, w each, free messages)
+    gpipe, 1f1b   (p-1) / (m+p-1)             any f, b           p=4, m=8: 27.3%
+    interleaved   (p-1) / (v·m+p-1)           m >= p             p=4, m=8, v=2: 15.8%
+    zb            idle (p-1)(f+b-w) per rank, busy v·m(f+b+w)     f=b=w=1, p=4, m=8: 11.1% (3 of 27:
+                  a third of 1F1B's idle time, in a shorter step); v=2: 5.9%
+
+Communication model (what the simulator checks: NCCL's semantics)
+    NCCL carries the messages between two ranks on one stream per pair: batches complete in the
+    order they were posted, and a send completes only once the peer posted the matching receive.
+    Two ranks that each send first and receive later wait for each other forever. So `add_comm`
+    puts all messages of the step in ONE global order (the time each is produced in a unit-cost
+    run) and both ranks of a pair post theirs in that order: a send right after the computation
+    that produced it, a receive right before the computation that reads it, or earlier when a later
+    message to the same peer must go first. A receive closes its batch (sends posted before it ride
+    along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its input's whole batch.
+
+Run
+    python pp.py --show zb --pp 4 --micro-batches 8 --virtual-stages 2
+    torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved     # executed by pp.py
+
+Reference
+    Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B as PipeDream-Flush, interleaved 1F1B);
+    Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (B/W split, ZB-H1).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+F, B, W = "F", "B", "W"  # forward; backward (input gradient, or all of it without W); weight gradient
+
+
+@dataclass(frozen=True)
+class Action:
+    """Compute `kind` of one micro-batch on one of this rank's chunks."""
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + "'" * self.chunk
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One tensor: an activation (payload F, to the next virtual stage) or a gradient (payload B, to
+    the previous one), of this rank's `chunk`: the chunk that produced it (send) or will read it."""
+    send: bool
+    payload: str
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{'SEND' if self.send else 'RECV'}_{self.payload}({self.microbatch}{chr(39) * self.chunk})"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One batch of messages with one peer rank (one dist.batch_isend_irecv)."""
+    peer: int
+    msgs: tuple[Msg, ...]
+
+    def __str__(self) -> str:
+        return "+".join(map(str, self.msgs)) + f"@{self.peer}"
+
+
+Step = Action | Comm
+
+
+# ----------------------------------------------------------------------------------------- orders
+def rounds(m: int, p: int) -> list[range]:
+    """m micro-batches in max(1, m // p) rounds of near-equal size (>= p when m >= p), larger first."""
+    n = max(1, m // p)
+    base, extra = divmod(m, n)
+    starts = [k * base + min(k, extra) for k in range(n + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(n)]
+
+
+def _gpipe_order(m: int, s: int, p: int, v: int) -> list[Action]:
+    if v != 1:
+        raise ValueError("gpipe runs one chunk per rank (virtual stages go with interleaved or zb)")
+    return [Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
+
+
+def _one_f_one_b_order(m: int, s: int, p: int, v: int, split: bool) -> list[Action]:
+    """Warm-up forwards, then one forward and one backward at a time, then the remaining backwards;
+    with `split` each B is followed by the W deferred by s backwards (ZB-H1), the rest at the end."""
+    rs = rounds(m, p)
+    fwd = [(c, i) for r in rs for c in range(v) for i in r]  # a round's chunk 0, then chunk 1, ...
+    bwd = [(c, i) for r in rs for c in reversed(range(v)) for i in r]  # backwards: last chunk first
+    slack = 2 if v > 1 and not split else 1  # Megatron's interleaved warm-up: see the docstring
+    warmup = min(len(fwd), (v - 1) * len(rs[0]) + slack * (p - 1 - s))
+    acts = [Action(F, i, c) for c, i in fwd[:warmup]]
+    for k, (c, i) in enumerate(bwd):
+        if warmup + k < len(fwd):
+            acts.append(Action(F, fwd[warmup + k][1], fwd[warmup + k][0]))
+        acts.append(Action(B, i, c))
+        if split and k >= s:
+            acts.append(Action(W, bwd[k - s][1], bwd[k - s][0]))
+    if split:
+        acts += [Action(W, i, c) for c, i in bwd[max(0, len(bwd) - s):]]
+    return acts
+
+
+# ----------------------------------------------------------------------------------------- messages
+def _sources(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg]]:
+    """(peer, receive) that compute action a on rank s waits for: its input activation or gradient."""
+    vs, last = a.chunk * p + s, p * v - 1
+    if a.kind == F and vs > 0:
+        return [((vs - 1) % p, Msg(False, F, a.microbatch, a.chunk))]
+    if a.kind == B and vs < last:
+        return [((vs + 1) % p, Msg(False, B, a.microbatch, a.chunk))]
+    return []
+
+
+def _products(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg, int]]:
+    """(peer, send, the peer's chunk that reads it) that compute action a on rank s produces."""
+    vs, last = a.chunk * p + s, p * v - 1
+    if a.kind == F and vs < last:
+        return [((vs + 1) % p, Msg(True, F, a.microbatch, a.chunk), (vs + 1) // p)]
+    if a.kind == B and vs > 0:
+        return [((vs - 1) % p, Msg(True, B, a.microbatch, a.chunk), (vs - 1) // p)]
+    return []
+
+
+def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]:
+    """Insert the messages into per-rank compute orders (see "Communication model" above)."""
+    p = len(orders)
+    if p == 1:
+        return [list(orders[0])]
+    run = simulate(orders, 1, 1, 1, free_messages=True)  # unit costs: when each message is produced
+    produced = sorted(((end, s), peer, send, dst_chunk)  # (time, rank) is unique
+                      for s, row in enumerate(run.timeline) for _, end, a in row
+                      for peer, send, dst_chunk in _products(a, s, p, v))
+    queues: dict[tuple[int, int], list[Msg]] = {}  # (rank, peer) → its messages, in the global order
+    for (_, s), peer, send, dst_chunk in produced:
+        queues.setdefault((s, peer), []).append(send)
+        queues.setdefault((peer, s), []).append(Msg(False, send.payload, send.microbatch, dst_chunk))
+    return [_with_messages(s, order, queues, p, v) for s, order in enumerate(orders)]
+
+
+def _with_messages(s: int, order: Sequence[Action], queues: dict, p: int, v: int) -> list[Step]:
+    """Rank s's compute order with its messages posted in the pair order of `queues`."""
+    posted = {peer: 0 for (r, peer) in queues if r == s}  # messages posted so far, per peer
+    done: set[Action] = set()
+    steps: list[Step] = []
+    batch: dict[int, list[Msg]] = {}  # peer → messages to post at this point
+
+    def post_through(peer: int, msg: Msg) -> None:
+        queue = queues[s, peer]
+        while posted[peer] <= queue.index(msg):  # and every message before it, in order
+            nxt = queue[posted[peer]]
+            if nxt.send and Action(nxt.payload, nxt.microbatch, nxt.chunk) not in done:
+                raise ValueError(f"rank {s}: {nxt} is due before it is computed")
+            batch.setdefault(peer, []).append(nxt)
+            posted[peer] += 1
+
+    def flush() -> None:  # a receive closes its batch: a computation waits for ONE message
+        for peer, msgs in batch.items():
+            cut = [0] + [k + 1 for k, msg in enumerate(msgs) if not msg.send]
+            cut += [len(msgs)] * (cut[-1] < len(msgs))
+            steps.extend(Comm(peer, tuple(msgs[a:z])) for a, z in zip(cut, cut[1:]))
+        batch.clear()
+
+    for a in order:
+        for peer, recv in _sources(a, s, p, v):
+            post_through(peer, recv)
+        flush()
+        steps.append(a)
+        done.add(a)
+        for peer, send, _ in _products(a, s, p, v):
+            post_through(peer, send)
+    flush()
+    return steps
+
+
+# ----------------------------------------------------------------------------------------- schedules
+@functools.lru_cache(maxsize=64)
+def _build(name: str, m: int, p: int, v: int) -> tuple[tuple[Step, ...], ...]:
+    if m < 1 or p < 1 or v < 1 or (v > 1 and p < 2):
+        raise ValueError(f"need micro-batches, stages and virtual stages >= 1 (virtual stages > 1 with "
+                         f">= 2 stages), got m={m}, p={p}, v={v}")
+    if name == "gpipe":
+        orders = [_gpipe_order(m, s, p, v) for s in range(p)]
+    else:
+        orders = [_one_f_one_b_order(m, s, p, v, split=name == "zb") for s in range(p)]
+    return tuple(tuple(steps) for steps in add_comm(orders, v))
+
+
+def gpipe(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """All forwards, then all backwards (in the same order, so gradients accumulate as in 1F1B)."""
+    return list(_build("gpipe", m, p, v)[stage])
+
+
+def one_f_one_b(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """1F1B (PipeDream-Flush); with v > 1 chunks per rank, interleaved 1F1B."""
+    return list(_build("1f1b", m, p, v)[stage])
+
+
+def interleaved(m: int, stage: int, p: int, v: int = 2) -> list[Step]:
+    """Interleaved 1F1B: v >= 2 chunks per rank (v = 1 is plain 1F1B)."""
+    if v < 2:
+        raise ValueError(f"interleaved needs >= 2 virtual stages per rank, got {v} (v=1 is 1f1b)")
+    return one_f_one_b(m, stage, p, v)
+
+
+def zero_bubble(m: int, stage: int, p: int, v: int = 1) -> list[Step]:
+    """ZB-H1: 1F1B (v = 1) or interleaved 1F1B (v > 1) with B and W apart, W deferred by `stage`."""
+    return list(_build("zb", m, p, v)[stage])
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
+
+
+def forward_only(steps: Sequence[Step]) -> list[Step]:
+    """A schedule's forwards and activation messages alone, in its order: evaluation (under no_grad)
+    through the same chunks and peers. Each pair keeps its messages' relative order, and nothing
+    waits for a backward any more, so it stays deadlock-free."""
+    out: list[Step] = []
+    for st in steps:
+        if isinstance(st, Comm):
+            msgs = tuple(msg for msg in st.msgs if msg.payload == F)
+            out += [Comm(st.peer, msgs)] if msgs else []
+        elif st.kind == F:
+            out.append(st)
+    return out
+
+
+def bubble_formula(name: str, m: int, p: int, v: int = 1, f: float = 1, b: float = 2,
+                   w: float = 1) -> Fraction:
+    """The idle share the module docstring gives (interleaved and zb: for m >= p); f, b, w: costs
+    of one chunk's F, B and W (b is the whole backward for the schedules without W)."""
+    if name in ("gpipe", "1f1b"):
+        return Fraction(p - 1, m + p - 1)
+    if name == "interleaved":
+        return Fraction(p - 1, v * m + p - 1)
+    idle, busy = (p - 1) * Fraction(f + b - w), v * m * Fraction(f + b + w)
+    return idle / (idle + busy)
+
+
+# ----------------------------------------------------------------------------------------- simulator
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # per rank: time spent computing
+    idle: list[float]  # per rank: makespan - busy
+    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk)s whose F ran and whose last
+    #                            backward action (W if the schedule has Ws, else B) did not yet
+    bubble: Fraction | float  # idle share of p · makespan (exact for rational costs)
+    timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
+
+
+@dataclass(eq=False)
+class _Posted:
+    """A Comm in flight: its messages complete with the peer's matching ones."""
+    rank: int
+    comm: Comm
+    post: float
+    lane_pos: list[int]  # per message: its index among the messages from src to dst
+    times: dict = None  # message index → completion time
+    start: float | None = None  # when it reached the head of its pair stream
+    done: float | None = None
+
+
+def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: float = 2,
+             w_cost: float = 1, comm_cost: float = 0,
+             weights: Sequence[Sequence[float]] | None = None, free_messages: bool = False) -> SimResult:
+    """Run every rank's list together against a virtual clock, with NCCL's semantics (module
+    docstring): a Comm is posted at once; between two ranks, Comms complete in posting order; the
+    n-th send from a to b meets the n-th receive posted by b, comm_cost after both are at the head
+    of their pair streams; a computation waits for the Comm that brought its input. F, B, W cost
+    f/b/w_cost (times weights[rank][chunk]). free_messages: compute orders without Comms, an input is
+    there when its producer finished. Raises ValueError on a wrong schedule (an input never
+    received, B before F, twice the same F, a message meeting another one, a missing action) and
+    RuntimeError naming every rank's stuck action on deadlock."""
+    p = len(schedules)
+    acts = [a for sch in schedules for a in sch if isinstance(a, Action)]
+    v, m = 1 + max((a.chunk for a in acts), default=0), 1 + max((a.microbatch for a in acts), default=-1)
+    cost = {k: Fraction(c) if isinstance(c, int) else c for k, c in ((F, f_cost), (B, b_cost), (W, w_cost))}
+    with_w = [any(isinstance(a, Action) and a.kind == W for a in sch) for sch in schedules]
+    pc, clock, in_flight, peak = [0] * p, [0] * p, [0] * p, [0] * p
+    done: list[dict[Action, float]] = [{} for _ in range(p)]
+    arrives: list[dict[Msg, _Posted]] = [{} for _ in range(p)]  # posted receive → its Comm
+    streams: dict[tuple[int, int], list[_Posted]] = {}  # (rank, peer) → Comms in posting order
+    heads: dict[tuple[int, int], int] = {}
+    lanes: dict[tuple[int, int, bool], list[tuple[_Posted, int]]] = {}  # (src, dst, send?) → messages
+    timeline: list[list] = [[] for _ in range(p)]
+
+    def need(ok: bool, s: int, a: Step, why: str) -> None:
+        if not ok:
+            raise ValueError(f"stage {s} action #{pc[s]} {a}: {why}")
+
+    def post(s: int, c: Comm) -> None:
+        need(0 <= c.peer < p and c.peer != s, s, c, f"no stage {c.peer} to talk to")
+        posted = _Posted(s, c, clock[s], [], {})
+        streams.setdefault((s, c.peer), []).append(posted)
+        for k, msg in enumerate(c.msgs):
+            if msg.send:
+                need(Action(msg.payload, msg.microbatch, msg.chunk) in done[s], s, c,
+                     f"sends {msg.payload}{msg.microbatch} before it exists")
+            else:
+                arrives[s][msg] = posted
+            src, dst = (s, c.peer) if msg.send else (c.peer, s)
+            mine, theirs = lanes.setdefault((src, dst, msg.send), []), lanes.get((src, dst, not msg.send), [])
+            posted.lane_pos.append(len(mine))
+            mine.append((posted, k))
+            if len(theirs) >= len(mine):  # the n-th send from src to dst meets the n-th receive
+                other = theirs[len(mine) - 1]
+                sent, got = (msg, other[0].comm.msgs[other[1]])[::1 if msg.send else -1]
+                vs = sent.chunk * p + src + (1 if sent.payload == F else -1)
+                if (sent.payload, sent.microbatch, vs // p) != (got.payload, got.microbatch, got.chunk):
+                    raise ValueError(f"stage {src} sends {sent} to stage {dst}, which receives {got} in its "
+                                     f"place (messages between two stages must be posted in one order)")
+
+    def head(key: tuple[int, int]) -> _Posted | None:
+        """The Comm at the head of a pair stream (with its start time), or None."""
+        stream, i = streams.get(key, []), heads.setdefault(key, 0)
+        if i >= len(stream):
+            return None
+        if stream[i].start is None:
+            stream[i].start = max(stream[i].post, stream[i - 1].done if i else 0)
+        return stream[i]
+
+    def resolve() -> bool:
+        """Complete the messages whose both ends are at the heads of their pair streams."""
+        changed = True
+        while changed:
+            changed = False
+            for key in list(streams):
+                while (c := head(key)) is not None:
+                    for k, msg in enumerate(c.comm.msgs):
+                        src, dst = key if msg.send else key[::-1]
+                        theirs = lanes.get((src, dst, not msg.send), [])
+                        if k in c.times or c.lane_pos[k] >= len(theirs):
+                            continue
+                        other, j = theirs[c.lane_pos[k]]
+                        if head(key[::-1]) is other:
+                            c.times[k] = other.times[j] = max(c.start, other.start) + comm_cost
+                    if len(c.times) < len(c.comm.msgs):
+                        break
+                    c.done, heads[key] = max(c.times.values()), heads[key] + 1
+                    changed = True
+
+    def ready(s: int, a: Action) -> float | None:
+        """When a's input is there (None: not known yet)."""
+        need(a not in done[s], s, a, "computed twice")
+        need(a.kind != B or Action(F, a.microbatch, a.chunk) in done[s], s, a, "backward before forward")
+        need(a.kind != W or Action(B, a.microbatch, a.chunk) in done[s], s, a, "weight gradient before backward")
+        for peer, recv in _sources(a, s, p, v):  # (at most one)
+            if free_messages:
+                t = done[peer].get(Action(a.kind, a.microbatch, (a.chunk * p + s + (1 if a.kind == B else -1)) // p))
+            else:
+                need(recv in arrives[s], s, a, f"{'input activation' if a.kind == F else 'output gradient'} "
+                                               f"not received")
+                t = arrives[s][recv].done
+            return None if t is None else max(clock[s], t)
+        return clock[s]
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while pc[s] < len(schedules[s]):
+                a = schedules[s][pc[s]]
+                if isinstance(a, Comm):
+                    post(s, a)
+                elif (t := ready(s, a)) is None:
+                    break
+                else:
+                    end = t + cost[a.kind] * (weights[s][a.chunk] if weights else 1)
+                    timeline[s].append((t, end, a))
+                    clock[s] = done[s][a] = end
+                    in_flight[s] += (a.kind == F) - (a.kind == (W if with_w[s] else B))
+                    peak[s] = max(peak[s], in_flight[s])
+                pc[s] += 1
+                progress = True
+        before = sum(heads.values())
+        resolve()
+        progress = progress or sum(heads.values()) > before
+    if any(pc[s] < len(schedules[s]) for s in range(p)):
+        raise RuntimeError("deadlock: " + "; ".join(f"stage {s} waits at #{pc[s]} {schedules[s][pc[s]]}"
+                                                    for s in range(p) if pc[s] < len(schedules[s])))
+    unmatched = [f"stage {c.rank}: {c.comm}" for cs in streams.values() for c in cs if c.done is None]
+    if unmatched:
+        raise RuntimeError(f"messages never received: {'; '.join(unmatched)}")
+    for s in range(p):
+        kinds = (F, B, W) if with_w[s] else (F, B)
+        want = {Action(k, i, c) for k in kinds for i in range(m) for c in range(v)}
+        if set(done[s]) != want:
+            raise ValueError(f"stage {s}: missing {sorted(map(str, want - set(done[s])))} (each micro-batch "
+                             f"needs {'/'.join(kinds)} on each of the {v} chunk(s))")
+    makespan = max(clock, default=0)
+    busy = [sum((end - start for start, end, _ in timeline[s]), Fraction(0)) for s in range(p)]
+    idle = [makespan - b for b in busy]
+    bubble = sum(idle, Fraction(0)) / (p * makespan) if makespan else Fraction(0)
+    return SimResult(makespan, busy, idle, peak, bubble, timeline)
+
+
+# ----------------------------------------------------------------------------------------- show
+def show(name: str, m: int, p: int, v: int = 1, f: int = 1, b: int | None = None, w: int = 1) -> str:
+    """The simulated schedule as text, one row per rank, one column per time unit (integer costs).
+    Chunk c is marked by c primes: F3'' is micro-batch 3's forward on the rank's chunk 2."""
+    b = (1 if name == "zb" else 2) if b is None else b
+    sim = simulate([SCHEDULES[name](m, s, p, v) for s in range(p)], f, b, w)
+    width = max(len(str(a)) for row in sim.timeline for _, _, a in row) + 1
+    rows = []
+    for s, row in enumerate(sim.timeline):
+        cells = ["." * (width - 1)] * int(sim.makespan)
+        for start, end, a in row:
+            cells[int(start)] = str(a)
+            for t in range(int(start) + 1, int(end)):
+                cells[t] = "-" * (width - 1)
+        rows.append(f"rank {s} |" + " ".join(c.ljust(width - 1) for c in cells))
+    costs = f"F={f} B={b}" + (f" W={w}" if name == "zb" else "")
+    head = (f"{name}: {p} ranks x {v} chunk(s), {m} micro-batches, costs {costs} per chunk; "
+            f"simulated bubble {float(sim.bubble):.1%} (formula {float(bubble_formula(name, m, p, v, f, b, w)):.1%}), "
+            f"peak (micro-batch, chunk)s in flight per rank {sim.peak_in_flight}")
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="draw a simulated pipeline schedule")
+    ap.add_argument("--show", required=True, choices=sorted(SCHEDULES))
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 for "
+                                                                     "interleaved, else 1)")
+    args = ap.parse_args(argv)
+    v = args.virtual_stages if args.virtual_stages is not None else 2 if args.show == "interleaved" else 1
+    print(show(args.show, args.micro_batches, args.pp, v))
+
+
+if __name__ == "__main__":
+    main()
