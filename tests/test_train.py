@@ -192,7 +192,7 @@ def validate(argv: list[str], world: int, cfg: M.LlamaConfig = CFG) -> str:
 
 def test_validation_messages():
     assert validate([], 1) == ""
-    assert "world size 6 is not divisible by --tp 4 × --pp 1" in validate(["--tp", "4"], 6)
+    assert "world size 6 is not divisible by --tp 4 × --cp 1 × --pp 1" in validate(["--tp", "4"], 6)
     assert "num_attention_heads" in validate(["--tp", "3"], 3)
     assert "layers" in validate(["--pp", "8"], 8)
     assert "--pp-layers" in validate(["--pp", "2", "--pp-layers", "3,3"], 2)
