@@ -11,7 +11,12 @@ What it does
     (the order backward produces their grads), into flat buckets of about `bucket_mb` MB. A
     post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
     grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
-    earlier layers. `finish()` waits and copies the sums back into `.grad` before the optimizer step.
+    earlier layers. At most `inflight` (default 2) reductions are in flight: launching one more first
+    lands the oldest (waits, copies its sums back into `.grad`, drops its flat buffer), so the extra
+    memory of a backward is at most `inflight` buckets, never a second copy of all gradients. Two,
+    not one: the next bucket is queued while the previous is still on the wire, so the link never
+    idles between buckets (on NCCL the wait blocks the compute stream, not the host).
+    `finish()` lands the rest before the optimizer step.
     With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
     adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
     accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
@@ -36,6 +41,9 @@ Invariants
       which holds the parameters, which hold the hook in C++ — a cycle Python's gc cannot see.
     - All ranks must produce a gradient for every parameter in each synced backward (as DDP without
       find_unused_parameters); `finish()` names the parameters that got none instead of hanging.
+    - Memory: besides .grad (or the fp32 main buffers) a backward holds at most `inflight` packed
+      buckets plus the one being packed; a bucket is reduced at most once per step (a second synced
+      backward before finish() raises instead of summing twice).
 """
 from __future__ import annotations
 
@@ -182,9 +190,12 @@ class GradSync:
     `.grad` that sum rounded once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None):
+                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
+                 inflight: int = 2):
+        if inflight < 1:
+            raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
         self.params = list(params)
-        self.group = group
+        self.group, self.inflight = group, inflight
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reduce_dtype = reduce_dtype
         if buckets is None:
@@ -201,6 +212,7 @@ class GradSync:
         self._sync = True
         self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
         self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
+        self._launched: set[int] = set()  # buckets reduced since the last finish()
         if self.hooked():
             for b, bucket in enumerate(self.buckets):
                 for i in bucket.index:
@@ -245,11 +257,18 @@ class GradSync:
         return flat
 
     def _launch(self, b: int) -> None:
-        if b in self._pending:
+        if b in self._launched:
             raise RuntimeError(TWICE.format(b))
+        self._launched.add(b)
+        self._bound()
         flat = self._pack(b)
         work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
         self._pending[b] = (work, flat)
+
+    def _bound(self) -> None:
+        """Before packing one more bucket, land the oldest until fewer than `inflight` are pending."""
+        while len(self._pending) >= self.inflight:
+            self._complete(next(iter(self._pending)))
 
     def _land(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.buckets[b]
@@ -282,6 +301,7 @@ class GradSync:
                                f"rank must use every parameter, or freeze the unused ones")
         for b in list(self._pending):
             self._complete(b)
+        self._launched.clear()
 
     def _complete(self, b: int) -> None:
         work, *buffers = self._pending.pop(b)
@@ -296,6 +316,7 @@ class GradSync:
             if work is not None:
                 work.wait()
         self._pending.clear()
+        self._launched.clear()
         self._ready = [0] * len(self.buckets)
         self.clear()
 
