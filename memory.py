@@ -52,6 +52,7 @@ Invariants
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import glob
@@ -110,8 +111,10 @@ class _CPUSession:
         _enable_profiler(cfg, self.CONFIG["activities"], self.CONFIG["scopes"])
         probe = torch.empty(1, dtype=torch.uint8)  # an event holding the live total at the start
         self.probe = probe.data_ptr()
+        _OPEN.append(self)
 
     def close(self) -> int:
+        _OPEN.remove(self)
         result = _disable_profiler()
         events, stack = [], list(result.experimental_event_tree())
         while stack:  # allocations may sit under user-scope events (Optimizer.step, record_function)
@@ -124,6 +127,17 @@ class _CPUSession:
             f = e.extra_fields
             peak = max(peak, f.total_allocated - (f.ptr == self.probe and f.alloc_size == 1))
         return peak
+
+
+_OPEN: list[_CPUSession] = []
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    """A profiler still running when the interpreter exits crashes it (a run that fails on bad
+    flags exits from inside a phase): close what is open."""
+    for session in list(_OPEN):
+        session.close()
 
 
 class PeakMeter:

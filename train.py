@@ -12,10 +12,13 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     3. build the model on the meta device (no memory)
     4. pp.split_stage: drop the layers/embedding/head this stage does not own
     5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map
-    6. materialize: load this rank's slices from --init-from or init from --seed (the full weights
-       never depend on the layout), recompute RoPE buffers
+    6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
+       weights never depend on the layout); the parameters stay on the meta device, only the RoPE
+       buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names)
-    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3
+    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
+       built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
+       ever holds the whole model
     9. checkpoint.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
@@ -23,6 +26,9 @@ Invariants
       global batch over dp ranks, so every layout trains on the same global batches.
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
     - The device is chosen once, here: CUDA + NCCL when available, else CPU + gloo.
+    - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
+      by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
+      peaks the last line lists per phase.
 """
 from __future__ import annotations
 
@@ -32,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +50,7 @@ import ac as AC
 import checkpoint as CK
 import data
 import dp
+import memory as MEM
 import model as M
 import pp as PP
 import precision as P
@@ -319,10 +325,12 @@ def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_bat
     return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+def peak_text(peak: MEM.Peak | None) -> str:
+    """'123 MB' (allocated), with the CUDA cache's reserved bytes when known; 'n/a' if unmeasured."""
+    if peak is None:
+        return "n/a"
+    reserved = f" ({peak.reserved / 2**20:,.0f} MB reserved)" if peak.reserved is not None else ""
+    return f"{peak.allocated / 2**20:,.0f} MB{reserved}"
 
 
 def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
@@ -332,19 +340,22 @@ def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ build
-def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict]:
-    """Steps 3-7 of the composition order (module docstring)."""
+def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict, Z.Init]:
+    """Steps 3-7 of the composition order (module docstring): the parameters stay on the meta
+    device; the returned reader gives their values to make_optimizer."""
     model = M.build(cfg)
     ranges = PP.partition(cfg.num_hidden_layers, args.pp, parse_layers(args.pp_layers))
     PP.split_stage(model, grid.at.pp_rank, args.pp, ranges)
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
-    W.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    return model, shards
+    return model, shards, init
 
 
-def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid: Grid) -> Z.DataParallel:
+def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
+                   grid: Grid) -> Z.DataParallel:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
     a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
@@ -356,7 +367,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
     return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                        tied=PP.tied_copy(model), embed_group=grid.embed_group)
+                        tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                        init=init, device=grid.device)
 
 
 def export_hf(model: M.Llama, opt: Z.DataParallel, shards: dict, cfg: M.LlamaConfig, grid: Grid,
@@ -409,6 +421,8 @@ def resume(args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig, sh
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     grid = setup(args.timeout)
+    meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
+    meter.phase("data")
     try:
         cfg = M.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
@@ -425,12 +439,14 @@ def main(argv: list[str] | None = None) -> None:
                                remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
+    meter.phase("setup")
     try:
-        model, shards = build_model(args, cfg, grid)
+        model, shards, init = build_model(args, cfg, grid)
+        opt = make_optimizer(args, model, shards, init, grid)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         fail(str(e), grid)
-    opt = make_optimizer(args, model, shards, grid)
     start = resume(args, opt, cfg, shards, sampler, grid)
+    meter.watch(model)  # each forward is "forward", what follows it until the step "backward"
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp)
     pp_group = grid.pp_group if args.pp > 1 else None
 
@@ -450,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start, bad = time.time(), 0
     for step in range(start, args.steps):
         t0 = time.time()
+        meter.phase("data")
         micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid.device)
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
@@ -460,10 +477,12 @@ def main(argv: list[str] | None = None) -> None:
             opt.finish()  # dp / ZeRO reductions land
             dist.all_reduce(loss, group=grid.dp_group)
         lr = lr_at(step, args)
+        meter.phase("step")
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             grad_norm = opt.step(lr)
+        meter.phase(None)  # logging, eval: not training memory
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            with stage("checkpoint save", grid):
+            with stage("checkpoint save", grid), meter.during("save"):
                 extra = {"sampler": sampler.state_dict(), "args": vars(args)}
                 CK.save_checkpoint(args.save, step + 1, opt, cfg, shards, grid.at, extra)
             if log:
@@ -487,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
-                  f"peak mem {peak_memory_mb(grid.device):,.0f} MB"
+                  f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
                   f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
@@ -501,9 +520,14 @@ def main(argv: list[str] | None = None) -> None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
     if args.export_hf:
-        export_hf(model, opt, shards, cfg, grid, args.export_hf)
+        with meter.during("export"):
+            export_hf(model, opt, shards, cfg, grid, args.export_hf)
         if log:
             print(f"exported HF model to {args.export_hf}", flush=True)
+    if log and meter.available:
+        print("peak memory by phase (rank 0): " + " · ".join(
+            f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
+    meter.close()
     if metrics:
         metrics.close()
     opt.teardown()

@@ -186,11 +186,12 @@ class ReduceScatterSync(GradSync):
 def _place(p: nn.Parameter, value: torch.Tensor) -> None:
     """Make p hold `value` while staying the same Parameter object (hooks, optimizer groups, the
     caller's references and ties stay valid). A meta parameter cannot take a real tensor as .data:
-    its contents are swapped."""
+    it first swaps contents with an empty one. `.data =` keeps p's own version counter, so the
+    all-gathers writing into a stage-3 flat never look like in-place edits of tensors autograd saved."""
     if p.is_meta:
-        torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-    else:
-        p.data = value
+        empty = torch.empty(0, dtype=value.dtype, device=value.device)
+        torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+    p.data = value
 
 
 class DataParallel(MixedPrecisionOptimizer):
