@@ -21,7 +21,8 @@ What it does
 
     CPU (why it is exact): c10's CPU allocator (`DefaultCPUAllocator`) reports every block it hands
     out or takes back to `ProfiledCPUMemoryReporter`. With c10's flag `caffe2_report_cpu_memory_usage`
-    set (the meter sets it once per process, through ctypes in libc10) the reporter keeps a table
+    set (importing this file sets it, through ctypes in libc10: a mutex and a hash-table entry per
+    CPU allocation from then on) the reporter keeps a table
     pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
     ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator events:
     callbacks limited to user scopes), one session per phase; every allocation on a thread carrying
@@ -34,7 +35,7 @@ What it does
     over-count forever; the flag makes those frees count (tests/test_memory.py shows both).
 
     What it does not see (CPU): blocks allocated before the flag was set (neither their allocation
-    nor their free is counted: live bytes are "allocated since the meter started"), memory that is
+    nor their free is counted: live bytes are "allocated since this file was imported"), memory that is
     not a tensor block of c10's CPU allocator (Python objects, gloo/MKL internal buffers, numpy and
     memmapped data), and the allocator's overhead (malloc headers, fragmentation: RSS is larger). A
     rise on a thread without the profiler state shows at the next event. If the flag cannot be set
@@ -45,6 +46,7 @@ Reference
 
 Run
     python train.py          # the log line's "peak mem" is the training peak, setup excluded
+    torchrun --nproc_per_node 4 train.py --model small --zero 3    # the last line: every phase
 
 Invariants
     - Measuring changes nothing it measures: the probe is freed at once, events carry no tensors.
@@ -101,12 +103,18 @@ def exact_cpu_accounting() -> bool:
     return _FLAG[0]
 
 
+exact_cpu_accounting()  # at import, so that (nearly) every block is counted: c10 warns when it
+# frees a block allocated before the accounting started (once per 1000 such frees)
+
+
 class _CPUSession:
     """One profiler session recording CPU allocation events only; `close()` returns its peak."""
     CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.USER_SCOPE})
 
     def __init__(self) -> None:
-        cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig(), "")
+        # kineto, no shapes, profile_memory=True, no stacks / flops / modules
+        cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+                             _ExperimentalConfig(), "")
         _prepare_profiler(cfg, self.CONFIG["activities"])
         _enable_profiler(cfg, self.CONFIG["activities"], self.CONFIG["scopes"])
         probe = torch.empty(1, dtype=torch.uint8)  # an event holding the live total at the start

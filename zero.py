@@ -32,18 +32,24 @@ What it does
     full. A built model is accepted too (init=None: the values are read from the parameters).
 
 Peak memory (what decides an out-of-memory error; memory.PeakMeter measures it, tests/test_memory.py
-checks it). The table holds between steps; at its peak a rank holds the table, the activations and
-these bounded extras — nothing that grows with the model beyond one unit or parameter:
-    - backward: at most `inflight` (default 2, dp.py) reductions in flight plus the bucket being
-      packed; a bucket's full-size flat is freed as soon as its reduction lands, only this rank's
-      shard of it is kept;
-    - stage 3: prefetch + 1 gathered units in forward (one more in backward, whose grads are being
-      produced); a tied embedding stays gathered from the head's backward to the embedding's;
-    - the loss: one vocabulary chunk of fp32 logits (model.linear_cross_entropy), never (T, V);
-    - the step: one chunk of fp32 gradients and AdamW's temporaries for one parameter (precision.py);
-    - setup (stage 3, from `init`): 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
-      first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
-      instant, one unit's flat in the compute dtype.
+checks it per phase at dp = 2 and 4). The table holds between steps. At its peak a rank holds the
+table, the activations (all that grows with a micro-batch's tokens, the loss's block of fp32 logits
+included: model.linear_cross_entropy never makes (T, V)) and at most these extras, B being the
+largest bucket (stage 3: unit) in the reduce dtype:
+    - backward: (inflight + 2)·B of gradient buffers — `inflight` (default 2, dp.py) reductions in
+      flight, one bucket being packed, one being filled — and the shards they reduce into; a
+      bucket's full-size flat is freed as soon as its reduction lands, only this rank's shard stays;
+    - stage 3: prefetch + 1 gathered units in forward, prefetch + 2 in backward (the unit whose
+      grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
+      the head's backward to the embedding's;
+    - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece),
+      AdamW's two temporaries of one piece and, at stages 1-2, the shards of `inflight` all-gathers;
+    - on gloo (CPU) every collective in flight also stages through a buffer of its full size;
+    - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
+    Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
+    first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
+    instant, one unit's flat in the compute dtype; stages 1-2 their flats and masters plus one
+    parameter.
     Micro-batches. Stage 1 accumulates in the full .grad and reduces once per step (no_sync). Stage 2
     reduces once per step too (the default): under no_sync its full-size .grad accumulates — 2Ψ,
     stage 1's backward peak — and the last backward reduce-scatters it bucket by bucket and drops it,
@@ -68,8 +74,9 @@ Invariants
       tp/pp `norm_groups`, with `counted(name)` for replicas); at N = 1 the pieces are the whole
       parameters in the same order, so every stage is bit-identical to MixedPrecisionOptimizer.
     - vs stage 0 at dp=2 (fp32) stages 1-3 are bit-identical unless clipping is active (the norm is
-      summed in another order: last-bit different coefficient) or stages 2-3 accumulate micro-batches
-      ((a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
+      summed in another order: last-bit different coefficient) or the grad shards accumulate
+      micro-batches (stage 3, stage 2 with reduce_every_micro_batch: (a1+b1)+(a2+b2) vs
+      (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
     - Stage 1 keeps the full .grad as accumulation buffer and honours no_sync; after finish() only
       the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stage 2
       honours no_sync as well unless reduce_every_micro_batch; then, like stage 3, it reduce-scatters
@@ -97,7 +104,6 @@ Builds on: precision.py, dp.py
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -105,82 +111,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dp import TWICE, Bucket, GradSync, Group, layout, make_buckets, remove_handles
+from dp import Bucket, GradSync, Group, Piece, ReduceScatterSync, launch, layout, make_buckets, remove_handles
+import precision as P
 from precision import MixedPrecisionOptimizer, OptimConfig
 
 Named = Iterable[tuple[str, nn.Parameter]]
 Init = Callable[[str, int, int], torch.Tensor]  # (name, start, stop) → fp32 flat elements [start, stop)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter this rank owns: its flat elements [start, start+n) are elements
-    [shard_start, shard_start+n) of this rank's shard of bucket `bucket` (n may be 0)."""
-    bucket: int
-    start: int
-    shard_start: int
-    n: int
-
-
-def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
-    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
-    buffers, async; N = 1 is a plain copy (no work: returns None)."""
-    if world == 1:
-        out.copy_(inp)
-        return None
-    return collective(out, inp, group=group, async_op=True)
-
-
-class ReduceScatterSync(GradSync):
-    """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
-    .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
-    packed). per_micro_batch: every backward reduces and the shards accumulate (stage 3, and stage 2
-    on request); else no_sync is honoured and each bucket is reduced once per step. `on_reduced(b)`
-    runs after each launch."""
-
-    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
-                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2):
-        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
-        self.per_micro_batch = per_micro_batch
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
-        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight)
-        self.wide &= not per_micro_batch  # those accumulate in fp32 grad shards already
-
-    def hooked(self) -> bool:
-        return True  # N = 1 runs the same path; the collectives become copies
-
-    def _launch(self, b: int) -> None:
-        if not self.per_micro_batch and b in self._launched:
-            raise RuntimeError(TWICE.format(b))
-        if b in self._pending:
-            self._complete(b)  # an earlier micro-step's sum: accumulate it first
-        self._launched.add(b)
-        self._bound()
-        flat = self._pack(b)  # (size,)
-        if not self.keep_full:
-            for i in self.buckets[b].index:
-                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
-        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
-        self.on_reduced(b)
-
-    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
-        if self.keep_full and not self.wide:
-            for i in self.buckets[b].index:
-                pc = self.pieces[i]
-                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
-                    out[pc.shard_start:pc.shard_start + pc.n])
-        elif self.grad_shards[b] is None:
-            self.grad_shards[b] = out
-            self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
-        else:
-            self.grad_shards[b] += out
-
-    def clear(self) -> None:
-        super().clear()
-        self.grad_shards = [None] * len(self.buckets)
 
 
 def _place(p: nn.Parameter, value: torch.Tensor) -> None:
@@ -215,7 +151,8 @@ class DataParallel(MixedPrecisionOptimizer):
             raise ValueError("a meta-device model needs the device to build on (device=...)")
         if init is None and len(real) < len(named):
             raise ValueError("a meta-device model needs init= (weights.param_reader) to fill it")
-        self.device = torch.device(device) if device is not None else (real[0] if real else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else \
+            (real[0] if real else torch.device("cpu"))
         self.tied = next((i for i, (_, p) in enumerate(named) if p is tied), None)  # its position
         self.embed_group = embed_group
         groups = ([group] if self.stage and self.world > 1 else []) + list(norm_groups)
@@ -573,3 +510,27 @@ def persistent_bytes(opt: DataParallel) -> dict[str, int]:
             "master": total(opt.master),
             "adam_m": total(s.get("exp_avg") for s in state),
             "adam_v": total(s.get("exp_avg_sq") for s in state)}
+
+
+def formula_bytes(stage: int, psi: int, n: int) -> float:
+    """The table of the module docstring: bytes per rank between steps for Ψ parameters over N = n
+    ranks, bf16 params and grads, fp32 master + Adam m, v."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def peak_extras(opt: DataParallel) -> dict[str, int]:
+    """The module docstring's extras, in bytes, from this rank's own buckets (or units) and master
+    pieces: the most a phase ("forward", "backward", "step") may hold beyond the table's state and
+    the activations. What a test or benchmark checks a measured peak against."""
+    c, r = opt.dtype.itemsize, (opt.reduce_dtype or opt.dtype).itemsize
+    k, n, stage3 = opt.inflight, opt.world, isinstance(opt, Zero3Optimizer)
+    bucket = max((b.size for b in opt.sync.buckets), default=0)  # elements; a unit at stage 3
+    piece = max((m.numel() for m in opt.master), default=0)
+    gloo = opt.device.type == "cpu"  # gloo stages every collective through a full-size buffer
+    small = 8 * len(opt.master) + 1024  # Adam's step counters, scalars
+    units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
+    grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
+    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 8 * piece  # fp32 grads, AdamW's temporaries
+    gathers = k * (bucket // n) * c + gloo * k * bucket * c if opt.stage in (1, 2) else 0
+    return {"forward": small + units, "backward": small + units + bucket * c * stage3 + grads,
+            "step": small + chunk + gathers}

@@ -107,8 +107,9 @@ def _vocab_parallel(rank: int, world: int) -> dict:
                 if sp:  # the final norm's gather would sum dL/dh over tp; here: by hand
                     dist.all_reduce(gx, group=group)
                 gw = F.pad(want[2], (0, 0, 0, n * tp - V))[rank * n:(rank + 1) * n]
+                pad_only = gw.abs().max() == 0  # a rank holding only padding: its grad must be 0
                 out[tp, V, sp] = (rel(loss.detach(), want[0]), rel(gx, want[1]),
-                                  rel(local.grad, gw) if gw.abs().max() > 0 else local.grad.abs().max().item())
+                                  local.grad.abs().max().item() if pad_only else rel(local.grad, gw))
     return out
 
 

@@ -31,6 +31,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+import dp as DP
 import memory as MEM
 import model as M
 import precision as P
@@ -41,7 +42,7 @@ from dist import run_ranks
 CFG = M.PRESETS["tiny"]
 BF16 = torch.bfloat16
 BUCKET_MB, CHUNK = 0.01, 16 * 2**10  # small against the model (Ψ ≈ 0.22M: 436 kB of bf16)
-SEQ, K, PREFETCH = 32, 2, 1  # K: reductions in flight (dp.py's default)
+SEQ = 32
 
 
 def tokens(rows: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +58,8 @@ def meta_model() -> tuple[M.Llama, Z.Init]:
 
 
 def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dict, dict]:
-    """Two bf16 steps of `micro` micro-batches of `rows` rows; the second step's peak per phase,
-    and the sizes the extras are made of (bucket/unit and master piece, in elements)."""
+    """Two bf16 steps of `micro` micro-batches of `rows` rows: the second step's peak per phase,
+    and zero.peak_extras per phase."""
     gc.collect()  # a previous layout's optimizer (reference cycles) must not count here
     meter = MEM.PeakMeter("cpu")
     m, init = meta_model()
@@ -75,32 +76,11 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
         meter.phase("step")
         opt.step(1e-3)
         meter.phase(None)
-    sizes = dict(bucket=max(b.size for b in opt.sync.buckets), piece=max(t.numel() for t in opt.master),
-                 params=len(opt.master))
+    extras = Z.peak_extras(opt)  # zero.py's stated extras, from this rank's buckets and pieces
     peaks = {name: p.allocated for name, p in meter.peaks.items()}
     meter.close()
     opt.teardown()
-    return peaks, sizes
-
-
-def formula(stage: int, psi: int, n: int) -> float:
-    """Bytes per rank between steps: bf16 params/grads, fp32 master + Adam m, v (zero.py's table)."""
-    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-
-
-def extras(stage: int, phase: str, n: int, bucket: int, piece: int, params: int) -> float:
-    """zero.py's stated extras in bytes (bf16: 2 bytes; bucket = a stage-3 unit at stage 3), plus
-    what the formula leaves out: Adam's step counters (8 bytes a parameter) and a few scalars."""
-    small = 8 * params + 1024
-    if phase == "forward":
-        return small + (2 * (PREFETCH + 1) * bucket if stage == 3 else 0)  # gathered units
-    if phase == "backward":  # K in flight + one packed + one filling, their shards; stage 3's units
-        grads = 2 * (K + 2) * bucket + 2 * K * bucket / n
-        return small + grads + (2 * (PREFETCH + 2) * bucket if stage == 3 else 0)
-    # step: one chunk of fp32 grads (at least one piece), AdamW's two temporaries of one piece; at
-    # stages 1-2 the all-gathers in flight: their shards, and gloo's full-size staging buffer each
-    gathers = 2 * K * (bucket / n + bucket) if stage in (1, 2) else 0
-    return small + 4 * max(CHUNK // 4, piece) + 8 * piece + gathers
+    return peaks, extras
 
 
 def _layouts(rank: int, world: int) -> dict:
@@ -109,7 +89,7 @@ def _layouts(rank: int, world: int) -> dict:
     out = {}
     for stage in range(4):
         runs = [train_peaks(stage, rows, group) for rows in (2, 4)]
-        out[stage], out["sizes", stage] = [peaks for peaks, _ in runs], runs[0][1]
+        out[stage], out["extras", stage] = [peaks for peaks, _ in runs], runs[0][1]
     out["m2"] = {mode: [train_peaks(2, rows, group, micro=2, reduce_every_micro_batch=mode)[0]
                         for rows in (1, 2)] for mode in (False, True)}
     P.STEP_CHUNK_BYTES = 2**40  # the control: one chunk, the whole fp32 gradient copy at once
@@ -128,16 +108,16 @@ def check_layouts(results: list[dict], n: int) -> None:
         for stage in range(4):
             for phase in MEM.TRAINING:
                 got = fixed(out[stage], phase)
-                want = formula(stage, psi, n) + extras(stage, phase, n, **out["sizes", stage])
+                want = Z.formula_bytes(stage, psi, n) + out["extras", stage][phase]
                 assert got <= want, (n, stage, phase, got, want)
-            assert fixed(out[stage], "step") >= formula(stage, psi, n)  # the whole state is counted
+            assert fixed(out[stage], "step") >= Z.formula_bytes(stage, psi, n)  # all the state counted
         # two micro-batches at ZeRO-2: once per step holds the full-size gradient in backward
         # (ZeRO-1's 2Ψ + 2Ψ), every micro-batch keeps ZeRO-2's bound
         once, every = (fixed(out["m2"][mode], "backward") for mode in (False, True))
-        assert every <= formula(2, psi, n) + extras(2, "backward", n, **out["sizes", 2]) < once, (once, every)
-        assert once >= formula(1, psi, n) - 2 * psi / n
+        assert every <= Z.formula_bytes(2, psi, n) + out["extras", 2]["backward"] < once, (once, every)
+        assert once >= Z.formula_bytes(1, psi, n) - 2 * psi / n
         # control: an unchunked bf16 step (a full fp32 gradient copy) breaks the step bound
-        assert fixed(out["control"], "step") > formula(0, psi, n) + extras(0, "step", n, **out["sizes", 0])
+        assert fixed(out["control"], "step") > Z.formula_bytes(0, psi, n) + out["extras", 0]["step"]
 
 
 def test_zero_peaks_dp2():
@@ -193,13 +173,13 @@ def collectives_leak(meter: MEM.PeakMeter) -> int:
 
 
 class CountingDist:
-    """zero.py's `dist` with its reduce-scatters and all-gathers counted."""
+    """dp.py's `dist` (where ZeRO's reduce-scatters run) with its reduce-scatters counted."""
     def __init__(self) -> None:
         self.calls: Counter = Counter()
 
     def __getattr__(self, name: str):
         fn = getattr(dist, name)
-        if name not in ("reduce_scatter_single", "all_gather_single"):
+        if name != "reduce_scatter_single":
             return fn
 
         def counted(*args, **kwargs):
@@ -274,7 +254,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     opt.teardown()
     # communication per step with two micro-batches
     counting = CountingDist()
-    Z.dist = counting
+    DP.dist = counting
     try:
         for stage, every in ((1, False), (2, False), (2, True), (3, False)):
             counting.calls.clear()
@@ -284,7 +264,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
                                                      BF16, bucket_mb=BUCKET_MB, init=meta_model()[1],
                                                      device="cpu").buckets)
     finally:
-        Z.dist = dist
+        DP.dist = dist
     # frees on gloo's worker thread: counted with c10's accounting, missed by the profiler alone
     meter = MEM.PeakMeter("cpu")
     out["leak"] = collectives_leak(meter)
