@@ -110,18 +110,21 @@ def mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.3f}"
 
 
-def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, double: bool = False) -> dict:
+def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, double: bool = False,
+                   every: bool = False) -> dict:
     """Two bf16 steps of one layout (pp > 1: 1F1B), built as train.py builds (meta device, then
     zero.apply_zero from weights.param_reader): the setup peak, and in the second step the peak per
     phase (memory.PeakMeter), the saved activations and, after the gradient reduction, the
     persistent bytes. double: every micro-batch twice the rows (the activations' share of a peak is
-    the difference). Buckets and the step's chunk are 1/16 of the model, as 25 MB is of a large one."""
+    the difference). every: ZeRO-2 reduces every micro-batch. Buckets and the step's chunk are 1/16
+    of the model here, as 25 MB is of a large one."""
     dp = ctx.world // pp
     s, d = divmod(ctx.rank, dp)  # grid: dp inner, pp outer
     gc.collect()  # the previous layout's optimizer (reference cycles) must not count here
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     meter = MEM.PeakMeter(ctx.device)
+    meter.phase("base")  # what this process holds already (the bench's batches): not the layout's
     meter.phase("setup")
     model = PP.split_stage(M.build(ctx.cfg), s, pp, PP.partition(ctx.cfg.num_hidden_layers, pp))
     init = W.param_reader(model, seed=ctx.args.seed)
@@ -131,7 +134,7 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
     psi = sum(p.numel() for p in model.parameters())
     opt = Z.apply_zero(model, stage, groups["dp"][s], ctx.ocfg, torch.bfloat16,
                        bucket_mb=psi * 2 / 16 / 2**20, norm_groups=[groups["pp"][d]] if pp > 1 else (),
-                       init=init, device=ctx.device)
+                       init=init, device=ctx.device, reduce_every_micro_batch=every)
     meter.phase(None)
     meter.watch(model)
     x, y = ctx.batch(0, dp, d)
@@ -139,8 +142,9 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
         x, y = torch.cat([x, x]), torch.cat([y, y])
     m = math.gcd(x.shape[0], 2 * pp)
     mbs = [{"input_ids": a, "labels": b} for a, b in zip(x.chunk(m), y.chunk(m))]
+    first = dict(meter.peaks)
     for it in range(2):
-        meter.peaks = {"setup": meter.peaks["setup"]}  # the second step: Adam's state allocated
+        meter.peaks = dict(first)  # the second step: Adam's state allocated
         with AC.SavedActivationMeter() if it else contextlib.nullcontext() as saved:
             if pp > 1:
                 PP.run_pipeline(model, PP.one_f_one_b(m, s, pp), mbs, groups["pp"][d], ctx.targets,
@@ -156,7 +160,8 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
         opt.step(ctx.args.lr)
         meter.phase(None)
     extras = Z.peak_extras(opt)
-    peaks = {name: (p.allocated, p.reserved) for name, p in meter.peaks.items()}
+    base = meter.peaks["base"]
+    peaks = {name: (p.allocated - base.allocated, p.reserved) for name, p in meter.peaks.items()}
     meter.close()
     opt.teardown()
     return dict(held, psi=psi, dp=dp, act=saved.peak_nbytes, autograd=saved.param_nbytes, peaks=peaks,
@@ -177,18 +182,22 @@ def sec_memory(ctx: Ctx) -> None:
             groups[pp]["pp"] = [dist.new_group(list(range(d, ctx.world, dp))) for d in range(dp)]
     held_rows, peak_rows, chunk = [], [], P.STEP_CHUNK_BYTES
     P.STEP_CHUNK_BYTES = cfg.num_params() * 4 // 16
-    layouts = [(s, a, 1) for s in range(4) for a in (False, True)] + [(1, False, 2), (2, False, 2)] * with_pp
+    layouts = [(s, a, 1, False) for s in range(4) for a in (False, True)] + \
+        [(1, False, 2, False), (2, False, 2, False), (2, False, 2, True)] * with_pp
     try:
-        for stage, use_ac, pp in layouts:
+        for stage, use_ac, pp, every in layouts:
             runs = []
             for double in (False, True):
                 everyone = [None] * ctx.world
-                dist.all_gather_object(everyone, measure_layout(ctx, stage, use_ac, pp, groups[pp], double))
+                dist.all_gather_object(everyone, measure_layout(ctx, stage, use_ac, pp, groups[pp], double,
+                                                                every))
                 runs.append(everyone)
             name = ("baseline (DP)" if stage == 0 else f"ZeRO-{stage}") + (" + AC full" if use_ac else "")
             name = f"PP{pp} 1F1B + {name}" if pp > 1 else name
-            held_rows.append(persistent_row(name, stage, runs[0]))
-            peak_rows.append(peak_row(name, stage, *runs))
+            if not every:
+                held_rows.append(persistent_row(name, stage, runs[0]))
+            mode = {(2, 2, False): " (reduces once per step)", (2, 2, True): " (every micro-batch)"}
+            peak_rows.append(peak_row(name + mode.get((pp, stage, every), ""), stage, *runs))
     finally:
         P.STEP_CHUNK_BYTES = chunk
     ctx.table("Persistent bytes per rank (MiB; bf16 params/grads, fp32 master + Adam m, v)",

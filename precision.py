@@ -22,7 +22,7 @@ Invariants
       steps the masters whose .grad is set, one chunk at a time — elementwise, so bit-identical to
       one call); fp32 gradients are used as they are, in one call. The extra memory of a step is one
       chunk of fp32 gradients plus AdamW's own temporaries: none with `fused=True` (used on CUDA),
-      one parameter's `sqrt` with the CPU default (kept: it is the plain loop, bit for bit).
+      a few of one parameter with the CPU default (kept: it is the plain loop, bit for bit).
       Without the chunks a bf16 step would hold an fp32 copy of every gradient beside the bf16 one.
     - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
       over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica

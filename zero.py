@@ -43,7 +43,8 @@ largest bucket (stage 3: unit) in the reduce dtype:
       grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
       the head's backward to the embedding's;
     - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece),
-      AdamW's two temporaries of one piece and, at stages 1-2, the shards of `inflight` all-gathers;
+      AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured) and, at
+      stages 1-2, the shards of `inflight` all-gathers;
     - on gloo (CPU) every collective in flight also stages through a buffer of its full size;
     - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
     Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
@@ -530,7 +531,7 @@ def peak_extras(opt: DataParallel) -> dict[str, int]:
     small = 8 * len(opt.master) + 1024  # Adam's step counters, scalars
     units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
     grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
-    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 8 * piece  # fp32 grads, AdamW's temporaries
+    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
     gathers = k * (bucket // n) * c + gloo * k * bucket * c if opt.stage in (1, 2) else 0
     return {"forward": small + units, "backward": small + units + bucket * c * stage3 + grads,
             "step": small + chunk + gathers}

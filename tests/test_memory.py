@@ -62,11 +62,14 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
     and zero.peak_extras per phase."""
     gc.collect()  # a previous layout's optimizer (reference cycles) must not count here
     meter = MEM.PeakMeter("cpu")
+    meter.phase("base")  # what this process holds already: not the layout's
+    meter.phase(None)
     m, init = meta_model()
     opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=1e-3), BF16, bucket_mb=BUCKET_MB,
                        init=init, device="cpu", **kw)
     meter.watch(m)
     x, y = tokens(rows * micro, dist.get_rank())
+    base = meter.peaks["base"].allocated
     for _ in range(2):
         meter.peaks.clear()
         for k in range(micro):
@@ -77,7 +80,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
         opt.step(1e-3)
         meter.phase(None)
     extras = Z.peak_extras(opt)  # zero.py's stated extras, from this rank's buckets and pieces
-    peaks = {name: p.allocated for name, p in meter.peaks.items()}
+    peaks = {name: p.allocated - base for name, p in meter.peaks.items()}
     meter.close()
     opt.teardown()
     return peaks, extras
@@ -195,6 +198,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     for name in ("meta", "materialized"):
         gc.collect()
         meter = MEM.PeakMeter("cpu")
+        meter.phase("base")  # what the (forked) process holds already
         meter.phase("setup")
         if name == "meta":
             m, init = meta_model()
@@ -202,7 +206,8 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
             m, init = W.materialize(M.build(CFG), "cpu", seed=0), None
         opt = Z.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
         meter.phase(None)
-        out[name] = (meter.peaks["setup"].allocated, sum(Z.persistent_bytes(opt).values()),
+        out[name] = (meter.peaks["setup"].allocated - meter.peaks["base"].allocated,
+                     sum(Z.persistent_bytes(opt).values()),
                      max(opt.params[i].numel() for i in range(len(opt.params))))
         meter.close()
         if name == "meta":  # the pieces equal the same elements of the full seeded init
