@@ -38,7 +38,8 @@ included: model.linear_cross_entropy never makes (T, V)) and at most these extra
 largest bucket (stage 3: unit) in the reduce dtype:
     - backward: (inflight + 2)·B of gradient buffers — `inflight` (default 2, dp.py) reductions in
       flight, one bucket being packed, one being filled — and the shards they reduce into; a
-      bucket's full-size flat is freed as soon as its reduction lands, only this rank's shard stays;
+      bucket's full-size flat is freed as soon as its reduction lands, only this rank's shard stays
+      (when every micro-batch reduces, the last `inflight` ones land during the next forward);
     - stage 3: prefetch + 1 gathered units in forward, prefetch + 2 in backward (the unit whose
       grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
       the head's backward to the embedding's;
@@ -533,5 +534,6 @@ def peak_extras(opt: DataParallel) -> dict[str, int]:
     grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
     chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
     gathers = k * (bucket // n) * c + gloo * k * bucket * c if opt.stage in (1, 2) else 0
-    return {"forward": small + units, "backward": small + units + bucket * c * stage3 + grads,
+    pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
+    return {"forward": small + units + pending, "backward": small + units + bucket * c * stage3 + grads,
             "step": small + chunk + gathers}
