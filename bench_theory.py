@@ -23,7 +23,7 @@ Run
     torchrun --nproc_per_node 4 bench.py --only pp,memory
     python bench_theory.py --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
 
-Builds on: bench.py, ac.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py
+Builds on: bench.py, ac.py, dp.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py
 """
 from __future__ import annotations
 
