@@ -288,7 +288,8 @@ def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
 @_ring_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # the real outputs are contiguous whatever q's strides (a transposed view here)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _save(ctx, inputs: tuple, output: tuple) -> None:

@@ -101,6 +101,20 @@ def _ring(rank: int, world: int) -> dict:
     return errors
 
 
+def _fake_kernel(rank: int, world: int) -> str:
+    """The custom op's fake kernel (what torch.compile traces) gives the real outputs' shapes and
+    strides, also for q, k, v that are transposed views (model.Attention's layout)."""
+    q = torch.randn(2, 8, 4, 4).transpose(1, 2)  # (B, nh, s, hd) view of (B, s, nh, hd)
+    k, v = (torch.randn(2, 8, 2, 4).transpose(1, 2) for _ in range(2))
+    return torch.library.opcheck(torch.ops.attotron.ring_attention.default,
+                                 (q, k, v, dist.group.WORLD.group_name, 0.5),
+                                 test_utils=("test_faketensor",))["test_faketensor"]
+
+
+def test_ring_op_fake_kernel_matches():
+    assert run_ranks(_fake_kernel, 2) == ["SUCCESS", "SUCCESS"]
+
+
 def test_ring_attention_equals_sdpa_cp2_cp4_gqa():
     for errors in run_ranks(_ring, 4):
         for key, err in errors.items():
