@@ -223,6 +223,35 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------- modules
+class RMSNormFunction(torch.autograd.Function):
+    """y = w · x / rms(x), computed in fp32 (as HF). Forward is `F.rms_norm` (one fused kernel on
+    CUDA); backward keeps only x and w — no fp32 copy of x, no x·rsqrt — and recomputes the
+    per-token rsqrt, so a norm costs 2h bytes of saved activations per token in bf16, not 8h."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        xf, g = x.float(), grad.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
+        xhat = xf * rstd  # (..., h) normalized x
+        gw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype)  # (h,)
+        gxhat = g * weight.float()  # (..., h)
+        # d(x·rstd)/dx: rstd · (gxhat − xhat · mean(gxhat · xhat))
+        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (see RMSNormFunction); tp.py's sequence-parallel norm uses it too."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -230,10 +259,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32 (as HF does), cast back before the weight multiply
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -255,6 +281,10 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 class Rotary(nn.Module):
+    """cos and sin of position × frequency, (B, S, hd/2) each: HF's tables are these twice over
+    (cat(freqs, freqs)), so the halves are all RoPE needs. Computed once per forward, shared by all
+    layers (and by their backward)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -265,13 +295,42 @@ class Rotary(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """HF's x·cos + rotate_half(x)·sin on the two halves of the head dim, without building
+    rotate_half(x): (x1, x2) → (x1·c − x2·s, x2·c + x1·s); sign = -1 rotates back (the backward).
+    x (B, S, heads, hd), cos/sin (B, S, 1, hd/2): 4 elementwise kernels, written into one output."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]  # (B, S, heads, hd/2) views
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :d]).addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=out[..., d:]).addcmul_(x1, sin, value=sign)
+    return out
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Rotary position embedding of q and k in one autograd node. A rotation's gradient is the
+    inverse rotation of the output gradient, so nothing but cos/sin (shared by all layers) is kept."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd/2)
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(gq, cos, sin, -1.0), _rotate(gk, cos, sin, -1.0), None, None
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, S, nh, hd), k (B, S, nkv, hd) rotated by position (cos, sin: Rotary's (B, S, hd/2))."""
+    return RoPEFunction.apply(q, k, cos, sin)
 
 
 class Attention(nn.Module):
@@ -295,11 +354,32 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, k, cos, sin)
         y = self.attn_fn(q, k, v, docs)  # (B, S, nh, hd)
         return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) · up, keeping only gate and up for backward (autograd's two ops would also keep
+    silu(gate): one more intermediate-sized tensor per token); backward recomputes silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+class SwiGLU(nn.Module):
+    """The MLP's activation as a module of its own (no parameters, so no name in the state_dict):
+    a cheap op ac.py's selective mode can rerun in backward instead of keeping its output."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return SwiGLUFunction.apply(gate, up)
 
 
 class MLP(nn.Module):
@@ -309,9 +389,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -376,7 +457,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(S, device=h.device).expand(B, S)
         elif docs is None:
             docs = Documents.from_position_ids(position_ids)
-        cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
+        cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd/2) each
         for layer in m.layers.values():
             h = layer(h, cos, sin, docs)
         if m.norm is not None:
