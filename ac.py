@@ -90,15 +90,14 @@ Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for thi
 from __future__ import annotations
 
 import threading
-import types
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.attention.varlen  # noqa: F401 (registers torch.ops.torch_attn._varlen_attn)
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("full", "selective")
 
@@ -231,12 +230,13 @@ def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
     ref = weakref.ref(layer)  # no layer → closure → layer cycle: the model stays freeable by refcount
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inner = own if own is not None else types.MethodType(type(ref()).forward, ref())
+        inner = own if own is not None else partial(type(ref()).forward, ref())  # (traceable by compile)
         if mode == "selective" and not torch.compiler.is_compiling():
             return _selective(inner, args, kwargs)
-        context_fn = _compile_contexts if mode == "selective" else noop_context_fn
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, debug=False,
-                          preserve_rng_state=preserve_rng_state, **kwargs)
+        # (compile traces checkpoint's context_fn only when it is a selective one: full passes none)
+        policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
+        return checkpoint(inner, *args, use_reentrant=False, debug=False,
+                          preserve_rng_state=preserve_rng_state, **policy, **kwargs)
 
     forward.ac_mode = mode
     forward.ac_own = own

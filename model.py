@@ -33,9 +33,11 @@ Invariants
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -281,9 +283,9 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 class Rotary(nn.Module):
-    """cos and sin of position × frequency, (B, S, hd/2) each: HF's tables are these twice over
-    (cat(freqs, freqs)), so the halves are all RoPE needs. Computed once per forward, shared by all
-    layers (and by their backward)."""
+    """The RoPE tables of the positions, (B, S, hd) each, computed once per forward and shared by all
+    layers (and their backward): cos as HF's, and sin with rotate_half's sign folded in — HF's
+    sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (see `RoPEFunction`)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -295,19 +297,16 @@ class Rotary(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        s = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-s, s), dim=-1).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """HF's x·cos + rotate_half(x)·sin on the two halves of the head dim, without building
-    rotate_half(x): (x1, x2) → (x1·c − x2·s, x2·c + x1·s); sign = -1 rotates back (the backward).
-    x (B, S, heads, hd), cos/sin (B, S, 1, hd/2): 4 elementwise kernels, written into one output."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]  # (B, S, heads, hd/2) views
-    out = torch.empty_like(x)
-    torch.mul(x1, cos, out=out[..., :d]).addcmul_(x2, sin, value=-sign)
-    torch.mul(x2, cos, out=out[..., d:]).addcmul_(x1, sin, value=sign)
-    return out
+    """HF's x·cos + rotate_half(x)·sin as x·cos + swap(x)·sin, where swap exchanges the two halves
+    of the head dim (a roll by hd/2) and sin carries rotate_half's sign: 3 kernels. sign = -1 rotates
+    back: the transposed rotation is x·cos − swap(x)·sin (swap is its own inverse and swaps sin's
+    sign). x (B, S, heads, hd), cos/sin (B, S, 1, hd)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin, value=sign)
 
 
 class RoPEFunction(torch.autograd.Function):
@@ -317,7 +316,7 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd/2)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd)
         ctx.save_for_backward(cos, sin)
         return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
 
@@ -329,7 +328,7 @@ class RoPEFunction(torch.autograd.Function):
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, S, nh, hd), k (B, S, nkv, hd) rotated by position (cos, sin: Rotary's (B, S, hd/2))."""
+    """q (B, S, nh, hd), k (B, S, nkv, hd) rotated by position (cos, sin: Rotary's (B, S, hd))."""
     return RoPEFunction.apply(q, k, cos, sin)
 
 
@@ -457,7 +456,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(S, device=h.device).expand(B, S)
         elif docs is None:
             docs = Documents.from_position_ids(position_ids)
-        cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd/2) each
+        cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
         for layer in m.layers.values():
             h = layer(h, cos, sin, docs)
         if m.norm is not None:
@@ -468,6 +467,41 @@ class Llama(nn.Module):
         if labels is None:
             return self.logits_fn(logits)
         return self.loss_fn(logits, labels, reduction)
+
+
+# ----------------------------------------------------------------------------------------- compile
+def _documents_eager(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """attn_fn for a compiled layer: packed rows (Documents: host lengths that change every batch)
+    run the attention eagerly between two compiled graphs; without them compile traces it as is."""
+    eager = torch.compiler.disable(attn_fn)
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             docs: Documents | torch.Tensor | None) -> torch.Tensor:
+        return eager(q, k, v, docs) if isinstance(docs, Documents) else attn_fn(q, k, v, docs)
+    return attn
+
+
+def compile_layers(model: Llama, **options) -> None:
+    """torch.compile each decoder layer's forward (torchtitan does the same): inductor fuses the
+    elementwise ops between the matmuls (norms, RoPE, SwiGLU, residual adds) and their backward.
+    What runs inside the layer's `__call__` but outside its forward stays eager: hooks on the layer
+    (ZeRO-3's gathers, the output-gradient hooks), and everything outside the layers (embedding,
+    head, loss, the pipeline executor, dp/ZeRO's gradient hooks, which fire on AccumulateGrad).
+    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac (the layer's
+    checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
+    own policy path), before the optimizer. Layers of one shape share one compiled graph (the
+    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one."""
+    for layer in model.model.layers.values():
+        layer.self_attn.attn_fn = _documents_eager(layer.self_attn.attn_fn)
+        own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
+        if own is not None:
+            fn = torch.compile(own, **options)
+            forward = functools.wraps(own)(lambda *args, fn=fn, **kwargs: fn(*args, **kwargs))
+        else:  # the class's forward, the layer passed in through a weakref: no layer → forward cycle
+            fn, ref = torch.compile(type(layer).forward, **options), weakref.ref(layer)
+            forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
+        forward.compiled = True
+        layer.forward = forward
 
 
 # ----------------------------------------------------------------------------------------- weights

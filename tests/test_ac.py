@@ -112,7 +112,7 @@ def layer_stack_bytes(model: nn.Module, n_layers: int, mode: str | None, every: 
     if mode:
         apply_ac(model, mode, every)
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    cos, sin = model.model.rotary_emb(torch.arange(S).expand(B, S), x.dtype)  # (B, S, hd/2) each
+    cos, sin = model.model.rotary_emb(torch.arange(S).expand(B, S), x.dtype)  # (B, S, hd) each
     with SavedActivationMeter() as meter:
         h = x
         for i in range(n_layers):
