@@ -124,7 +124,8 @@ class _Rerun:
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor):
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
-        self.module, self.args, self.kwargs = module, tuple(map(detach, args)), {k: detach(v) for k, v in kwargs.items()}
+        self.module, self.args = module, tuple(map(detach, args))
+        self.kwargs = {k: detach(v) for k, v in kwargs.items()}
         self.layout, self.out = (out.shape, out.stride()), None
 
     def inputs(self) -> list[torch.Tensor]:
