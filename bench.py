@@ -64,6 +64,7 @@ from torch.nn.utils.rnn import pad_sequence
 import ac as AC
 import bench_mfu
 import bench_theory
+import cp as CP
 from bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
 import model as M
 import pp as PP
@@ -73,7 +74,7 @@ import train
 import weights as W
 import zero as Z
 
-SECTIONS = ("dp", "zero", "tp", "pp", "ac", "compile", "memory", "sft", "mfu")
+SECTIONS = ("dp", "zero", "tp", "cp", "pp", "ac", "compile", "memory", "sft", "mfu")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,6 +159,42 @@ def sec_tp(ctx: Ctx) -> None:
                   "peer": side(ctx, peer, update, context=loss_parallel)}, loss_from=0)
     ctx.add_row("tp", f"tp={t} (x{ctx.world // t} replicas)", "parallelize_module + loss_parallel",
                 r["ours"], r["peer"])
+
+
+def sec_cp(ctx: Ctx) -> None:
+    """Context parallelism over all ranks (cp = world: every rank its zigzag share of every row's
+    tokens, ring attention) vs the single process on whole rows — torch's own
+    `tensor.experimental.context_parallel` does not run on CPU/gloo in 2.13 (no sharding strategy
+    for aten._scaled_dot_product_flash_attention_for_cpu). The single process runs on rank 0 alone,
+    so it has the machine to itself; the others wait."""
+    cp, S = ctx.world, ctx.args.seq_len
+    if S % (2 * cp):
+        ctx.tables["Context parallelism"] = [f"skipped: seq-len {S} is not a multiple of 2·cp = {2 * cp}"]
+        return
+    ours = ctx.fresh(lambda model: CP.apply_cp(model, dist.group.WORLD) or model)
+    opt = Z.apply_zero(ours, 0, None, ctx.ocfg)  # the cp ranks sum their gradients, as dp replicas do
+    peer = ctx.fresh()
+    popt = P.MixedPrecisionOptimizer(peer.named_parameters(), ctx.ocfg)
+
+    def ours_step(i: int) -> tuple[torch.Tensor, float]:
+        x, y = (CP.shard_sequence(t, cp, ctx.rank) for t in ctx.batch(i))
+        loss = P.normalized_loss(ours(x, labels=y, reduction="sum"), ctx.targets)
+        loss.backward()
+        dist.all_reduce(loss := loss.detach())
+        return loss, opt.step(ctx.args.lr)
+
+    def peer_step(i: int) -> tuple[torch.Tensor, float]:
+        if ctx.rank:
+            return torch.zeros(()), 0.0
+        x, y = ctx.batch(i)
+        loss = P.normalized_loss(peer(x, labels=y, reduction="sum"), ctx.targets)
+        loss.backward()
+        return loss.detach(), popt.step(ctx.args.lr)
+
+    r = ctx.race({"ours": ours_step, "peer": peer_step}, loss_from=0)
+    ctx.add_row("cp", f"cp={cp} ring attention, zigzag", "one process, whole rows (torch's "
+                "context_parallel: CUDA only)", r["ours"], r["peer"])
+    opt.teardown()
 
 
 def sec_pp(ctx: Ctx) -> None:
@@ -348,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for _ in range(args.warmup + args.steps)]
     ctx.targets = int(P.count_targets(ctx.data[0][:, 1:]))  # every label is a target: all batches alike
     sections = {"dp": partial(sec_dp, stages=(0,)), "zero": partial(sec_dp, stages=(1, 2, 3)),
-                "tp": sec_tp, "pp": sec_pp, "ac": sec_ac, "memory": bench_theory.sec_memory,
+                "tp": sec_tp, "cp": sec_cp, "pp": sec_pp, "ac": sec_ac, "memory": bench_theory.sec_memory,
                 "sft": sec_sft, "mfu": bench_mfu.sec_mfu}
     try:
         for name in (s for s in SECTIONS if s in args.only):

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from model import LlamaConfig, Shard, global_shapes
-from weights import file_crc32, io_error, write_safetensors
+from weights import file_crc32, fsync_path, io_error, write_safetensors
 
 FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
 READS = ("attotron-checkpoint-1", FORMAT)  # 1: sizes only (nothing to verify)
@@ -153,14 +153,6 @@ def _check_local(name: str, local: tuple[int, ...], full: tuple[int, ...], shard
 
 
 # ------------------------------------------------------------------------------------- files
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> dict[str, int]:
     """Write, fsync; return {"bytes", "crc32"} of what was written (as write_safetensors does)."""
     data = json.dumps(obj).encode()
@@ -319,12 +311,12 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
                     raise OSError(f"{tmp / f}: written by another rank ({info['bytes']} bytes), not seen "
                                   f"so by rank 0: all ranks must write one shared filesystem")
             _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
-            _fsync(tmp)  # the folder's entries (file names) are durable too
+            fsync_path(tmp)  # the folder's entries (file names) are durable too
             if final.exists():  # the same step saved again: swap, so a crash keeps one of the two
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
             os.replace(tmp, final)
-            _fsync(final.parent)
+            fsync_path(final.parent)
             shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)

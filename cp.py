@@ -74,9 +74,11 @@ Invariants
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 Group = dist.ProcessGroup | None
@@ -317,3 +319,40 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                                               enable_gqa=q.shape[1] != k.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _ring_op(q, k, v, group.group_name, scale)[0]
+
+
+# ------------------------------------------------------------------------------------- the model
+def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
+                  group: dist.ProcessGroup) -> torch.Tensor:
+    """model.Attention.attn_fn under context parallelism: q (B, s, nh, hd), k, v (B, s, nkv, hd) of
+    this rank's zigzag tokens → (B, s, nh, hd)."""
+    if docs is not None:
+        raise ValueError("context parallelism does not support packed documents (position ids that "
+                         "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
+    y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
+    return y.transpose(1, 2)
+
+
+def _global_positions(rotary: nn.Module, args: tuple, *, cp: int, rank: int) -> tuple:
+    """Rotary pre-hook: the model numbers the s local tokens 0..s-1; RoPE needs their places in the
+    whole sequence. Local index p of chunk r (p < c = s/2) is r·c + p; of chunk 2cp−1−r it is
+    (2cp−1−r)·c + p − c."""
+    position_ids, *rest = args  # (B, s)
+    c = position_ids.shape[-1] // 2
+    late = position_ids + (2 * cp - 2 - rank) * c
+    return (torch.where(position_ids < c, position_ids + rank * c, late), *rest)
+
+
+def apply_cp(model: nn.Module, cp_group: Group) -> None:
+    """Context parallelism on a (meta or materialized) Llama, from outside: every attention's
+    `attn_fn` becomes the ring over cp_group, and RoPE sees each token's global position. The caller
+    feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`) without position_ids,
+    and sums the target count and the gradients over the cp ranks too (they hold the same
+    parameters, as dp replicas do). cp = 1: nothing changes."""
+    cp, rank = _cp_size_rank(cp_group)
+    if cp == 1:
+        return
+    for module in model.modules():
+        if hasattr(module, "attn_fn"):
+            module.attn_fn = partial(_ring_attn_fn, group=cp_group)
+    model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))

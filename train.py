@@ -8,10 +8,11 @@ Builds on: every feature file (this is the composer).
 
 Composition order (each step an exact no-op at degree 1, so one code path serves every layout)
     1. validate every flag against the config and world size, all at once — before heavy work
-    2. process grid: tp innermost, then dp, then pp (tp peers are neighbours: fastest links)
+    2. process grid: tp innermost, then cp, then dp, then pp (tp peers are neighbours: fastest links)
     3. build the model on the meta device (no memory)
     4. pp.split_stage: drop the layers/embedding/head this stage does not own
-    5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map
+    5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
+       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions
     6. materialize: load this rank's slices from --init-from or init from --seed (the full weights
        never depend on the layout), recompute RoPE buffers
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
@@ -21,7 +22,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
 
 Invariants
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
-      global batch over dp ranks, so every layout trains on the same global batches.
+      global batch over dp ranks, so every layout trains on the same global batches; the cp ranks of
+      a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
     - The device is chosen once, here: CUDA + NCCL when available, else CPU + gloo.
 """
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 import ac as AC
 import checkpoint as CK
+import cp as CP
 import data
 import dp
 import export as EX
@@ -131,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
     # parallelism: world = tp · dp · pp, dp is what is left
     a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
+    a("--cp", type=int, default=1, help="context-parallel degree: each rank holds seq-len/cp tokens of "
+                                        "every row, attention runs as a ring (cp.py)")
     a("--sp", action="store_true", help="sequence parallelism with --tp: norms and residuals hold "
                                         "seq-len/tp tokens per rank (Megatron)")
     a("--pp", type=int, default=1, help="pipeline stages")
@@ -174,6 +179,14 @@ class Grid:
     pp_group: dist.ProcessGroup | None = None
     embed_group: dist.ProcessGroup | None = None
     io_group: dist.ProcessGroup | None = None  # gloo, --io-timeout: checkpoint and export I/O waits
+    cp_group: dist.ProcessGroup | None = None
+    cp: int = 1  # context-parallel degree; `at` counts dp · cp replicas (see make_grid)
+
+    @property
+    def data(self) -> tuple[int, int]:
+        """(rank, size) among the replicas that read different rows: dp. The cp ranks of a replica
+        read the same rows, each its own tokens of them."""
+        return self.at.dp_rank // self.cp, self.at.dp // self.cp
 
 
 def setup(timeout_s: float = 600.0) -> Grid:
@@ -201,12 +214,19 @@ def setup(timeout_s: float = 600.0) -> Grid:
     return Grid(dist.get_rank(), dist.get_world_size(), device)
 
 
-def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout_s: float = 3600.0) -> None:
-    """rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank. Every rank creates every group, in the same
-    order (new_group is collective), and keeps the ones it belongs to."""
+def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout_s: float = 3600.0,
+              cp: int = 1) -> None:
+    """rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank: tp innermost (its all-reduces are
+    the most frequent: the fastest links), then cp (a ring of P2P every layer), then dp (one
+    reduction per step), then pp (point-to-point between stages: the slowest links will do). The
+    cp ranks hold the same parameters as dp replicas do and reduce gradients with them, so `at` —
+    what ZeRO shards over and checkpoints record — counts dp·cp replicas, index dp_rank·cp + cp_rank,
+    and grid.dp_group spans them all. Every rank creates every group, in the same order (new_group
+    is collective), and keeps the ones it belongs to."""
     w = grid.world
-    dpn = w // (tp * pp)
+    dpn = w // (tp * pp)  # dp · cp
     grid.at = CK.Layout(tp, dpn, pp, grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn))
+    grid.cp = cp
 
     def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         found = None
@@ -219,6 +239,8 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
     grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
     grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
     grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
+    grid.cp_group = mine([[at(p, d + c, t) for c in range(cp)] for p in range(pp)
+                          for d in range(0, dpn, cp) for t in range(tp)])
     grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
     grid.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=io_timeout_s))
 
@@ -271,10 +293,12 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> list[s
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_position_embeddings:
         errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
-    if args.tp < 1 or args.pp < 1 or grid.world % (args.tp * args.pp):
-        errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --pp {args.pp}")
+    if args.tp < 1 or args.pp < 1 or args.cp < 1 or grid.world % (args.tp * args.cp * args.pp):
+        errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --cp {args.cp} × "
+                      f"--pp {args.pp}")
         return errors
-    dp_size = grid.world // (args.tp * args.pp)
+    dp_size = grid.world // (args.tp * args.cp * args.pp)
+    errors += validate_cp(args)
     try:
         TP.tp_validate(cfg, args.tp, seq_len=args.seq_len if args.sp else None)
     except ValueError as e:
@@ -376,7 +400,7 @@ def micro_batches(args: argparse.Namespace, world: int) -> int:
     """--micro-batches, or pp.default_microbatches for this layout (a divisor of the dp rank's rows)."""
     if args.micro_batches is not None:
         return args.micro_batches
-    dp_size = max(world // max(args.tp * args.pp, 1), 1)
+    dp_size = max(world // max(args.tp * args.cp * args.pp, 1), 1)
     rows = args.batch_size // dp_size if args.batch_size >= dp_size else 1
     return PP.default_microbatches(args.schedule, max(args.pp, 1), max(rows, 1))
 
@@ -385,6 +409,21 @@ def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
     """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
     return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
                         head=PP.head_cost(cfg, args.seq_len))
+
+
+def validate_cp(args: argparse.Namespace) -> list[str]:
+    """Context parallelism: zigzag chunks of equal length, and no packed documents."""
+    errors = []
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        errors.append(f"--cp {args.cp}: --seq-len {args.seq_len} must be a multiple of 2·cp = {2 * args.cp} "
+                      f"(each rank holds two of 2·cp equal chunks)")
+    if args.cp > 1 and args.sp and args.seq_len // args.cp % args.tp:
+        errors.append(f"--cp {args.cp} with --sp: each rank's seq-len/cp = {args.seq_len // args.cp} tokens "
+                      f"must split into --tp {args.tp} equal shards")
+    if args.cp > 1 and args.sft:
+        errors.append("--cp with --sft: SFT rows are packed documents (and the eval generates whole "
+                      "sequences), which context parallelism does not support; use --cp 1")
+    return errors
 
 
 def validate_pipeline(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
@@ -537,9 +576,10 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
     every layout."""
     fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
                                                       args.virtual_stages))
-    per = args.batch_size // grid.at.dp  # this dp rank's contiguous slice, as DPSampler takes it
-    first = [b * args.batch_size + grid.at.dp_rank * per for b in range(batches)]
-    micro = [get_batch(val, list(range(i, i + per)), args.micro_batches, grid.device) for i in first]
+    dp_rank, dp_size = grid.data
+    per = args.batch_size // dp_size  # this dp rank's contiguous slice, as DPSampler takes it
+    first = [b * args.batch_size + dp_rank * per for b in range(batches)]
+    micro = [get_batch(val, list(range(i, i + per)), args.micro_batches, grid) for i in first]
     targets = dp.global_count(sum(P.count_targets(m["labels"]) for mb in micro for m in mb), grid.dp_group)
     total = torch.zeros((), dtype=torch.float32, device=grid.device)
     for mb in micro:
@@ -579,7 +619,7 @@ def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, sft.
 
 
 def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
-              device: torch.device) -> list[dict]:
+              grid: Grid) -> list[dict]:
     """This rank's rows as micro-batches of (b, S) tensors: input_ids, labels (already shifted)
     and, for packed SFT rows, position_ids (restarting per conversation) and `docs`, their document
     boundaries (attention.Documents: derived here, on the host, once per micro-batch, so no layer
@@ -590,11 +630,13 @@ def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_bat
     else:
         tokens = torch.stack(items)  # (b, S+1)
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if grid.cp > 1:  # this cp rank's zigzag tokens of every row (packed rows are refused with --cp)
+        batch = {k: CP.shard_sequence(v, grid.cp, grid.at.dp_rank % grid.cp) for k, v in batch.items()}
     micro = [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
     for mb in micro:
         if "position_ids" in mb:
-            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], device)
-    return [{k: v.to(device) for k, v in mb.items()} for mb in micro]
+            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], grid.device)
+    return [{k: v.to(grid.device) for k, v in mb.items()} for mb in micro]
 
 
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
@@ -664,6 +706,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
     model = M.build(cfg)
     PP.split_stage(model, grid.at.pp_rank, args.pp, layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
+    CP.apply_cp(model, grid.cp_group)
     W.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
@@ -830,9 +873,9 @@ def main(argv: list[str] | None = None) -> None:
         ds, tpl, eval_set = load_sft(args, grid) if args.sft else (load_data(args, grid), None, [])
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if args.sft else load_val(args, ds, grid)
-        make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout)
+        make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
-        sampler = dp.DPSampler(len(ds), args.batch_size, grid.at.dp_rank, grid.at.dp, args.seed,
+        sampler = dp.DPSampler(len(ds), args.batch_size, *grid.data, args.seed,
                                remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
@@ -857,7 +900,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_flops(args, grid.device)
     if log:
         print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
-              f"world {grid.world} = tp {grid.at.tp} × dp {grid.at.dp} × pp {grid.at.pp} · "
+              f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
               f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
@@ -867,7 +910,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start, bad, good = time.time(), 0, 0
     for step in range(start, args.steps):
         t0 = time.time()
-        micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid.device)
+        micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid)
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):

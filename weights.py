@@ -294,15 +294,16 @@ def commit_export(tmp: Path, out_dir: str | os.PathLike) -> None:
     index or shard would make two loaders read different weights). Two renames: a crash between
     them leaves the new export in `<out_dir>.tmp` and the old one in `<out_dir>.old`."""
     out, old = Path(out_dir).resolve(), staging_dir(out_dir, ".old")
-    _fsync(tmp)
+    fsync_path(tmp)
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: its entries, e.g. a rename into it, become durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -15,7 +15,7 @@ import torch
 
 from dist import run_ranks
 
-ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb", "ac full",
+ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "cp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb", "ac full",
         "ac selective", "sft ffd"]
 TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persistent bytes per rank",
           "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU"]

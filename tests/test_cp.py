@@ -7,6 +7,8 @@ summation order differs (observed ~5e-7); exact (torch.equal) at cp = 1, which i
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,3 +108,55 @@ def test_ring_attention_equals_sdpa_cp2_cp4_gqa():
                 assert err is True, key
             else:
                 assert err <= 1e-5, (key, err)
+
+
+# ------------------------------------------------------------------------------------ the model
+def _saved_per_layer(rank: int, world: int) -> dict[int, int]:
+    """Bytes one decoder layer saves for backward (ac.SavedActivationMeter) at cp = 1, 2, 4, with
+    each rank's S/cp tokens of the same rows."""
+    import ac as AC
+    import model as M
+    import weights as W
+    cfg = M.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=256)
+    groups = {}
+    for size in (1, 2, 4):
+        for start in range(0, world, size):
+            g = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                groups[size] = g
+    saved = {}
+    for cp, group in groups.items():
+        model = M.build(cfg)
+        C.apply_cp(model, group)
+        W.materialize(model, "cpu", seed=0)
+        B, S = 2, 128
+        x = C.shard_sequence(torch.randn(B, S, cfg.hidden_size, generator=torch.Generator().manual_seed(1)),
+                             cp, dist.get_rank(group)).requires_grad_()
+        cos, sin = model.model.rotary_emb(torch.arange(S // cp)[None], x.dtype)
+        with AC.SavedActivationMeter() as meter:
+            out = model.model.layers["0"](x, cos, sin, None)
+        saved[cp] = meter.nbytes
+        out.sum().backward()  # the ring's backward runs too (all ranks of the group take part)
+    return saved
+
+
+def test_saved_activations_per_layer_scale_as_one_over_cp():
+    for saved in run_ranks(_saved_per_layer, 4):
+        for cp in (2, 4):
+            assert abs(saved[cp] * cp / saved[1] - 1) <= 0.10, saved
+
+
+def test_positions_follow_the_zigzag_shards():
+    """The rotary pre-hook gives each local token its global position: the zigzag shard of 0..S-1."""
+    import model as M
+    cfg = M.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    for cp in (2, 4):
+        for r in range(cp):
+            rotary = M.Rotary(cfg)
+            rotary.register_forward_pre_hook(functools.partial(C._global_positions, cp=cp, rank=r))
+            cos, _ = rotary(torch.arange(24 // cp)[None], torch.float32)
+            want, _ = M.Rotary(cfg)(C.shard_sequence(torch.arange(24)[None], cp, r), torch.float32)
+            assert torch.equal(cos, want)

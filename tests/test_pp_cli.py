@@ -8,7 +8,6 @@ process and at v=4. Tolerance: 1e-5 relative (fp32; the layouts change only the 
 the same products: tp all-reduces, dp/ZeRO reduce-scatters, the tied copies' sum; measured ~3e-7).
 An 8-layer model, so that pp=4 can hold v=2 chunks of one layer each.
 """
-import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import model as M
 import train
 import weights as W
 from dist import run_ranks
+from test_train import _main, assert_curve, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = M.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -41,20 +41,6 @@ def args_for(d: Path, *extra: str, metrics: str, init: str = "init") -> list[str
     return ["--init-from", str(d / init), "--data", str(d / "data"), "--steps", "5", "--seq-len", "32",
             "--batch-size", "8", "--micro-batches", "4", "--lr", "3e-3", "--warmup", "2",
             "--metrics", str(d / metrics), *extra]
-
-
-def _main(rank: int, world: int, argv: list[str]) -> None:
-    train.main(argv)
-
-
-def losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
-
-
-def assert_curve(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert abs(g - w) <= rtol * abs(w), (got, want)
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,13 @@ LAYOUTS = {
     "tp2-dp2-zero1": (4, ["--tp", "2", "--zero", "1"]),
     "tp2-dp2-sp-zero3": (4, ["--tp", "2", "--sp", "--zero", "3"]),
     "pp2-dp2-zero2": (4, ["--pp", "2", "--zero", "2", "--pp-layers", "3,1"]),
+    # context parallelism (ring attention over zigzag shards of each row)
+    "cp2": (2, ["--cp", "2"]),
+    "cp4": (4, ["--cp", "4"]),
+    "tp2-cp2": (4, ["--tp", "2", "--cp", "2"]),
+    "tp2-cp2-sp": (4, ["--tp", "2", "--cp", "2", "--sp"]),
+    "cp2-dp2-zero3-ac": (4, ["--cp", "2", "--zero", "3", "--ac"]),
+    "cp2-pp2": (4, ["--cp", "2", "--pp", "2"]),
 }
 
 
@@ -185,7 +192,7 @@ def validate(argv: list[str], world: int, cfg: M.LlamaConfig = CFG) -> str:
 
 def test_validation_messages():
     assert validate([], 1) == ""
-    assert "world size 6 is not divisible by --tp 4 × --pp 1" in validate(["--tp", "4"], 6)
+    assert "world size 6 is not divisible by --tp 4 × --cp 1 × --pp 1" in validate(["--tp", "4"], 6)
     assert "num_attention_heads" in validate(["--tp", "3"], 3)
     assert "layers" in validate(["--pp", "8"], 8)
     assert "--pp-layers" in validate(["--pp", "2", "--pp-layers", "3,3"], 2)
@@ -271,6 +278,21 @@ def test_resume_same_layout_is_bit_identical_and_cross_layout_close(setup_dirs, 
     run_ranks(_main, 1, args_for(d, "--resume", ck + "/step_00000002", "--steps", "0",
                                  "--export-hf", str(d / "from_ck")))
     assert (d / "from_ck" / "model.safetensors").is_file()
+
+
+def test_cp_checkpoint_resumes_at_cp1_and_back(setup_dirs, reference):
+    """Checkpoints stay layout-free under context parallelism: cp=2 saves, one process resumes, and
+    the other way round; both continue the single-process curve within 1e-5."""
+    d = setup_dirs
+    for save_world, save_extra, resume_world, resume_extra in ((2, ["--cp", "2"], 1, []),
+                                                               (1, [], 2, ["--cp", "2"])):
+        ck = str(d / f"ck_cp{save_world}")
+        run_ranks(_main, save_world, args_for(d, *save_extra, "--save", ck, "--steps", "2",
+                                              metrics="cps.jsonl"))
+        (d / "cpr.jsonl").unlink(missing_ok=True)
+        run_ranks(_main, resume_world, args_for(d, *resume_extra, "--resume", ck + "/step_00000002",
+                                                metrics="cpr.jsonl"))
+        assert_curve(losses(d / "cpr.jsonl"), reference[2:])
 
 
 def test_killed_rank_restarts_from_last_checkpoint(setup_dirs, reference):

@@ -55,9 +55,20 @@ def test_zero_is_kept_not_replaced_by_the_default():
     (["--eval-batches", "0"], "--eval-batches >= 1"),
     (["--val-fraction", "1"], "--val-fraction must be in [0, 1), got 1.0"),
     (["--sft", "--eval-batches", "2"], "--eval-batches sizes the validation loss of pretraining"),
+    (["--cp", "3"], "world size 1 is not divisible by --tp 1 × --cp 3 × --pp 1"),
+    (["--cp", "0"], "--cp 0"),
 ])
 def test_flag_holes_are_reported(argv, text):
     assert text in validate(*argv)
+
+
+def test_context_parallel_layouts():
+    assert validate("--cp", "2", world=4) == ""
+    assert "--cp 4: --seq-len 36 must be a multiple of 2·cp = 8" in validate("--cp", "4", "--seq-len", "36",
+                                                                          world=4)
+    assert "each rank's seq-len/cp = 8 tokens must split into --tp 3" in validate(
+        "--cp", "4", "--tp", "3", "--sp", world=12).replace("heads", "")
+    assert "--cp with --sft" in validate("--cp", "2", "--sft", world=2)
 
 
 def test_eval_every_is_valid_without_sft():
