@@ -17,16 +17,20 @@ What it does
       tp      Megatron column/row + vocab CE      parallelize_module Colwise/Rowwise + loss_parallel
       pp      run_pipeline gpipe / 1f1b /         torch.distributed.pipelining ScheduleGPipe / 1F1B /
               interleaved / zb (v=2)              ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble
-      ac      apply_ac full / selective           no checkpointing (one process)
+      ac      apply_ac full / selective           no checkpointing (one process); then bench_speed.py's
+                                                  host time per layer of each mode, beside torch's
+                                                  op-level selective checkpoint in eager
+      compile model.compile_layers (--compile)    the eager layers (one process, bench_speed.py)
     Then bench_theory.py's tables, each measurement beside its formula: the pipeline bubble per
     stage (outside F/B/W: CUDA events on CUDA) beside pp.simulate and the closed form, per-rank
     persistent bytes of every ZeRO layout, saved activations per layer; SFT packing, FFD vs padding
-    to the batch's longest on the same conversations; on CUDA, bench_mfu.py's 1B single-GPU bf16
-    tokens/s and MFU, ours vs transformers' Llama.
+    to the batch's longest on the same conversations; on CUDA, bench_mfu.py's GPU check (1B bf16
+    tokens/s and MFU, eager and compiled, each AC mode, the SDPA kernels, transformers' Llama).
 
 Run
     torchrun --nproc_per_node 4 bench.py --model tiny --steps 40 --out bench.md    # ~2 min on 2 cores
-    torchrun --nproc_per_node 1 bench.py --only mfu            # one GPU: 1B bf16 tokens/s and MFU
+    torchrun --nproc_per_node 1 bench.py --only mfu            # one GPU: bench_mfu.py's GPU check
+    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac --steps 20   # CPU speed targets
 
 Choices
     - Timed sections run fp32 on both sides (no peer has our fp32-master mixed precision); the memory
@@ -63,6 +67,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import ac as AC
 import bench_mfu
+import bench_speed
 import bench_theory
 import cp as CP
 from bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
@@ -91,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--only", default=",".join(SECTIONS), help="comma-separated subset of the sections")
     a("--quick", action="store_true", help="tiny sizes and 2 steps (the test); overrides the sizes")
-    a("--mfu-batch", type=int, default=4, help="sequences per step of the 1B CUDA section")
+    a("--mfu-batch", type=int, default=8, help="sequences per step of the 1B CUDA section")
     a("--mfu-seq-len", type=int, default=2048)
     a("--out", default="bench.md", help="markdown report written by rank 0")
     args = p.parse_args(argv)
@@ -261,6 +266,7 @@ def sec_ac(ctx: Ctx) -> None:
         r = ctx.race(sides, distributed=False)
         for mode in ("full", "selective"):
             ctx.add_row(f"ac {mode}", f"apply_ac {mode} (1 process)", "no checkpointing", r[mode], r["none"])
+        bench_speed.ac_host(ctx)
     dist.barrier()
 
 
@@ -385,7 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for _ in range(args.warmup + args.steps)]
     ctx.targets = int(P.count_targets(ctx.data[0][:, 1:]))  # every label is a target: all batches alike
     sections = {"dp": partial(sec_dp, stages=(0,)), "zero": partial(sec_dp, stages=(1, 2, 3)),
-                "tp": sec_tp, "cp": sec_cp, "pp": sec_pp, "ac": sec_ac, "memory": bench_theory.sec_memory,
+                "tp": sec_tp, "cp": sec_cp, "pp": sec_pp, "ac": sec_ac, "compile": bench_speed.sec_compile,
+                "memory": bench_theory.sec_memory,
                 "sft": sec_sft, "mfu": bench_mfu.sec_mfu}
     try:
         for name in (s for s in SECTIONS if s in args.only):

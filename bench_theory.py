@@ -15,7 +15,7 @@ What it does
 Run
     torchrun --nproc_per_node 4 bench.py --only pp,memory
 
-Builds on: bench.py, ac.py, pp.py, precision.py, zero.py
+Builds on: bench_ctx.py, ac.py, pp.py, precision.py, zero.py
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import contextlib
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,7 @@ import ac as AC
 import pp as PP
 import precision as P
 import zero as Z
-
-if TYPE_CHECKING:  # bench.py imports this file and passes its Ctx in
-    from bench import Ctx
+from bench_ctx import Ctx
 
 
 # ------------------------------------------------------------------------------------- bubble
@@ -193,8 +191,8 @@ def activations(ctx: Ctx) -> None:
     cfg, rows = ctx.cfg, []
     h, i, a = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     q, kv = a * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    formula = {"none": lambda t: t * (16 * h + 4 * q + 4 * kv + 8 * i) + 4 * t * a + 8 * t,
-               "selective": lambda t: t * (6 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a,
+    formula = {"none": lambda t: t * (8 * h + 4 * q + 4 * kv + 6 * i) + 4 * t * a,
+               "selective": lambda t: t * (4 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a,
                "full": lambda t: 2 * t * h}
     layer = ctx.fresh().to(torch.bfloat16)
     for s in (8, 16) if ctx.args.quick else (128, 512, 2048):

@@ -225,6 +225,17 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------- modules
+def wanted_grads(ctx) -> tuple[bool, ...]:
+    """Which tensor inputs of a custom autograd Function this backward pass will use — what autograd's
+    own nodes check before computing each output (task_should_compute_output). A pipeline's B pass
+    asks for input gradients only and its W pass for weight gradients only (pp.py), and in between
+    ZeRO-3 may free the weights again: a W pass must not read them. Under torch.compile the backward
+    is traced once for every pass: then all that need a gradient."""
+    if torch.compiler.is_compiling():
+        return tuple(ctx.needs_input_grad)
+    return tuple(node is not None and torch._C._will_engine_execute_node(node) for node, _ in ctx.next_functions)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = w · x / rms(x), computed in fp32 (as HF). Forward is `F.rms_norm` (one fused kernel on
     CUDA); backward keeps only x and w — no fp32 copy of x, no x·rsqrt — and recomputes the
@@ -237,16 +248,18 @@ class RMSNormFunction(torch.autograd.Function):
         return F.rms_norm(x, weight.shape, weight, eps)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
+        want_x, want_w = wanted_grads(ctx)
         xf, g = x.float(), grad.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
         xhat = xf * rstd  # (..., h) normalized x
-        gw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype)  # (h,)
-        gxhat = g * weight.float()  # (..., h)
-        # d(x·rstd)/dx: rstd · (gxhat − xhat · mean(gxhat · xhat))
-        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        gw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype) if want_w else None  # (h,)
+        gx = None
+        if want_x:  # d(x·rstd)/dx: rstd · (gxhat − xhat · mean(gxhat · xhat))
+            gxhat = g * weight.float()  # (..., h)
+            gx = (rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
