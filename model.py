@@ -13,7 +13,8 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py (causal attention within packed documents)
+Builds on: attention.py (causal attention within packed documents), ops.py (the layer's
+    elementwise ops as lean autograd Functions)
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
@@ -30,6 +31,10 @@ Invariants
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
+    - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
+      (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
+      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks
+      and everything between the layers stay eager.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
+from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (rms_norm: tp.py's sequence-parallel norm too)
 
 IGNORE_INDEX = -100
 
@@ -225,48 +231,6 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------- modules
-def wanted_grads(ctx) -> tuple[bool, ...]:
-    """Which tensor inputs of a custom autograd Function this backward pass will use — what autograd's
-    own nodes check before computing each output (task_should_compute_output). A pipeline's B pass
-    asks for input gradients only and its W pass for weight gradients only (pp.py), and in between
-    ZeRO-3 may free the weights again: a W pass must not read them. Under torch.compile the backward
-    is traced once for every pass: then all that need a gradient."""
-    if torch.compiler.is_compiling():
-        return tuple(ctx.needs_input_grad)
-    return tuple(node is not None and torch._C._will_engine_execute_node(node) for node, _ in ctx.next_functions)
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """y = w · x / rms(x), computed in fp32 (as HF). Forward is `F.rms_norm` (one fused kernel on
-    CUDA); backward keeps only x and w — no fp32 copy of x, no x·rsqrt — and recomputes the
-    per-token rsqrt, so a norm costs 2h bytes of saved activations per token in bf16, not 8h."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return F.rms_norm(x, weight.shape, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        want_x, want_w = wanted_grads(ctx)
-        xf, g = x.float(), grad.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
-        xhat = xf * rstd  # (..., h) normalized x
-        gw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype) if want_w else None  # (h,)
-        gx = None
-        if want_x:  # d(x·rstd)/dx: rstd · (gxhat − xhat · mean(gxhat · xhat))
-            gxhat = g * weight.float()  # (..., h)
-            gx = (rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
-        return gx, gw, None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (see RMSNormFunction); tp.py's sequence-parallel norm uses it too."""
-    return RMSNormFunction.apply(x, weight, eps)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -314,39 +278,6 @@ class Rotary(nn.Module):
         return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-s, s), dim=-1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """HF's x·cos + rotate_half(x)·sin as x·cos + swap(x)·sin, where swap exchanges the two halves
-    of the head dim (a roll by hd/2) and sin carries rotate_half's sign: the same products and sum
-    as HF's, so the same bits, in 4 kernels (HF: 5). sign = -1 rotates back: the transposed rotation
-    is x·cos − swap(x)·sin (swap is its own inverse and flips sin's sign). x (B, S, heads, hd),
-    cos/sin (B, S, 1, hd)."""
-    swapped = x.roll(x.shape[-1] // 2, dims=-1) * sin
-    return x * cos + swapped if sign > 0 else x * cos - swapped
-
-
-class RoPEFunction(torch.autograd.Function):
-    """Rotary position embedding of q and k in one autograd node. A rotation's gradient is the
-    inverse rotation of the output gradient, so nothing but cos/sin (shared by all layers) is kept."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd)
-        ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
-
-    @staticmethod
-    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        return _rotate(gq, cos, sin, -1.0), _rotate(gk, cos, sin, -1.0), None, None
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, S, nh, hd), k (B, S, nkv, hd) rotated by position (cos, sin: Rotary's (B, S, hd))."""
-    return RoPEFunction.apply(q, k, cos, sin)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -373,27 +304,12 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """silu(gate) · up, keeping only gate and up for backward (autograd's two ops would also keep
-    silu(gate): one more intermediate-sized tensor per token); backward recomputes silu(gate)."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
-
-
 class SwiGLU(nn.Module):
     """The MLP's activation as a module of its own (no parameters, so no name in the state_dict):
     a cheap op ac.py's selective mode can rerun in backward instead of keeping its output."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return SwiGLUFunction.apply(gate, up)
+        return swiglu(gate, up)
 
 
 class MLP(nn.Module):
