@@ -63,28 +63,29 @@ Invariants
 Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for this layer)
     s tokens, b batch, h hidden, a heads, g = n_kv/a, i = intermediate; bf16 activations. Bytes one
     layer keeps for backward, per token (model.py's RMSNorm, RoPE and SwiGLU Functions):
-      input RMSNorm: its input x (2h); its output, the q/k/v input (2h)                  4h
+      input RMSNorm: its input x (2h), fp32 rstd (4); its output, the q/k/v input (2h)  4h + 4
       RoPE + attention: rotated q (2h) and k (2gh), v (2gh), output (2h), fp32 lse (4a)   4h + 4gh + 4a
         (RoPE keeps cos/sin — shared by all layers — not q, k; o_proj reads a view of the output)
-      post-attention RMSNorm: the residual sum (2h), its output, the gate/up input (2h)   4h
+      post-attention RMSNorm: the residual sum (2h), rstd (4), its output (gate/up's)   4h + 4
       SwiGLU: gate, up (its own backward recomputes silu), the product = down's input    6i
-    none      = sbh(12 + 4g + 6i/h) + 4sba. i ≈ 8h/3 gives sbh(28 + 4g), Llama-3 8B's i = 3.5h
+    none      = sbh(12 + 4g + 6i/h) + 4sba + 8sb. i ≈ 8h/3 gives sbh(28 + 4g), Llama-3 8B's i = 3.5h
                 sbh(33 + 4g): about GPT's 34 (no dropout masks; two extra i-sized SwiGLU tensors).
-                The norms keep no fp32 copy and no x·rsqrt (their backward recomputes the rsqrt).
+                The norms keep no fp32 copy of x and no x·rsqrt (ops.py; HF's op chain: 8h each).
                 Fused attention (flash, efficient, cudnn, CPU flash) keeps only output + lse, so the
                 5as²b term is gone; a math attention would add ≈ 2as²b of probabilities; a document
                 mask adds a float b·s² mask per layer.
-    selective = sbh(8 + 4g + 4i/h) + 4sba: none without the two norm outputs and the SwiGLU product.
+    selective = sbh(8 + 4g + 4i/h) + 4sba + 8sb: none without the two norm outputs and the SwiGLU
+                product (op-level selective checkpointing kept sbh(10 + 4g + 4i/h) + 4sba).
     full      = 2sbh: the layer input only; backward briefly holds one layer's `none` while it runs.
-    In fp32 every term doubles (e = 4 bytes): none = 4sbh(6 + 2g + 3i/h) + 4sba, selective =
-    4sbh(4 + 2g + 2i/h) + 4sba, full = 4sbh. tests/test_ac.py checks these byte for byte against
+    In fp32 the h, g, i terms double: none = 4sbh(6 + 2g + 3i/h) + 4sba + 8sb, selective =
+    4sbh(4 + 2g + 2i/h) + 4sba + 8sb, full = 4sbh. tests/test_ac.py checks these byte for byte against
     SavedActivationMeter. Under --compile, what the compiled layer saves is the partitioner's choice
     (bench.py measures it with the same meter).
     Packed rows (attention.Documents) on the CPU path keep q, k, v, the attention output and lse for
     the T' = Σ bucket(len) padded slots of the length groups instead of the sb tokens, plus the output
     scattered back to token order (o_proj's input) and two int64 indices (shared by all layers):
-    in fp32, T = sb, q width = h, none = 4Th(5 + 3i/h) + 4T'h(2 + 2g) + 4T'a + 8T' + 8T, selective =
-    4Th(3 + 2i/h) + the same attention terms, full = 4Th; T' <= 9/8·T + 16·documents: O(S), no S²
+    in fp32, T = sb, q width = h, none = 4Th(5 + 3i/h) + 16T + 4T'h(2 + 2g) + 4T'a + 8T' (16T: two
+    rstd and the scatter index), selective = 4Th(3 + 2i/h) + the same other terms, full = 4Th; T' <= 9/8·T + 16·documents: O(S), no S²
     term (tests/test_model.py measures it). The CUDA varlen path keeps the unpacked formula.
 """
 from __future__ import annotations

@@ -50,6 +50,7 @@ from bench_ctx import Ctx, md_row
 CONFIGS = [(False, None), (False, "selective"), (False, "full"), (True, None), (True, "selective"), (True, "full")]
 SMOKE = CONFIGS[:3] + [(True, "full")]  # one compile: CPU compile time counts against the test suite
 TOL = 2e-2  # bf16 (8-bit mantissa): other kernels and fusions round differently
+GRAD_TOL = 5e-2  # bf16 gradients vs transformers, worst parameter (CPU: 4e-3 tiny, 9e-3 small); a wrong kernel: O(1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,6 +180,28 @@ def transformers_row(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch
     return run_row(step, args.steps, args.warmup, device)
 
 
+def gradients_vs_transformers(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch.device,
+                              data: list[torch.Tensor]) -> dict:
+    """One bf16 forward + backward of our eager model and of LlamaForCausalLM with the same weights on
+    one row: the relative L2 difference of the whole gradient and of the worst parameter's. Checks
+    the CUDA-only kernels of the backward (the fused RMSNorm backward, varlen) against HF's autograd."""
+    import transformers
+    ours_m = W.materialize(M.build(cfg), device, seed=args.seed).to(torch.bfloat16)
+    with device:
+        hf = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig.from_dict(cfg.to_hf()), attn_implementation="sdpa")
+    hf.load_state_dict(ours_m.state_dict())
+    hf.to(torch.bfloat16)
+    x = data[0][:1]
+    ours_m(x[:, :-1], labels=x[:, 1:], reduction="sum").backward()
+    M.cross_entropy(hf(input_ids=x[:, :-1], use_cache=False).logits, x[:, 1:], "sum").backward()
+    hf_grads = dict(hf.named_parameters())
+    pairs = [(p.grad.double(), hf_grads[n].grad.double()) for n, p in ours_m.named_parameters()]
+    worst = max(float((a - b).norm() / b.norm()) for a, b in pairs)
+    total = float(sum((a - b).square().sum() for a, b in pairs).sqrt() / sum(b.square().sum() for _, b in pairs).sqrt())
+    return {"total": total, "worst": worst}
+
+
 def clean(device: torch.device) -> None:
     """Drop the last row's model, optimizer and compiled graphs before the next row is built."""
     torch._dynamo.reset()
@@ -197,6 +220,9 @@ def check(args: argparse.Namespace, device: torch.device, say: Callable[[str], N
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     kernels = sdpa_kernels(cfg, device, args.seq_len)
     say(f"[mfu] SDPA kernels: {kernels}")
+    grads = None if args.no_hf else gradients_vs_transformers(cfg, args, device, data)
+    clean(device)
+    say(f"[mfu] bf16 gradients vs transformers (one row): {grads}")
     rows = []
     plan = [(("compiled" if c else "eager"), ac or "none", lambda c=c, ac=ac: ours(cfg, args, device, c, ac, data))
             for c, ac in (SMOKE if args.smoke else CONFIGS)]
@@ -227,14 +253,18 @@ def check(args: argparse.Namespace, device: torch.device, say: Callable[[str], N
                       f"{r['loss']:.4f}", "yes" if r["same"] else "NO"]) for r in rows]
     lines += ["", md_row(["rows", "attention op (SDPA kernel)"]), "|---|---|"]
     lines += [md_row([k, f"`{v}`"]) for k, v in kernels.items()]
-    return {"rows": rows, "kernels": kernels, "markdown": "\n".join(lines)}
+    if grads:
+        lines += ["", f"bf16 gradients of one row vs transformers (same weights): relative L2 difference "
+                      f"{grads['total']:.1e} over the model, {grads['worst']:.1e} for the worst parameter: "
+                      + (f"same (<= {GRAD_TOL:.0e})" if grads["worst"] <= GRAD_TOL else "DIFFERENT")]
+    return {"rows": rows, "kernels": kernels, "grads": grads, "markdown": "\n".join(lines)}
 
 
 def sec_mfu(ctx: Ctx) -> None:
     """bench.py's mfu section: the check on rank 0's GPU (skipped without CUDA: see --smoke)."""
     title = "1B single-GPU bf16 tokens/s and MFU (bench_mfu.py)"
     if ctx.device.type != "cuda":
-        ctx.tables[title] = ["skipped (no CUDA; `python bench_mfu.py --smoke` checks the script on CPU)"]
+        ctx.tables[title] = ["skipped (no CUDA): `python bench_mfu.py --smoke` checks the script on CPU"]
     elif ctx.rank == 0:
         args = parse_args(["--batch", str(ctx.args.mfu_batch), "--seq-len", str(ctx.args.mfu_seq_len),
                            "--seed", str(ctx.args.seed)])

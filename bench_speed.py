@@ -1,5 +1,5 @@
-"""bench.py's one-process speed sections: compiled vs eager layers, activation checkpointing's host
-overhead per layer.
+"""bench.py's one-process sections: compiled vs eager layers, activation checkpointing's host
+overhead per layer, the error of accumulating gradients in bf16.
 
 What it does
     sec_compile  train.py --compile (model.compile_layers) vs the eager layers on the same model and
@@ -11,9 +11,13 @@ What it does
                  (create_selective_checkpoint_contexts with ac.SAVE_OPS in eager: a Python
                  TorchDispatchMode around every aten op, what ac.py's selective mode used to be) —
                  alternating, median µs per layer and the overhead over no AC.
+    sec_accum    the error of train.py --reduce-dtype bf16: k bf16 gradients (k micro-batches of a
+                 bf16 model, or k dp ranks: a ring all-reduce adds the pieces one by one, as
+                 accumulation does) summed in bf16 and in fp32, each against their exact (fp64)
+                 sum: the relative error of the whole gradient vector (L2).
 
 Run
-    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac --steps 20
+    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac,accum --steps 20
 
 Builds on: bench_ctx.py, ac.py, model.py, precision.py
 """
@@ -39,11 +43,13 @@ def sec_compile(ctx: Ctx) -> None:
         sides = {}
         for compiled in (True, False):
             model = ctx.fresh()
-            if compiled:
+            if compiled:  # compile outside the race (a first step of a minute), weights unchanged
                 M.compile_layers(model)
+                x, y = ctx.batch(0)
+                model(x, labels=y, reduction="sum").backward()
+                model.zero_grad(set_to_none=True)
             opt = P.MixedPrecisionOptimizer(model.named_parameters(), ctx.ocfg)
             sides[compiled] = side(ctx, model, partial(opt.step, ctx.args.lr))
-        sides[True](0)  # compile outside the race: a first step of minutes would be its median's noise
         r = ctx.race({"compiled": sides[True], "eager": sides[False]}, distributed=False)
         ctx.add_row("compile", "model.compile_layers (--compile, 1 process)", "eager layers", r["compiled"],
                     r["eager"])
@@ -73,7 +79,7 @@ def ac_host(ctx: Ctx) -> None:
         layers[mode] = (model, layer)
     x = torch.randn(1, 8, ctx.cfg.hidden_size, device=ctx.device, requires_grad=True)
     cos, sin = layers["none"][0].model.rotary_emb(torch.arange(8, device=ctx.device)[None], x.dtype)
-    reps = 5 if ctx.args.quick else 50
+    reps = 5 if ctx.args.quick else 20
     times = {m: [] for m in modes}
     for i in range(ctx.args.warmup + ctx.args.steps):
         for mode in (modes if i % 2 == 0 else modes[::-1]):
@@ -91,3 +97,31 @@ def ac_host(ctx: Ctx) -> None:
               note=f"{ctx.cfg.num_hidden_layers}-layer `{ctx.args.model}` config, one layer, {reps} calls per "
                    f"sample, modes alternating, median of {ctx.args.steps} samples; at this size the compute is "
                    f"negligible, so the time is the host's (Python, dispatch, autograd)")
+
+
+def sec_accum(ctx: Ctx) -> None:
+    """bf16 vs fp32 sums of k real bf16 gradients (rank 0), k = 8, 32, 64."""
+    if ctx.rank == 0:
+        model = ctx.fresh().to(torch.bfloat16)
+        ks, g = (8, 32, 64), torch.Generator().manual_seed(ctx.args.seed)
+        pieces = []
+        for _ in range(max(ks)):
+            x = torch.randint(0, ctx.cfg.vocab_size, (1, ctx.args.seq_len + 1), generator=g).to(ctx.device)
+            model.zero_grad(set_to_none=True)
+            loss = model(x[:, :-1], labels=x[:, 1:], reduction="sum") / (max(ks) * ctx.args.seq_len)
+            loss.backward()
+            pieces.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # bf16
+        rows = []
+        for k in ks:
+            exact = torch.stack(pieces[:k]).double().sum(0)
+            bf16, fp32 = pieces[0].clone(), pieces[0].float()
+            for p in pieces[1:k]:
+                bf16 += p  # rounded to bf16 after every add, as AccumulateGrad and a bf16 ring do
+                fp32 += p.float()
+            err = lambda s: float((s.double() - exact).norm() / exact.norm())  # noqa: E731
+            rows.append([k, f"{err(bf16):.1e}", f"{err(fp32):.1e}"])
+        ctx.table("Gradient accumulation and reduction dtype: relative error of the summed gradient",
+                  ["micro-batches or dp ranks summed", "bf16 (--reduce-dtype bf16)", "fp32 (default)"], rows,
+                  note=f"`{ctx.args.model}` model in bf16, one row of {ctx.args.seq_len} random tokens per "
+                       f"piece; L2 error of the whole gradient against the exact (fp64) sum of the same bf16 pieces")
+    dist.barrier()

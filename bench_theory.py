@@ -191,8 +191,8 @@ def activations(ctx: Ctx) -> None:
     cfg, rows = ctx.cfg, []
     h, i, a = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     q, kv = a * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    formula = {"none": lambda t: t * (8 * h + 4 * q + 4 * kv + 6 * i) + 4 * t * a,
-               "selective": lambda t: t * (4 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a,
+    formula = {"none": lambda t: t * (8 * h + 4 * q + 4 * kv + 6 * i) + 4 * t * a + 8 * t,
+               "selective": lambda t: t * (4 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a + 8 * t,
                "full": lambda t: 2 * t * h}
     layer = ctx.fresh().to(torch.bfloat16)
     for s in (8, 16) if ctx.args.quick else (128, 512, 2048):

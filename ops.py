@@ -3,9 +3,10 @@
 What it does
     Each op is one autograd node whose backward keeps only what it cannot cheaply recompute, and
     computes only the gradients the backward pass asks for (`wanted_grads`):
-      rms_norm    forward F.rms_norm (one fused kernel on CUDA, HF's ops on CPU: the same bits as
-                  HF in fp32); keeps x and w — not HF's fp32 copy of x and x·rsqrt — and recomputes
-                  the per-token rsqrt: 2h bytes per token in bf16 instead of 8h
+      rms_norm    aten's fused RMSNorm (F.rms_norm's kernel: one kernel forward, one backward on
+                  CUDA; on CPU HF's ops, the same bits as HF in fp32, and the backward formula
+                  here); keeps x, w and the per-token fp32 rstd — not HF's fp32 copy of x and
+                  x·rsqrt: 2h + 4 bytes per token in bf16 instead of 8h + 4
       apply_rope  q and k in one node, HF's products and sum (the same bits) in 4 kernels instead of
                   5 per tensor; keeps only the cos/sin tables shared by all layers (a rotation's
                   gradient is the inverse rotation)
@@ -37,33 +38,40 @@ def wanted_grads(ctx, n: int) -> tuple[bool, ...]:
     use — what autograd's own nodes check before computing each output (task_should_compute_output).
     A pipeline's B pass asks for input gradients only and its W pass for weight gradients only
     (pp.py), and in between ZeRO-3 may free the weights again: a W pass must not read them. Under
-    torch.compile the backward is traced once for every pass: then all that need a gradient."""
+    torch.compile (traced once for every pass) and inside torch.autograd.grad (where the engine
+    cannot say): all that need a gradient."""
     if torch.compiler.is_compiling():
         return tuple(ctx.needs_input_grad[:n])
-    return tuple(node is not None and torch._C._will_engine_execute_node(node) for node, _ in ctx.next_functions[:n])
+    try:
+        return tuple(node is not None and torch._C._will_engine_execute_node(node)
+                     for node, _ in ctx.next_functions[:n])
+    except RuntimeError:  # inside torch.autograd.grad() the engine cannot tell: all that need one
+        return tuple(ctx.needs_input_grad[:n])
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = w · x / rms(x), computed in fp32 (as HF). Forward is `F.rms_norm` (one fused kernel on
-    CUDA); backward keeps only x and w — no fp32 copy of x, no x·rsqrt — and recomputes the
-    per-token rsqrt, so a norm costs 2h bytes of saved activations per token in bf16, not 8h."""
+    """y = w · x / rms(x), in fp32 (as HF), by aten's fused RMSNorm: forward and backward one kernel
+    each on CUDA (HF's ops on CPU, where the backward is the formula below). Keeps x, w and the
+    per-token rstd (fp32): 2h + 4 bytes per token in bf16, where HF's op chain keeps 8h + 4."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return F.rms_norm(x, weight.shape, weight, eps)
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)  # rstd (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
+        x, weight, rstd = ctx.saved_tensors
         want_x, want_w = wanted_grads(ctx, 2)
-        xf, g = x.float(), grad.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
-        xhat = xf * rstd  # (..., h) normalized x
+        if x.is_cuda:
+            gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight,
+                                                             [want_x, want_w])
+            return gx, gw, None
+        xhat, g = x.float() * rstd, grad.float()  # (..., h) normalized x; fp32 gradient
         gw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype) if want_w else None  # (h,)
         gx = None
-        if want_x:  # d(x·rstd)/dx: rstd · (gxhat − xhat · mean(gxhat · xhat))
+        if want_x:  # d(x·rstd)/dx applied to gxhat: rstd · (gxhat − xhat · mean(gxhat · xhat))
             gxhat = g * weight.float()  # (..., h)
             gx = (rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
         return gx, gw, None

@@ -155,9 +155,9 @@ def formula_bytes(cfg: LlamaConfig, b: int, s: int, dtype: torch.dtype, mode: st
     gh = cfg.num_key_value_heads * cfg.head_dim  # g·h (head_dim may differ from h/a)
     qh = a * cfg.head_dim  # width of q and of the attention output (= h for the presets)
     t, e = s * b, dtype.itemsize
-    lse = 4 * t * a
+    lse, rstd = 4 * t * a, 2 * 4 * t  # fp32: per head, per norm
     # x, norm output, residual sum, norm output; q, k, v, attention output; gate, up, product
-    none = e * t * (4 * h + 2 * qh + 2 * gh + 3 * i) + lse
+    none = e * t * (4 * h + 2 * qh + 2 * gh + 3 * i) + lse + rstd
     return {None: none, "selective": none - e * t * (2 * h + i), "full": e * t * h}[mode]
 
 

@@ -20,7 +20,7 @@ ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "cp", "pp gpipe", "pp 1f1b", "pp 
         "ac selective", "compile", "sft ffd"]
 TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persistent bytes per rank",
           "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU",
-          "Activation checkpointing: host time per decoder layer"]
+          "Activation checkpointing: host time per decoder layer", "Gradient accumulation and reduction dtype"]
 
 
 def _bench(rank: int, world: int, out: str) -> dict:
@@ -66,6 +66,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert rows == [("eager", "none"), ("eager", "selective"), ("eager", "full"), ("compiled", "full"),
                     ("transformers LlamaForCausalLM (sdpa)", "none")]
     assert all(r["same"] and r["ms"] > 0 for r in result["rows"]), result["rows"]
+    assert result["grads"]["worst"] <= 5e-2, result["grads"]  # bf16 gradients vs transformers
     assert set(result["kernels"]) == {"pretraining rows", "packed rows"}
     assert all("scaled_dot_product" in k or "varlen" in k for k in result["kernels"].values()), result["kernels"]
     assert out.read_text().strip().endswith(result["markdown"].strip().split("\n")[-1])

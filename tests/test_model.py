@@ -291,7 +291,8 @@ def test_packed_saved_bytes_are_linear_in_s():
         t, slots = sum(lens), sum(A.bucket(n) for n in lens)  # tokens, CPU-path slots T'
         pos = torch.cat([torch.arange(n) for n in lens])[None]  # (1, S)
         attn = 4 * slots * (2 * qh + 2 * gh + a) + 8 * slots + 8 * t  # gathered q, k, v, out, lse; indices
-        want = {None: 4 * t * (4 * h + 3 * i + qh) + attn, "selective": 4 * t * (2 * h + 2 * i + qh) + attn,
+        rest = attn + 8 * t  # + the norms' fp32 rstd
+        want = {None: 4 * t * (4 * h + 3 * i + qh) + rest, "selective": 4 * t * (2 * h + 2 * i + qh) + rest,
                 "full": 4 * t * h}
         for mode in want:
             model = W.materialize(M.build(cfg), "cpu")
