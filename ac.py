@@ -85,8 +85,9 @@ Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for thi
     the T' = Σ bucket(len) padded slots of the length groups instead of the sb tokens, plus the output
     scattered back to token order (o_proj's input) and two int64 indices (shared by all layers):
     in fp32, T = sb, q width = h, none = 4Th(5 + 3i/h) + 16T + 4T'h(2 + 2g) + 4T'a + 8T' (16T: two
-    rstd and the scatter index), selective = 4Th(3 + 2i/h) + the same other terms, full = 4Th; T' <= 9/8·T + 16·documents: O(S), no S²
-    term (tests/test_model.py measures it). The CUDA varlen path keeps the unpacked formula.
+    rstd and the scatter index), selective = 4Th(3 + 2i/h) + the same other terms, full = 4Th;
+    T' <= 9/8·T + 16·documents: O(S), no S² term (tests/test_model.py measures it). The CUDA varlen
+    path keeps the unpacked formula.
 """
 from __future__ import annotations
 

@@ -151,7 +151,8 @@ def sec_tp(ctx: Ctx) -> None:
     lead = dist.get_rank(group) == 0  # replicated params (norms) counted once in the grad norm
     opt = P.MixedPrecisionOptimizer(ours.named_parameters(), ctx.ocfg, norm_groups=[group],
                                     counted=lambda n: n in shards or lead)
-    peer = ctx.fresh()
+    peer = ctx.fresh()  # DTensor logits through loss_parallel's cross-entropy, not our chunked loss
+    peer.loss_fn = lambda h, weight, labels, reduction: M.cross_entropy(peer.lm_head(h), labels, reduction)
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # loss_parallel
     for i in peer.model.layers:

@@ -11,10 +11,17 @@ What it does
     (the order backward produces their grads), into flat buckets of about `bucket_mb` MB. A
     post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
     grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
-    earlier layers. `finish()` waits and copies the sums back into `.grad` before the optimizer step.
+    earlier layers. At most `inflight` (default 2) reductions are in flight: launching one more first
+    lands the oldest (waits, copies its sums back into `.grad`, drops its flat buffer), so the extra
+    memory of a backward is at most `inflight` buckets, never a second copy of all gradients. Two,
+    not one: the next bucket is queued while the previous is still on the wire, so the link never
+    idles between buckets (on NCCL the wait blocks the compute stream, not the host).
+    `finish()` lands the rest before the optimizer step.
     With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
     adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
     accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
+    `ReduceScatterSync` (the gradient side of zero.py's ZeRO) reduce-scatters the same buckets
+    instead: each rank receives the dp sum of its 1/N of every bucket (a `Piece` of each parameter).
     `global_count` all-reduces the step's target-token count.
 
 Reference
@@ -36,13 +43,16 @@ Invariants
       which holds the parameters, which hold the hook in C++ — a cycle Python's gc cannot see.
     - All ranks must produce a gradient for every parameter in each synced backward (as DDP without
       find_unused_parameters); `finish()` names the parameters that got none instead of hanging.
+    - Memory: besides .grad (or the fp32 main buffers) a backward holds at most `inflight` packed
+      buckets plus the one being packed; a bucket is reduced at most once per step (a second synced
+      backward before finish() raises instead of summing twice).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -182,9 +192,12 @@ class GradSync:
     `.grad` that sum rounded once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None):
+                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
+                 inflight: int = 2):
+        if inflight < 1:
+            raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
         self.params = list(params)
-        self.group = group
+        self.group, self.inflight = group, inflight
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reduce_dtype = reduce_dtype
         if buckets is None:
@@ -201,6 +214,8 @@ class GradSync:
         self._sync = True
         self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
         self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
+        self._launched: set[int] = set()  # buckets reduced since the last finish()
+        self._alias = True  # may a one-gradient bucket be reduced in the .grad itself (_pack)
         if self.hooked():
             for b, bucket in enumerate(self.buckets):
                 for i in bucket.index:
@@ -232,12 +247,18 @@ class GradSync:
             self._launch(b)
 
     def _pack(self, b: int) -> torch.Tensor:
-        """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,)."""
+        """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,).
+        A bucket that is one whole gradient (a large parameter: the embedding) is that gradient
+        itself, reduced in place: no copy of the largest tensors."""
         if self.wide:
             return self.main[b]  # already flat: reduced in place
         bucket = self.buckets[b]
         first = self.params[bucket.index[0]].grad
-        flat = torch.empty(bucket.size, dtype=self.reduce_dtype or first.dtype, device=first.device)
+        dtype = self.reduce_dtype or first.dtype
+        if self._alias and len(bucket.index) == 1 and bucket.size == bucket.numel and \
+                first.dtype == dtype and first.is_contiguous():
+            return first.view(-1)
+        flat = torch.empty(bucket.size, dtype=dtype, device=first.device)
         flat[bucket.numel:].zero_()
         for i, off in zip(bucket.index, bucket.offsets):
             g = self.params[i].grad
@@ -245,11 +266,18 @@ class GradSync:
         return flat
 
     def _launch(self, b: int) -> None:
-        if b in self._pending:
+        if b in self._launched:
             raise RuntimeError(TWICE.format(b))
+        self._launched.add(b)
+        self._bound()
         flat = self._pack(b)
         work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
         self._pending[b] = (work, flat)
+
+    def _bound(self) -> None:
+        """Before packing one more bucket, land the oldest until fewer than `inflight` are pending."""
+        while len(self._pending) >= self.inflight:
+            self._complete(next(iter(self._pending)))
 
     def _land(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.buckets[b]
@@ -257,7 +285,7 @@ class GradSync:
             p = self.params[i]
             if self.wide:  # the fp32 sum stays in main; .grad gets it rounded once (for any optimizer)
                 p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
-            else:
+            elif p.grad.data_ptr() != flat.data_ptr():  # else reduced in place
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
 
     def main_grad(self, i: int, create: bool = False) -> torch.Tensor | None:
@@ -282,6 +310,7 @@ class GradSync:
                                f"rank must use every parameter, or freeze the unused ones")
         for b in list(self._pending):
             self._complete(b)
+        self._launched.clear()
 
     def _complete(self, b: int) -> None:
         work, *buffers = self._pending.pop(b)
@@ -296,8 +325,82 @@ class GradSync:
             if work is not None:
                 work.wait()
         self._pending.clear()
+        self._launched.clear()
         self._ready = [0] * len(self.buckets)
         self.clear()
+
+
+# ------------------------------------------------------------------------------------------ reduce-scatter
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter this rank owns: its flat elements [start, start+n) are elements
+    [shard_start, shard_start+n) of this rank's shard of bucket `bucket` (n may be 0)."""
+    bucket: int
+    start: int
+    shard_start: int
+    n: int
+
+
+def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
+    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
+    buffers, async; N = 1 is a plain copy (no work: returns None)."""
+    if world == 1:
+        out.copy_(inp)
+        return None
+    return collective(out, inp, group=group, async_op=True)
+
+
+class ReduceScatterSync(GradSync):
+    """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
+    [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
+    .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
+    packed). per_micro_batch: every backward reduces and the shards accumulate (stage 3, and stage 2
+    on request); else no_sync is honoured and each bucket is reduced once per step. `on_reduced(b)`
+    runs after each launch."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
+                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
+                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2):
+        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
+        self.per_micro_batch = per_micro_batch
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
+        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight)
+        self.wide &= not per_micro_batch  # those accumulate in fp32 grad shards already
+        self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
+
+    def hooked(self) -> bool:
+        return True  # N = 1 runs the same path; the collectives become copies
+
+    def _launch(self, b: int) -> None:
+        if not self.per_micro_batch and b in self._launched:
+            raise RuntimeError(TWICE.format(b))
+        if b in self._pending:
+            self._complete(b)  # an earlier micro-step's sum: accumulate it first
+        self._launched.add(b)
+        self._bound()
+        flat = self._pack(b)  # (size,)
+        if not self.keep_full:
+            for i in self.buckets[b].index:
+                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
+        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
+        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
+        self.on_reduced(b)
+
+    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
+        if self.keep_full and not self.wide:
+            for i in self.buckets[b].index:
+                pc = self.pieces[i]
+                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
+                    out[pc.shard_start:pc.shard_start + pc.n])
+        elif self.grad_shards[b] is None:
+            self.grad_shards[b] = out
+            self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
+        else:
+            self.grad_shards[b] += out
+
+    def clear(self) -> None:
+        super().clear()
+        self.grad_shards = [None] * len(self.buckets)
 
 
 def remove_handles(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

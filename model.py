@@ -23,10 +23,13 @@ Invariants
       ModuleDict keyed by their global index (so a pipeline stage can drop the ones it does not own
       and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
       pipeline stage then maps hidden states to hidden states). Two plain attributes are the seams
-      tp.py uses for a vocab-sharded head: `loss_fn(logits, labels, reduction)` and
-      `logits_fn(logits)` (returns full-vocab logits to the user). A third, `Attention.attn_fn(q, k,
-      v, docs)`, is the attention itself (attention.attend), for a file that swaps in another
-      algorithm (ring attention) without editing this one.
+      tp.py uses for a vocab-sharded head: `loss_fn(hidden, weight, labels, reduction)` (lm_head and
+      the loss in one: hidden (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns
+      full-vocab logits to the user). A third, `Attention.attn_fn(q, k, v, docs)`, is the attention
+      itself (attention.attend), for a file that swaps in another algorithm (cp.py's ring attention)
+      without editing this one.
+    - The training loss never holds (T, V) logits: `linear_cross_entropy` computes lm_head and the
+      cross-entropy over vocabulary chunks with a hand-written backward (module section "loss").
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
@@ -350,11 +353,106 @@ class Backbone(nn.Module):
         self.rotary_emb = Rotary(cfg)
 
 
+# ----------------------------------------------------------------------------------------- loss
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Token cross-entropy in fp32, ignoring -100. reduction 'sum' is what training uses: the step
-    divides by the target count of the whole optimizer step (see precision.py)."""
+    """Token cross-entropy of given logits in fp32, ignoring -100 (for callers that have logits;
+    the model's own loss is `linear_cross_entropy`, which never makes them)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def block_logits(h: torch.Tensor, weight: torch.Tensor, v0: int, chunk: int, start: int = 0,
+                 vocab_size: int | None = None) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [v0, v0 + chunk) of `weight` for tokens h (T, H): (T, c).
+    The rows hold global ids start + v0...; ids >= vocab_size are padding (tp.py): -inf, no mass."""
+    z = F.linear(h, weight[v0:v0 + chunk]).float()  # (T, c) in the compute dtype, then fp32 (as HF)
+    if vocab_size is not None and start + v0 + z.shape[1] > vocab_size:
+        z[:, max(vocab_size - start - v0, 0):] = float("-inf")
+    return z
+
+
+def chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, start: int = 0,
+                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over this weight's vocabulary, block by block (online log-sum-exp, as flash attention): per
+    token the max logit m, the sum of exp(logit - m) s, and the target's logit (0 where the target
+    is not in this weight's rows). All fp32 (T,); one (T, chunk) block of logits lives at a time."""
+    T, c0 = h.shape[0], min(chunk, weight.shape[0])
+    m = torch.full((T,), float("-inf"), device=h.device)
+    s = torch.zeros(T, device=h.device)
+    target = torch.zeros(T, device=h.device)
+    for v0 in range(0, weight.shape[0], c0):
+        z = block_logits(h, weight, v0, c0, start, vocab_size)  # (T, c)
+        col = labels - (start + v0)  # (T,) the target's column in this block, if it is here
+        here = (col >= 0) & (col < z.shape[1])
+        target += z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1).masked_fill(~here, 0.0)
+        new = torch.maximum(m, z.max(dim=-1).values)  # (T,)
+        safe = new.nan_to_num(neginf=0.0)  # a row that met only padding so far: -inf - -inf is nan
+        s = s * torch.exp(m - safe) + z.sub_(safe[:, None]).exp_().sum(dim=-1)
+        m = new
+    return m, s, target
+
+
+def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                g: torch.Tensor, chunk: int, start: int = 0,
+                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of loss_t = lse_t - logit_t(target) scaled by g (T,): per block the logits are
+    recomputed and dL/dlogits = (softmax - one-hot)·g. Returns dL/dh (T, H) summed in fp32 over the
+    blocks and dL/dweight (n, H), each block's rows one matmul over all tokens (rounded once)."""
+    c0 = min(chunk, weight.shape[0])
+    gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # (T, H)
+    gw = torch.empty_like(weight)  # (n, H)
+    for v0 in range(0, weight.shape[0], c0):
+        z = block_logits(h, weight, v0, c0, start, vocab_size)  # (T, c)
+        z.sub_(lse[:, None]).exp_().mul_(g[:, None])  # softmax · g (padding: 0)
+        col = labels - (start + v0)
+        here = (col >= 0) & (col < z.shape[1])
+        z.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], (-g).masked_fill(~here, 0.0)[:, None])
+        dz = z.to(h.dtype)  # (T, c)
+        torch.mm(dz.t(), h, out=gw[v0:v0 + z.shape[1]])  # (c, H)
+        gh += dz @ weight[v0:v0 + z.shape[1]]  # (T, H)
+    return gh, gw
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of h @ weight.T over the whole vocabulary, (T, H) → (T,), with
+    (T, chunk) blocks of fp32 logits only; backward recomputes each block (one more head matmul)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        m, s, target = chunk_stats(h, weight, labels, chunk)
+        lse = m + s.log()  # (T,) log Σ exp(logits)
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.chunk = chunk
+        return (lse - target).masked_fill(labels == IGNORE_INDEX, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        h, weight, labels, lse = ctx.saved_tensors
+        g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)  # (T,) ignored: no gradient
+        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk)
+        return gh.to(h.dtype), gw, None, None
+
+
+def reduce_loss(loss: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-token losses (T,) → 'none' (T,), 'sum' (training: the step divides by its target count,
+    precision.normalized_loss) or 'mean' over the targets."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / (labels != IGNORE_INDEX).sum()
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
+    """lm_head and the token cross-entropy in fp32 (-100 ignored) without (T, V) logits: hidden
+    (..., H), weight (V, H), labels (...) aligned with hidden. The vocabulary is cut into blocks of
+    `chunk` rows (default: the hidden size, so a block of fp32 logits is as large as the fp32 hidden
+    states). Each block's weight gradient is one matmul over all tokens, rounded once as in the
+    unchunked loss; cutting the tokens instead would add up bf16 weight gradients chunk by chunk."""
+    H = hidden.shape[-1]
+    loss = LinearCrossEntropy.apply(hidden.reshape(-1, H), weight, labels.reshape(-1), chunk or H)
+    return reduce_loss(loss, labels, reduction)
 
 
 class Llama(nn.Module):
@@ -365,7 +463,7 @@ class Llama(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.loss_fn: Callable[..., torch.Tensor] = cross_entropy
+        self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -394,10 +492,9 @@ class Llama(nn.Module):
             h = m.norm(h)
         if self.lm_head is None:
             return h
-        logits = self.lm_head(h)  # (B, S, V)
         if labels is None:
-            return self.logits_fn(logits)
-        return self.loss_fn(logits, labels, reduction)
+            return self.logits_fn(self.lm_head(h))  # (B, S, V)
+        return self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
 
 
 # ----------------------------------------------------------------------------------------- compile

@@ -17,6 +17,13 @@ Run
 
 Invariants
     - bf16 would lose small updates (1.0 - 1e-6 == 1.0 in bf16): AdamW only ever sees fp32 masters.
+    - No whole-model temporary in the step: the norm squares the gradients in slices of at most
+      STEP_CHUNK_BYTES of fp32; gradients held in bf16 are upcast and applied chunk by chunk (AdamW
+      steps the masters whose .grad is set, one chunk at a time — elementwise, so bit-identical to
+      one call); fp32 gradients are used as they are, in one call. The extra memory of a step is one
+      chunk of fp32 gradients plus AdamW's own temporaries: none with `fused=True` (used on CUDA),
+      a few of one parameter with the CPU default (kept: it is the plain loop, bit for bit).
+      Without the chunks a bf16 step would hold an fp32 copy of every gradient beside the bf16 one.
     - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
       over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
       that another rank already counts passes `counted(name) = False` for it.
@@ -24,7 +31,8 @@ Invariants
 
 The seam zero.py uses (ZeRO must not edit this file): a subclass overrides three methods —
     `_make_master()`   which fp32 tensors AdamW owns (whole params here; flat dp shards in ZeRO),
-    `_master_grads()`  their fp32 gradients (upcast here; reduce-scattered shards in ZeRO-2/3),
+    `_master_grads()`  their gradients in the dtype they are held in (.grad here; fp32 main grads
+                       or reduce-scattered shards in ZeRO); step() upcasts them chunk by chunk,
     `_publish()`       master → compute params (a copy here; an all-gather in the compute dtype in ZeRO);
 and passes its dp group in `norm_groups` when gradients are sharded.
 """
@@ -38,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
+STEP_CHUNK_BYTES = 64 * 2**20  # fp32 gradient bytes upcast (and squared, for the norm) at a time
 
 
 @dataclass
@@ -86,18 +95,21 @@ class MixedPrecisionOptimizer:
             p.data = p.data.to(dtype)
         decay = [m for m, n, p in zip(self.master, self.names, self.params) if decays(n, p)]
         rest = [m for m, n, p in zip(self.master, self.names, self.params) if not decays(n, p)]
+        cuda = bool(self.master) and self.master[0].is_cuda  # fused: one kernel, no temporaries
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=cuda or None)
 
     # ---- the seam (see module docstring) --------------------------------------------------------
     def _make_master(self) -> list[torch.Tensor]:
         if self.dtype == torch.float32:
             return self.params  # exact pass-through: AdamW updates the parameters themselves
-        return [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        # an fp32 parameter's own storage becomes its master (the parameter then gets a bf16 copy)
+        return [p.detach().float().requires_grad_(True) if p.dtype == torch.float32 else
+                p.detach().float().clone().requires_grad_(True) for p in self.params]
 
     def _master_grads(self) -> list[torch.Tensor | None]:
-        return [None if p.grad is None else p.grad.float() for p in self.params]
+        return [p.grad for p in self.params]
 
     def _publish(self) -> None:
         if self.master is not self.params:
@@ -107,14 +119,29 @@ class MixedPrecisionOptimizer:
 
     # ---- the step ---------------------------------------------------------------------------------
     def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Global L2 norm in fp32: local sum of squares of counted grads, summed over norm_groups."""
+        """Global L2 norm in fp32: local sum of squares of counted grads, summed over norm_groups.
+        Squared in slices of STEP_CHUNK_BYTES (fp32), so no gradient-sized temporary appears."""
         sq = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
         for g, c in zip(grads, self.counted):
             if g is not None and c:
-                sq += g.float().pow(2).sum()
+                for piece in g.reshape(-1).split(STEP_CHUNK_BYTES // 4):
+                    sq += piece.float().pow(2).sum()
         for group in self.norm_groups:
             dist.all_reduce(sq, group=group)
         return sq.sqrt()
+
+    def _chunks(self, grads: list[torch.Tensor | None]) -> list[list[int]]:
+        """Consecutive masters whose gradients, upcast to fp32, take about STEP_CHUNK_BYTES (fp32
+        gradients cost nothing: they are used in place, and all fit one chunk)."""
+        chunks, size = [[]], 0
+        for i, g in enumerate(grads):
+            copy = 0 if g is None or g.dtype == torch.float32 else 4 * g.numel()
+            if chunks[-1] and copy and size + copy > STEP_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += copy
+        return chunks
 
     def step(self, lr: float) -> float:
         """Clip, update the masters, publish to the compute params, zero grads. Returns the grad norm
@@ -124,11 +151,15 @@ class MixedPrecisionOptimizer:
         value = float(norm)
         if math.isfinite(value):
             coef = torch.clamp(self.cfg.clip / (norm + 1e-6), max=1.0) if self.cfg.clip > 0 else None
-            for m, g in zip(self.master, grads):
-                m.grad = g if coef is None or g is None else g.mul_(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            for chunk in self._chunks(grads):  # AdamW steps only the masters that have a .grad
+                for i in chunk:
+                    g = None if grads[i] is None else grads[i].float()  # a copy only if not fp32
+                    self.master[i].grad = g if coef is None or g is None else g.mul_(coef)
+                self.optimizer.step()
+                for i in chunk:
+                    self.master[i].grad = None
             self._publish()
         self.zero_grad()
         return value

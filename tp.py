@@ -66,8 +66,10 @@ Invariants
     - The vocab is padded to a multiple of tp. Padded rows are zero, their logits are -inf in the
       loss (no probability mass, so they get zero gradient and stay zero under AdamW), and neither
       `logits_fn` nor `gather_full` ever shows them: users see the true vocab size.
-    - No rank ever holds a [tokens, vocab] tensor in training: the loss all-reduces only per-token
-      scalars (row max, sum of exps, target logit).
+    - No rank ever holds a [tokens, vocab] tensor in training, not even its vocab slice: the loss
+      (vocab_parallel_linear_cross_entropy) runs lm_head block by block over this rank's vocab
+      rows, (T, chunk) fp32 logits at a time, and all-reduces only per-token scalars (max, sum of
+      exps, target logit); backward recomputes each block and needs no communication.
     - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
       A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
 
@@ -82,7 +84,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, global_shapes, rms_norm
+from model import (IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, chunk_grads, chunk_stats,
+                   global_shapes, reduce_loss, rms_norm)
 
 Group = dist.ProcessGroup | None
 
@@ -396,16 +399,57 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
                                  *, group: Group, vocab_size: int) -> torch.Tensor:
-    """`model.cross_entropy` for logits (..., n) split over the vocab: fp32, -100 ignored, reduction
-    'sum' (training: divide by the step's target count, precision.normalized_loss), 'mean' or 'none'."""
+    """`model.cross_entropy` for logits (..., n) split over the vocab, for callers that have them
+    (the model's own loss never makes them: vocab_parallel_linear_cross_entropy): fp32, -100
+    ignored, reduction 'sum' (training: divide by the step's target count), 'mean' or 'none'."""
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
     loss = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), group, vocab_size)
-    if reduction == "none":
-        return loss  # (T,)
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (labels != IGNORE_INDEX).sum()
+    return reduce_loss(loss, labels, reduction)
+
+
+class VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of h @ W_r.T, this rank's vocab rows W_r (n, H) of the padded head:
+    (T, H) → (T,). Each rank merges its blocks (model.chunk_stats), then three all-reduces of (T,)
+    merge the ranks: max, sum of exps rescaled to it, target logit. Backward recomputes this rank's
+    blocks (model.chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Group,
+                vocab_size: int, chunk: int) -> torch.Tensor:
+        start = dist.get_rank(group) * weight.shape[0]  # this rank's global vocab ids start here
+        m, s, target = chunk_stats(h, weight, labels, chunk, start, vocab_size)  # (T,) each
+        top = m.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        s *= torch.exp(m - top)  # a rank holding only padding has m = -inf: adds 0
+        dist.all_reduce(s, group=group)
+        dist.all_reduce(target, group=group)  # only the owning rank adds a nonzero value
+        lse = top + s.log()  # (T,)
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.chunk, ctx.start, ctx.vocab_size = chunk, start, vocab_size
+        return (lse - target).masked_fill(labels == IGNORE_INDEX, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple:
+        h, weight, labels, lse = ctx.saved_tensors
+        g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)
+        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, ctx.start, ctx.vocab_size)
+        return gh.to(h.dtype), gw, None, None, None, None
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                        reduction: str = "mean", *, group: Group, vocab_size: int,
+                                        sequence_parallel: bool = False,
+                                        chunk: int | None = None) -> torch.Tensor:
+    """`model.linear_cross_entropy` for a vocab-parallel lm_head (the model's loss seam under tp):
+    hidden (..., H) replicated over tp, weight this rank's (n, H) rows. The backward's partial dL/dh
+    is summed over tp by copy_to_region — or, under sequence parallelism, by the reduce-scatter of
+    the final norm's gather that produced `hidden`."""
+    H = hidden.shape[-1]
+    x = hidden if sequence_parallel else copy_to_region(hidden, group)
+    loss = VocabParallelLinearCrossEntropy.apply(x.reshape(-1, H), weight, labels.reshape(-1), group,
+                                                 vocab_size, chunk or H)
+    return reduce_loss(loss, labels, reduction)
 
 
 def gather_logits(logits: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
@@ -474,7 +518,8 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
         if cfg.tie_word_embeddings and embed is not None:
             head.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
         model.lm_head = head
-        model.loss_fn = partial(vocab_parallel_cross_entropy, group=tp_group, vocab_size=cfg.vocab_size)
+        model.loss_fn = partial(vocab_parallel_linear_cross_entropy, group=tp_group,
+                                vocab_size=cfg.vocab_size, sequence_parallel=sequence_parallel)
         model.logits_fn = partial(gather_logits, group=tp_group, vocab_size=cfg.vocab_size)
     # the map names each sharded parameter once, as named_parameters() does (tied head: the embedding)
     params = dict(model.named_parameters())

@@ -13,11 +13,14 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     4. pp.split_stage: drop the layers/embedding/head this stage does not own
     5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
        cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions
-    6. materialize: load this rank's slices from --init-from or init from --seed (the full weights
-       never depend on the layout), recompute RoPE buffers
+    6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
+       weights never depend on the layout); the parameters stay on the meta device, only the RoPE
+       buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too)
-    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3
+       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
+    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
+       built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
+       ever holds the whole model
     9. checkpoint.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
@@ -26,6 +29,9 @@ Invariants
       a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
     - The device is chosen once, here: CUDA + NCCL when available, else CPU + gloo.
+    - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
+      by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
+      peaks the last line lists per phase.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ import cp as CP
 import data
 import dp
 import export as EX
+import memory as MEM
 import model as M
 import pp as PP
 import precision as P
@@ -267,7 +274,7 @@ def stage(name: str, grid: Grid):
 def memory_report(device: torch.device) -> str:
     """What the allocator holds when memory ran out (CUDA), or the process's peak RSS (CPU)."""
     if device.type != "cuda":
-        return f"peak resident memory {peak_memory_mb(device):,.0f} MB"
+        return f"peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MB"
     mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
     free, total = torch.cuda.mem_get_info(device)
     cuda = torch.cuda
@@ -651,10 +658,12 @@ def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
             f"bubble {float(sim.bubble):.1%}" + ("" if m >= p else " (fewer micro-batches than stages)"))
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+def peak_text(peak: MEM.Peak | None) -> str:
+    """'123 MB' (allocated), with the CUDA cache's reserved bytes when known; 'n/a' if unmeasured."""
+    if peak is None:
+        return "n/a"
+    reserved = f" ({peak.reserved / 2**20:,.0f} MB reserved)" if peak.reserved is not None else ""
+    return f"{peak.allocated / 2**20:,.0f} MB{reserved}"
 
 
 def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
@@ -701,21 +710,24 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------ build
-def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict]:
-    """Steps 3-7 of the composition order (module docstring)."""
+def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tuple[M.Llama, dict, Z.Init]:
+    """Steps 3-7 of the composition order (module docstring): the parameters stay on the meta
+    device; the returned reader gives their values to make_optimizer."""
     model = M.build(cfg)
     PP.split_stage(model, grid.at.pp_rank, args.pp, layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     CP.apply_cp(model, grid.cp_group)
-    W.materialize(model, grid.device, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
     if args.compile:
         M.compile_layers(model)
-    return model, shards
+    return model, shards, init
 
 
-def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid: Grid) -> Z.DataParallel:
+def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
+                   grid: Grid) -> Z.DataParallel:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
     a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
@@ -727,7 +739,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, grid:
     return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                        tied=PP.tied_copy(model), embed_group=grid.embed_group)
+                        tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                        init=init, device=grid.device)
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
@@ -860,6 +873,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     grid = setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # validate reports a bad one
     numerics = device_defaults(args, grid.device)
+    meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
+    meter.phase("data")
     try:
         cfg = M.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
@@ -879,11 +894,12 @@ def main(argv: list[str] | None = None) -> None:
                                remainder="wrap" if args.sft else "drop")
     except (OSError, ValueError) as e:
         fail(str(e), grid)
+    meter.phase("setup")
     try:
-        model, shards = build_model(args, cfg, grid)
+        model, shards, init = build_model(args, cfg, grid)
+        opt = make_optimizer(args, model, shards, init, grid)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         fail(str(e), grid)
-    opt = make_optimizer(args, model, shards, grid)
     start = resume(ckpt, args, opt, cfg, shards, sampler, grid)
     try:
         export_tok = export_tokenizer(args, ds) if args.export_hf else None
@@ -891,6 +907,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--export-hf: the tokenizer to export: {e}", grid)
     actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
     chunks = PP.stage_chunks(model, layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
+    for chunk in chunks:
+        meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
     pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
@@ -910,6 +928,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start, bad, good = time.time(), 0, 0
     for step in range(start, args.steps):
         t0 = time.time()
+        meter.phase("data")
         micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid)
         with stage("counting the step's target tokens (dp all-reduce)", grid):
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
@@ -920,8 +939,10 @@ def main(argv: list[str] | None = None) -> None:
             opt.finish()  # dp / ZeRO reductions land
             dist.all_reduce(loss, group=grid.dp_group)
         lr = lr_at(step, args)
+        meter.phase("step")
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             grad_norm = opt.step(lr)
+        meter.phase(None)  # logging, eval: not training memory
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
@@ -942,7 +963,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
-                  f"peak mem {peak_memory_mb(grid.device):,.0f} MB"
+                  f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
                   f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
@@ -962,19 +983,24 @@ def main(argv: list[str] | None = None) -> None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-            save(args, step + 1, opt, cfg, shards, sampler, grid, metrics)
+            with meter.during("save"):
+                save(args, step + 1, opt, cfg, shards, sampler, grid, metrics)
     if args.steps > start and not good:
         fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
              f"trained; lower --lr, check the data, or use --clip", grid)
     if args.export_hf:
         try:
-            with stage("HF export", grid):
+            with stage("HF export", grid), meter.during("export"):
                 EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
                              export_tok)
         except (OSError, ValueError) as e:  # the same on every rank
             fail(str(e), grid)
         if log:
             print(f"exported HF model to {args.export_hf}", flush=True)
+    if log and meter.available:
+        print("peak memory by phase (rank 0): " + " · ".join(
+            f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
+    meter.close()
     if metrics:
         metrics.close()
     opt.teardown()

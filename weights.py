@@ -4,9 +4,13 @@ What it does
     `materialize` allocates a meta-device model (built by `model.build`, maybe already cut by pp.py
     and tp.py) and fills every parameter: from an HF safetensors directory (single file or sharded
     with `model.safetensors.index.json`), reading only this rank's slice of each tensor, or from the
-    parameter's own named generator. `save_hf` writes full tensors as an HF directory that
+    parameter's own named generator. `param_reader` gives the same values piece by piece without
+    allocating the model — `read(name, start, stop)`, elements [start, stop) of a parameter's
+    flattened local values — so zero.apply_zero(init=...) builds sharded state directly (reading
+    from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
+    the buffers alone. `save_hf` writes full tensors as an HF directory that
     `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
-    the tokenizer); `load_hf` reads one back whole. The pieces serve a streaming export too (train.py
+    the tokenizer); `load_hf` reads one back whole. The pieces serve a streaming export too (export.py
     writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
     file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
     `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
@@ -20,8 +24,10 @@ Run
 
 Invariants
     - Init is a function of (seed, HF name) only: every parameter has its own generator, so the full
-      weights never depend on creation order or on how tp/pp slice the model. A `model.Shard` map
-      (from tp.py) says which slice of each global tensor a rank holds; only that slice is read.
+      weights never depend on creation order or on how tp/pp/ZeRO slice the model. A `model.Shard`
+      map (from tp.py) says which slice of each global tensor a rank holds; only that slice is read.
+      A seeded init draws a parameter's whole tensor (the generator's stream is the whole tensor):
+      one parameter in full at a time, the most any build holds beyond its own state.
     - `to_empty` unties shared weights and leaves non-persistent buffers (RoPE `inv_freq`) as
       garbage that is only ~100 ULP wrong: `materialize` re-ties the one and recomputes the other.
     - A truncated, corrupt or mismatched file raises naming the file (or the tensor); a failed write
@@ -69,16 +75,6 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> tor
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def _narrow(full_size: int, shard: Shard, read: Callable[[int, int], torch.Tensor],
-            local: torch.Tensor) -> torch.Tensor:
-    """Fill `local` with rows [start, start+size) of a global tensor, zero past full_size."""
-    out = torch.zeros_like(local, device="cpu")
-    stop = min(shard.start + shard.size, full_size)
-    if stop > shard.start:
-        out.narrow(shard.dim, 0, stop - shard.start).copy_(read(shard.start, stop))
-    return out
-
-
 @contextmanager
 def open_safetensors(path: Path) -> Iterator:
     """safe_open with the file named in the error when it is truncated or not safetensors at all."""
@@ -106,21 +102,61 @@ class SafetensorsDir:
         if missing:
             raise FileNotFoundError(f"safetensors shards listed in the index are missing: {missing}")
 
-    def read(self, name: str, shard: Shard | None, local: torch.Tensor, full_shape: tuple) -> torch.Tensor:
+    def block(self, name: str, full_shape: tuple, index: tuple[slice, ...]) -> torch.Tensor:
+        """tensor[index] of `name`, read from disk as that block only."""
         if name not in self.files:
             raise ValueError(f"{name} not found in the checkpoint")
         with open_safetensors(self.files[name]) as f:
             sl = f.get_slice(name)
             if tuple(sl.get_shape()) != tuple(full_shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(sl.get_shape())} != config {full_shape}")
-            if shard is None:
-                return sl[:]
-            index = [slice(None)] * len(full_shape)
+            return sl[index]
 
-            def read(a: int, b: int) -> torch.Tensor:
-                index[shard.dim] = slice(a, b)
-                return sl[tuple(index)]  # only this slice leaves the file
-            return _narrow(full_shape[shard.dim], shard, read, local)
+
+def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
+                 shards: dict[str, Shard] | None = None) -> Callable[[str, int, int], torch.Tensor]:
+    """read(name, start, stop) → fp32 CPU tensor (stop - start,): elements [start, stop) of
+    parameter `name`'s flattened local values — this rank's tp slice (`shards`), zero past the
+    global size — from `hf_dir` (only the local rows holding them leave the file) or the seeded init
+    (the whole tensor is drawn, then cut). The model may stay on the meta device: only names and
+    shapes are read from it."""
+    shards = shards or {}
+    cfg = model.config
+    shapes = global_shapes(cfg)
+    local = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    src = SafetensorsDir(hf_dir) if hf_dir else None
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        # tied: lm_head is the embedding (a pipeline's last stage holds its own copy of it)
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name
+        shape, full, shard = local[name], shapes[key], shards.get(name)
+        row = math.prod(shape[1:])  # elements per local row
+        r0, r1 = start // row, -(-stop // row)  # the local rows holding [start, stop)
+        index = [slice(None)] * len(full)  # the block of the global tensor behind those rows
+        local_dim0 = shard is not None and shard.dim == 0
+        g0 = r0 + (shard.start if local_dim0 else 0)
+        index[0] = slice(min(g0, full[0]), min(g0 + r1 - r0, full[0]))
+        if shard is not None and shard.dim > 0:
+            index[shard.dim] = slice(min(shard.start, full[shard.dim]),
+                                     min(shard.start + shard.size, full[shard.dim]))
+        if src is not None:
+            got = src.block(key, full, tuple(index))
+        else:
+            got = init_tensor(key, full, seed, cfg.initializer_range)[tuple(index)]
+        rows = torch.zeros((r1 - r0, *shape[1:]))  # padding (past the global size) stays zero
+        rows[tuple(slice(0, n) for n in got.shape)] = got
+        return rows.reshape(-1)[start - r0 * row:stop - r0 * row]
+    return read
+
+
+@torch.no_grad()
+def materialize_buffers(model: Llama, device: torch.device | str) -> Llama:
+    """Allocate only the buffers (RoPE's inv_freq, recomputed): the parameters stay on the meta
+    device for zero.apply_zero(init=param_reader(...)) to build sharded."""
+    rotary = model.model.rotary_emb
+    rotary.to_empty(device=device)
+    rotary.reset_buffers()
+    return model
 
 
 @torch.no_grad()
@@ -128,10 +164,7 @@ def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir:
                 shards: dict[str, Shard] | None = None) -> Llama:
     """Allocate a meta-built model on `device` and fill every parameter: from `hf_dir` (only this
     rank's slices are read) or from the named-seeded init. Then recompute the RoPE buffers."""
-    shards = shards or {}
-    cfg = model.config
-    shapes = global_shapes(cfg)
-    src = SafetensorsDir(hf_dir) if hf_dir else None
+    read = param_reader(model, seed, hf_dir, shards)  # opens the checkpoint: errors before allocating
     # to_empty gives every module its own new Parameter, which silently unties shared weights
     # (tied embeddings): remember who shares what and re-tie afterwards
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -143,18 +176,7 @@ def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir:
         for mod, attr in others:
             setattr(mod, attr, getattr(mod0, attr0))
     for name, p in model.named_parameters():
-        # tied: lm_head is the embedding (a pipeline's last stage holds its own copy of it)
-        key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name
-        shard = shards.get(name)
-        if src is not None:
-            value = src.read(key, shard, p, shapes[key])
-        else:
-            full = init_tensor(key, shapes[key], seed, cfg.initializer_range)
-            value = full if shard is None else _narrow(
-                full.shape[shard.dim], shard, lambda a, b: full.narrow(shard.dim, a, b - a), p)
-        if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(f"{name}: got {tuple(value.shape)}, the model holds {tuple(p.shape)}")
-        p.copy_(value)
+        p.copy_(read(name, 0, p.numel()).view_as(p))
     model.model.rotary_emb.reset_buffers()
     return model
 

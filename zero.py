@@ -26,6 +26,43 @@ What it does
     masters are cast to the compute dtype and all-gathered (stages 1-2, in the step) or written into
     the persistent compute-dtype shard (stage 3, gathered when next used).
 
+    Building: on a meta-device model (`model.build`, cut by pp/tp) with `init=weights.param_reader(
+    ...)`, stages 1-3 fill their buffers parameter by parameter, and stage 3 reads only the elements
+    of its own shard (from safetensors only the rows that hold them): no rank ever holds the model in
+    full. A built model is accepted too (init=None: the values are read from the parameters).
+
+Peak memory (what decides an out-of-memory error; memory.PeakMeter measures it, tests/test_memory.py
+checks it per phase at dp = 2 and 4). The table holds between steps. At its peak a rank holds the
+table, the activations (all that grows with a micro-batch's tokens, the loss's block of fp32 logits
+included: model.linear_cross_entropy never makes (T, V)) and at most these extras, B being the
+largest bucket (stage 3: unit) in the reduce dtype:
+    - backward: (inflight + 2)·B of gradient buffers — `inflight` (default 2, dp.py) reductions in
+      flight, one bucket being packed, one being filled — and the shards they reduce into; a
+      bucket's full-size flat is freed as soon as its reduction lands, only this rank's shard stays
+      (when every micro-batch reduces, the last `inflight` ones land during the next forward);
+    - stage 3: prefetch + 1 gathered units in forward, prefetch + 2 in backward (the unit whose
+      grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
+      the head's backward to the embedding's;
+    - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece),
+      AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured) and, at
+      stages 1-2, the shards of `inflight` all-gathers;
+    - on gloo (CPU) every collective in flight also stages through a buffer of its full size;
+    - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
+    Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
+    first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
+    instant, one unit's flat in the compute dtype; stages 1-2 their flats and masters plus one
+    parameter.
+    Micro-batches. Stage 1 accumulates in the full .grad and reduces once per step (no_sync). Stage 2
+    reduces once per step too (the default): under no_sync its full-size .grad accumulates — 2Ψ,
+    stage 1's backward peak — and the last backward reduce-scatters it bucket by bucket and drops it,
+    so the step itself runs at 2Ψ + 14Ψ/N. That is Megatron's distributed optimizer: with pipeline
+    micro-batches (m ≥ 2p) reducing each one would multiply the dp traffic by m, on links the
+    pipeline's own sends already use. `reduce_every_micro_batch=True` reduce-scatters every
+    micro-batch instead (DeepSpeed's ZeRO-2): m reduce-scatters per step, and the peak is one
+    micro-batch's, 2Ψ + 14Ψ/N plus the extras above. Stage 3 always reduces every micro-batch: its
+    parameters are gathered only while a micro-batch uses them, and a full-size gradient kept
+    between micro-batches would cost the 2Ψ that stage 3 exists to avoid.
+
 Reference
     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models";
     Zhao et al. 2023, "PyTorch FSDP" (flat units, storage freeing, pre-backward gathers, prefetch).
@@ -39,24 +76,25 @@ Invariants
       tp/pp `norm_groups`, with `counted(name)` for replicas); at N = 1 the pieces are the whole
       parameters in the same order, so every stage is bit-identical to MixedPrecisionOptimizer.
     - vs stage 0 at dp=2 (fp32) stages 1-3 are bit-identical unless clipping is active (the norm is
-      summed in another order: last-bit different coefficient) or stages 2-3 accumulate micro-batches
-      ((a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
+      summed in another order: last-bit different coefficient) or the grad shards accumulate
+      micro-batches (stage 3, stage 2 with reduce_every_micro_batch: (a1+b1)+(a2+b2) vs
+      (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
     - Stage 1 keeps the full .grad as accumulation buffer and honours no_sync; after finish() only
-      the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stages 2-3
-      reduce-scatter at every backward (no_sync is a no-op: keeping full grads would defeat them) and
-      accumulate in the grad shard; reduce_dtype=torch.float32 makes that accumulation fp32. With
-      bf16 compute and reduce_dtype=torch.float32, stages 0-1 accumulate in fp32 too: dp.GradSync's
-      full-size fp32 main buffers (4Ψ instead of the 2Ψ bf16 .grad, as Megatron's main_grad) are
-      reduced once per step; stage 0 also lands the rounded sum in .grad (2Ψ until zero_grad), stage
-      1 keeps only its reduce-scattered fp32 shard, as stage 2.
+      the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stage 2
+      honours no_sync as well unless reduce_every_micro_batch; then, like stage 3, it reduce-scatters
+      at every backward (no_sync is a no-op) and accumulates in the grad shard, in fp32 with
+      reduce_dtype=torch.float32. With bf16 compute and reduce_dtype=torch.float32 the stages that
+      reduce once per step accumulate in fp32 too: dp.GradSync's full-size fp32 main buffers (4Ψ
+      instead of the 2Ψ bf16 .grad, as Megatron's main_grad); stage 0 also lands the rounded sum in
+      .grad (2Ψ until zero_grad), stages 1-2 keep only their reduce-scattered fp32 shard.
     - Every hook handle (post-accumulate-grad, module forward, output-grad) is kept and `teardown()`
       removes them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot
       see (the seed's leak). After teardown a stage-3 model's parameters are released (unusable).
     - Stage 3 with several micro-batches in flight (pipelining): each forward frees its units and
       each backward re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks
       run inside backward (a checkpoint recompute) gather but never free. A tied embedding stays
-      gathered from the head's backward to the embedding's. Each rank materializes the full model
-      first, then shards it.
+      gathered from the head's backward to the embedding's. The head's unit is freed by a hook on
+      the model itself: the loss reads lm_head.weight chunk by chunk without calling lm_head.
     - Tied embeddings with pp > 1 (`tied=pp.tied_copy(model)`, Megatron's embedding group): the
       first stage's embedding and the last stage's copy each lie ALONE in a bucket (stages 1-2) or
       unit (stage 3) of the same size and padding, so dp rank r owns the same elements of both.
@@ -68,7 +106,6 @@ Builds on: precision.py, dp.py
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -76,76 +113,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dp import TWICE, Bucket, GradSync, Group, layout, make_buckets, remove_handles
+from dp import Bucket, GradSync, Group, Piece, ReduceScatterSync, launch, layout, make_buckets, remove_handles
+import precision as P
 from precision import MixedPrecisionOptimizer, OptimConfig
 
 Named = Iterable[tuple[str, nn.Parameter]]
+Init = Callable[[str, int, int], torch.Tensor]  # (name, start, stop) → fp32 flat elements [start, stop)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter this rank owns: its flat elements [start, start+n) are elements
-    [shard_start, shard_start+n) of this rank's shard of bucket `bucket` (n may be 0)."""
-    bucket: int
-    start: int
-    shard_start: int
-    n: int
-
-
-def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
-    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
-    buffers, async; N = 1 is a plain copy (no work: returns None)."""
-    if world == 1:
-        out.copy_(inp)
-        return None
-    return collective(out, inp, group=group, async_op=True)
-
-
-class ReduceScatterSync(GradSync):
-    """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
-    .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
-    packed, the sums accumulate). `on_reduced(b)` runs after each launch."""
-
-    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
-                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 on_reduced: Callable[[int], None]):
-        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
-        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets)
-        self.wide &= keep_full  # stages 2-3 accumulate in fp32 grad shards already
-
-    def hooked(self) -> bool:
-        return True  # N = 1 runs the same path; the collectives become copies
-
-    def _launch(self, b: int) -> None:
-        if b in self._pending:
-            if self.keep_full:
-                raise RuntimeError(TWICE.format(b))
-            self._complete(b)  # an earlier micro-step's sum: accumulate it first
-        flat = self._pack(b)  # (size,)
-        if not self.keep_full:
-            for i in self.buckets[b].index:
-                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
-        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
-        self.on_reduced(b)
-
-    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
-        if self.keep_full and not self.wide:
-            for i in self.buckets[b].index:
-                pc = self.pieces[i]
-                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
-                    out[pc.shard_start:pc.shard_start + pc.n])
-        elif self.grad_shards[b] is None:
-            self.grad_shards[b] = out
-            self.main[b] = None  # stage 1 + fp32 accumulation: the reduced shard is all it keeps
-        else:
-            self.grad_shards[b] += out
-
-    def clear(self) -> None:
-        super().clear()
-        self.grad_shards = [None] * len(self.buckets)
+def _place(p: nn.Parameter, value: torch.Tensor) -> None:
+    """Make p hold `value` while staying the same Parameter object (hooks, optimizer groups, the
+    caller's references and ties stay valid). A meta parameter cannot take a real tensor as .data:
+    it first swaps contents with an empty one. `.data =` keeps p's own version counter, so the
+    all-gathers writing into a stage-3 flat never look like in-place edits of tensors autograd saved."""
+    if p.is_meta:
+        empty = torch.empty(0, dtype=value.dtype, device=value.device)
+        torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+    p.data = value
 
 
 class DataParallel(MixedPrecisionOptimizer):
@@ -157,19 +141,41 @@ class DataParallel(MixedPrecisionOptimizer):
                  bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
                  norm_groups: Iterable[dist.ProcessGroup] = (),
                  counted: Callable[[str], bool] = lambda name: True,
-                 tied: nn.Parameter | None = None, embed_group: Group = None):
+                 tied: nn.Parameter | None = None, embed_group: Group = None, inflight: int = 2,
+                 init: Init | None = None, device: torch.device | str | None = None):
         self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
+        self.inflight, self.init = inflight, init
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         named = list(named_params)
+        real = [p.device for _, p in named if not p.is_meta]
+        if device is None and not real and named:
+            raise ValueError("a meta-device model needs the device to build on (device=...)")
+        if init is None and len(real) < len(named):
+            raise ValueError("a meta-device model needs init= (weights.param_reader) to fill it")
+        self.device = torch.device(device) if device is not None else \
+            (real[0] if real else torch.device("cpu"))
         self.tied = next((i for i, (_, p) in enumerate(named) if p is tied), None)  # its position
         self.embed_group = embed_group
         groups = ([group] if self.stage and self.world > 1 else []) + list(norm_groups)
         super().__init__(named, cfg, dtype, groups, counted)
         self.sync = self._make_sync()
 
+    def _values(self, i: int, start: int, stop: int) -> torch.Tensor:
+        """fp32 elements [start, stop) of parameter i's flattened initial values, on this device:
+        from `init` (only what is asked for is read) or from the parameter itself (maybe a view)."""
+        if self.init is not None:
+            return self.init(self.names[i], start, stop).to(self.device, torch.float32)
+        return self.params[i].detach().reshape(-1)[start:stop].float()
+
+    def _make_master(self) -> list[torch.Tensor]:
+        if self.init is not None:  # one parameter at a time: stage 0 holds the whole model anyway
+            for i, p in enumerate(self.params):
+                _place(p, self._values(i, 0, p.numel()).clone().view(p.shape))
+        return super()._make_master()
+
     def _make_sync(self) -> GradSync:
-        return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype)
+        return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype, inflight=self.inflight)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Wrap every accumulation micro-step's backward except the last."""
@@ -190,8 +196,9 @@ class DataParallel(MixedPrecisionOptimizer):
 
     def _sum_tied(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Sum this rank's piece of the tied copy's gradient with the same piece on the other stage
-        (the embedding group): both copies get the same gradient, hence the same AdamW step."""
+        (the embedding group), in fp32: both copies get the same gradient, hence the same step."""
         if self.tied is not None and grads[self.tied] is not None:  # None on both: no backward ran
+            grads[self.tied] = grads[self.tied].float()
             dist.all_reduce(grads[self.tied], group=self.embed_group)
         return grads
 
@@ -211,8 +218,9 @@ class ZeroOptimizer(DataParallel):
     """Stages 1 and 2 through precision.py's seam: sharded masters, sharded grads, all-gather."""
 
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group,
-                 stage: int, **kw):
+                 stage: int, reduce_every_micro_batch: bool = False, **kw):
         self.stage = stage
+        self.per_micro_batch = stage == 3 or (stage == 2 and reduce_every_micro_batch)
         super().__init__(named_params, cfg, dtype, group, **kw)
 
     def _buckets(self) -> list[Bucket]:
@@ -223,65 +231,74 @@ class ZeroOptimizer(DataParallel):
         tied = [] if self.tied is None else [[self.tied]]
         return [layout(index, self.params, self.world) for index in rest + tied if index]
 
+    def _piece(self, b: int, k: int) -> Piece:
+        """This rank's part of the k-th parameter of bucket b (maybe empty)."""
+        bucket = self.buckets[b]
+        S = bucket.size // self.world
+        lo, off, n = self.rank * S, bucket.offsets[k], self.params[bucket.index[k]].numel()
+        a, z = max(off, lo), min(off + n, lo + S)
+        return Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
+
     def _make_master(self) -> list[torch.Tensor]:
         """Lay every bucket out flat in the compute dtype (the parameters become views into it, so
-        the all-gather writes them in place) and cut this rank's fp32 piece of each parameter."""
+        the all-gather writes them in place), one parameter at a time, and cut this rank's fp32
+        piece of each. Peak: the flats and pieces so far plus one parameter in fp32."""
         self.buckets = self._buckets()
         self.pieces: list[Piece] = [None] * len(self.params)  # type: ignore[list-item]
         self.flat_params: list[torch.Tensor] = []
         master: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for b, bucket in enumerate(self.buckets):
-            p0 = self.params[bucket.index[0]]
-            full = torch.zeros(bucket.size, dtype=self.dtype, device=p0.device)  # (size,)
-            S = bucket.size // self.world
-            lo = self.rank * S
-            for i, off in zip(bucket.index, bucket.offsets):
-                p, n = self.params[i], self.params[i].numel()
-                a, z = max(off, lo), min(off + n, lo + S)
-                pc = self.pieces[i] = Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
-                flat_p = p.detach().reshape(-1)  # (n,) fp32 initial values
-                master[i] = flat_p[pc.start:pc.start + pc.n].float().clone()
-                full[off:off + n].copy_(flat_p)
-                p.data = full[off:off + n].view_as(p)
+            full = torch.zeros(bucket.size, dtype=self.dtype, device=self.device)  # (size,)
+            for k, (i, off) in enumerate(zip(bucket.index, bucket.offsets)):
+                p, n, pc = self.params[i], self.params[i].numel(), self._piece(b, k)
+                self.pieces[i] = pc
+                values = self._values(i, 0, n)  # (n,) fp32
+                master[i] = values[pc.start:pc.start + pc.n].clone()
+                full[off:off + n].copy_(values)
+                _place(p, full[off:off + n].view_as(p))
             self.flat_params.append(full)
         return master
 
     def _make_sync(self) -> GradSync:
         return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
-                                 keep_full=self.stage == 1, on_reduced=self._on_reduced)
+                                 keep_full=self.stage == 1, per_micro_batch=self.per_micro_batch,
+                                 on_reduced=self._on_reduced, inflight=self.inflight)
 
     def _on_reduced(self, b: int) -> None:
         pass
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.sync.no_sync() if self.stage == 1 else contextlib.nullcontext()
+        return contextlib.nullcontext() if self.per_micro_batch else self.sync.no_sync()
 
     def _master_grads(self) -> list[torch.Tensor | None]:
-        grads: list[torch.Tensor | None] = []  # this rank's pieces, dp-summed
+        grads: list[torch.Tensor | None] = []  # this rank's pieces, dp-summed, in the reduce dtype
         for p, pc in zip(self.params, self.pieces):
             if self.stage == 1 and not self.sync.wide:
                 g = None if p.grad is None else p.grad.view(-1)[pc.start:pc.start + pc.n]
             else:
                 shard = self.sync.grad_shards[pc.bucket]
                 g = None if shard is None else shard[pc.shard_start:pc.shard_start + pc.n]
-            grads.append(None if g is None else g.float())
+            grads.append(g)
         return self._sum_tied(grads)
 
-    def _shards_from_master(self, shards: list[torch.Tensor]) -> None:
-        """Write each master piece, cast to the compute dtype, into its place in the shards."""
+    def _write_shard(self, b: int, shard: torch.Tensor) -> None:
+        """Write the master pieces of bucket b, cast to the compute dtype, into its shard."""
         with torch.no_grad():
-            for m, pc in zip(self.master, self.pieces):
-                shards[pc.bucket][pc.shard_start:pc.shard_start + pc.n].copy_(m)
+            for i in self.buckets[b].index:
+                pc = self.pieces[i]
+                shard[pc.shard_start:pc.shard_start + pc.n].copy_(self.master[i])
 
     def _publish(self) -> None:
-        shards = [torch.zeros(f.numel() // self.world, dtype=self.dtype, device=f.device)
-                  for f in self.flat_params]  # (S,) each; the padding stays zero
-        self._shards_from_master(shards)
-        works = [launch(dist.all_gather_single, full, shard, self.group, self.world)
-                 for full, shard in zip(self.flat_params, shards)]
-        for w in works:
-            if w is not None:
-                w.wait()
+        """All-gather the updated shards into the flats, at most `inflight` buckets at a time."""
+        pending: list = []
+        for b, full in enumerate(self.flat_params):
+            shard = torch.zeros(full.numel() // self.world, dtype=self.dtype, device=full.device)  # (S,)
+            self._write_shard(b, shard)  # the padding stays zero
+            pending.append((launch(dist.all_gather_single, full, shard, self.group, self.world), shard))
+            while pending and (len(pending) >= self.inflight or b == len(self.flat_params) - 1):
+                work, _ = pending.pop(0)
+                if work is not None:
+                    work.wait()
 
 
 def _in_backward() -> bool:
@@ -303,9 +320,13 @@ class Zero3Optimizer(ZeroOptimizer):
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
         self._pinned = False  # inside gathered(): forwards keep everything gathered
         super().__init__(named_params, cfg, dtype, group, stage=3, **kw)
+        head = getattr(model, "lm_head", None)
         for s, site in enumerate(self.sites):
+            # the head's site ends with the model's own forward: the loss reads lm_head.weight
+            # without calling lm_head (model.linear_cross_entropy), so lm_head's hook would not run
+            end = model if head is not None and site[-1] is head else site[-1]
             self.module_handles.append(site[0].register_forward_pre_hook(partial(self._pre_forward, s)))
-            self.module_handles.append(site[-1].register_forward_hook(partial(self._post_forward, s)))
+            self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))
 
     def _buckets(self) -> list[Bucket]:
         m = self.model.model
@@ -333,10 +354,27 @@ class Zero3Optimizer(ZeroOptimizer):
         return [layout(u, self.params, pad_to=self.world) for u in units]
 
     def _make_master(self) -> list[torch.Tensor]:
-        master = super()._make_master()
-        self.param_shards = [f.view(self.world, -1)[self.rank].clone() for f in self.flat_params]  # (S,)
-        for f in self.flat_params:
-            f.untyped_storage().resize_(0)  # the parameters (views of f) now hold no memory
+        """Shard by shard: for each unit, this rank's compute-dtype shard and fp32 master pieces are
+        filled from only the elements it owns; the parameters become views of the unit's flat,
+        which holds no memory until gathered. Never more than one parameter (fp32) in full."""
+        self.buckets = self._buckets()
+        self.pieces = [None] * len(self.params)  # type: ignore[list-item]
+        self.flat_params, self.param_shards = [], []
+        master: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for b, bucket in enumerate(self.buckets):
+            full = torch.empty(bucket.size, dtype=self.dtype, device=self.device)  # (size,)
+            views = [full[off:off + self.params[i].numel()].view_as(self.params[i])
+                     for i, off in zip(bucket.index, bucket.offsets)]
+            full.untyped_storage().resize_(0)  # the parameters' views hold no memory until gathered
+            shard = torch.zeros(bucket.size // self.world, dtype=self.dtype, device=self.device)  # (S,)
+            for k, (i, view) in enumerate(zip(bucket.index, views)):
+                pc = self.pieces[i] = self._piece(b, k)
+                master[i] = self._values(i, pc.start, pc.start + pc.n).clone() if pc.n else \
+                    torch.zeros(0, device=self.device)  # (pc.n,): only the elements it owns are read
+                shard[pc.shard_start:pc.shard_start + pc.n].copy_(master[i])
+                _place(self.params[i], view)
+            self.flat_params.append(full)
+            self.param_shards.append(shard)
         return master
 
     # ---- gather / free -------------------------------------------------------------------------
@@ -392,7 +430,8 @@ class Zero3Optimizer(ZeroOptimizer):
     def _publish(self) -> None:
         for u in [u for u, full in enumerate(self._full) if full]:
             self._free(u)  # a gathered copy would be stale
-        self._shards_from_master(self.param_shards)
+        for u, shard in enumerate(self.param_shards):
+            self._write_shard(u, shard)
 
     def finish(self) -> None:
         super().finish()
@@ -430,30 +469,37 @@ class Zero3Optimizer(ZeroOptimizer):
 
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
                dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-               reduce_dtype: torch.dtype | None = None, prefetch: int = 1,
+               reduce_dtype: torch.dtype | None = None, prefetch: int = 1, inflight: int = 2,
+               reduce_every_micro_batch: bool = False,
                norm_groups: Iterable[dist.ProcessGroup] = (),
                counted: Callable[[str], bool] = lambda name: True,
-               tied: nn.Parameter | None = None, embed_group: Group = None) -> DataParallel:
+               tied: nn.Parameter | None = None, embed_group: Group = None,
+               init: Init | None = None, device: torch.device | str | None = None) -> DataParallel:
     """The step object for ZeRO `stage` (0 = plain DP) over `dp_group`, built on a model whose
-    parameters hold their fp32 values (after materialize, tp, ac). norm_groups/counted: the tp/pp
-    groups and replica predicate of the grad norm (the dp group is added when grads are sharded).
-    bucket_mb: gradient bucket size (stages 0-2); prefetch: units gathered ahead (stage 3).
+    parameters hold their fp32 values (after materialize, tp, ac) — or on a meta-device model with
+    `init` (weights.param_reader: fp32 elements [start, stop) of a parameter's flattened local values)
+    and `device`, which every stage fills one parameter at a time (stage 3: only its own shard).
+    norm_groups/counted: the tp/pp groups and replica predicate of the grad norm (the dp group is
+    added when grads are sharded). bucket_mb: gradient bucket size (stages 0-2); inflight: gradient
+    reductions (and stage 1-2 all-gathers) in flight at once; prefetch: units gathered ahead (stage
+    3); reduce_every_micro_batch: stage 2 reduce-scatters each micro-batch instead of once per step.
     tied: this pipeline stage's copy of an embedding tied across the first and last stage (None
     elsewhere; pp.tied_copy(model) gives it): step() sums its gradient over `embed_group`."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if bucket_mb <= 0 or prefetch < 0:
-        raise ValueError(f"bucket_mb must be > 0 and prefetch >= 0, got {bucket_mb} and {prefetch}")
+    if bucket_mb <= 0 or prefetch < 0 or inflight < 1:
+        raise ValueError(f"bucket_mb must be > 0, prefetch >= 0 and inflight >= 1, got {bucket_mb}, "
+                         f"{prefetch} and {inflight}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
         raise ValueError("tied must be a trainable parameter of the model and comes with the "
                          "embedding group of the first and last stage (pp.tied_embedding_ranks)")
     kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
-              tied=tied, embed_group=embed_group)
+              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device)
     if stage == 0:
         return DataParallel(named, cfg, dtype, dp_group, **kw)
     if stage < 3:
-        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, **kw)
+        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, **kw)
     return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, **kw)
 
 
@@ -476,3 +522,28 @@ def persistent_bytes(opt: DataParallel) -> dict[str, int]:
             "master": total(opt.master),
             "adam_m": total(s.get("exp_avg") for s in state),
             "adam_v": total(s.get("exp_avg_sq") for s in state)}
+
+
+def formula_bytes(stage: int, psi: int, n: int) -> float:
+    """The table of the module docstring: bytes per rank between steps for Ψ parameters over N = n
+    ranks, bf16 params and grads, fp32 master + Adam m, v."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def peak_extras(opt: DataParallel) -> dict[str, int]:
+    """The module docstring's extras, in bytes, from this rank's own buckets (or units) and master
+    pieces: the most a phase ("forward", "backward", "step") may hold beyond the table's state and
+    the activations. What a test or benchmark checks a measured peak against."""
+    c, r = opt.dtype.itemsize, (opt.reduce_dtype or opt.dtype).itemsize
+    k, n, stage3 = opt.inflight, opt.world, isinstance(opt, Zero3Optimizer)
+    bucket = max((b.size for b in opt.sync.buckets), default=0)  # elements; a unit at stage 3
+    piece = max((m.numel() for m in opt.master), default=0)
+    gloo = opt.device.type == "cpu"  # gloo stages every collective through a full-size buffer
+    small = 8 * len(opt.master) + 1024  # Adam's step counters, scalars
+    units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
+    grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
+    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
+    gathers = k * (bucket // n) * c + gloo * k * bucket * c if opt.stage in (1, 2) else 0
+    pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
+    return {"forward": small + units + pending, "backward": small + units + bucket * c * stage3 + grads,
+            "step": small + chunk + gathers}

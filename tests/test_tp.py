@@ -251,7 +251,7 @@ def _errors_and_tp1(g1: dist.ProcessGroup, g2: dist.ProcessGroup, g4: dist.Proce
     model = M.build(CFG_A)
     before = dict(model.named_modules())
     assert T.apply_tp(model, g1) == {} and dict(model.named_modules()) == before
-    assert model.loss_fn is M.cross_entropy
+    assert model.loss_fn is M.linear_cross_entropy
     x = torch.randn(3, 4)
     for op in (T.copy_to_region, T.reduce_from_region, T.gather_from_region, T.scatter_to_region):
         assert op(x, g1) is x

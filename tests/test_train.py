@@ -225,8 +225,8 @@ def test_bad_flags_exit_nonzero_with_one_message(tmp_path):
 
 
 def _nan_main(rank: int, world: int, argv: list[str]) -> None:
-    plain = M.cross_entropy
-    M.cross_entropy = lambda *a, **k: plain(*a, **k) * float("nan")  # every loss turns NaN
+    plain = M.linear_cross_entropy
+    M.linear_cross_entropy = lambda *a, **k: plain(*a, **k) * float("nan")  # every loss turns NaN
     train.main(argv)
 
 

@@ -1,0 +1,234 @@
+"""Peak memory per phase of training: exact live bytes at the allocator, on CPU as on CUDA.
+
+What it does
+    `PeakMeter(device)` splits a rank's run into named phases and records, for each, the most bytes
+    that were live at once (the peak that decides an out-of-memory error), not the state between
+    steps and not the process's lifetime maximum:
+        meter = PeakMeter(device)
+        meter.phase("setup"); model, opt = build(...)
+        meter.watch(model)              # each forward marks "forward", what follows it "backward"
+        for step ...:
+            meter.phase("data"); batch = ...
+            loss(...).backward(); opt.finish()
+            meter.phase("step"); opt.step(lr)
+        meter.peak("forward", "backward", "step")   # Peak(allocated, reserved): the training peak
+    A phase may be entered many times (each micro-batch's forward); its peak is the maximum over
+    all of them. `phase(None)` pauses the meter.
+
+    CUDA: the caching allocator's own counters — at each phase switch `max_memory_allocated` and
+    `max_memory_reserved` are read for the phase that ends, and `reset_peak_memory_stats` starts the
+    next. Host-side counters: no synchronization.
+
+    CPU (why it is exact): c10's CPU allocator (`DefaultCPUAllocator`) reports every block it hands
+    out or takes back to `ProfiledCPUMemoryReporter`. With c10's flag `caffe2_report_cpu_memory_usage`
+    set (importing this file sets it, through ctypes in libc10: a mutex and a hash-table entry per
+    CPU allocation from then on) the reporter keeps a table
+    pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
+    ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator events:
+    callbacks limited to user scopes), one session per phase; every allocation on a thread carrying
+    the profiler's state (the training thread, autograd's, gloo's workers while they run a collective)
+    emits an event holding that running total. Live bytes only rise at allocations, so the largest
+    total over a phase's events is exactly its peak; each session starts with a one-byte probe, so
+    a phase also knows the live bytes it began with (the probe itself is left out).
+    Without the flag the profiler alone would miss every free that happens on a thread it does not
+    follow — a buffer whose last reference gloo's worker drops after a collective completes — and
+    over-count forever; the flag makes those frees count (tests/test_memory.py shows both).
+
+    What it does not see (CPU): blocks allocated before the flag was set (neither their allocation
+    nor their free is counted: live bytes are "allocated since this file was imported"), memory that is
+    not a tensor block of c10's CPU allocator (Python objects, gloo/MKL internal buffers, numpy and
+    memmapped data), and the allocator's overhead (malloc headers, fragmentation: RSS is larger). A
+    rise on a thread without the profiler state shows at the next event. If the flag cannot be set
+    (libc10 not found: another platform) or another profiler is running, allocated bytes read None.
+
+Reference
+    c10/core/CPUAllocator.cpp (ProfiledCPUMemoryReporter); torch.cuda memory statistics.
+
+Run
+    python train.py          # the log line's "peak mem" is the training peak, setup excluded
+    torchrun --nproc_per_node 4 train.py --model small --zero 3    # the last line: every phase
+
+Invariants
+    - Measuring changes nothing it measures: the probe is freed at once, events carry no tensors.
+    - One meter at a time per process (the profiler is process-wide); `close()` stops it.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import glob
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
+                                _EventType, _ExperimentalConfig)
+from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
+
+TRAINING = ("forward", "backward", "step")  # the phases of the training peak
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Most bytes live at once: allocated (tensor blocks) and, on CUDA, reserved by the cache."""
+    allocated: int
+    reserved: int | None = None
+
+    def __or__(self, other: "Peak | None") -> "Peak":
+        if other is None:
+            return self
+        res = None if self.reserved is None else max(self.reserved, other.reserved or 0)
+        return Peak(max(self.allocated, other.allocated), res)
+
+
+_FLAG: list[bool] = []  # set once per process: [True] if c10 now tracks every CPU block
+
+
+def exact_cpu_accounting() -> bool:
+    """Turn on c10's per-block accounting of CPU memory (all threads); False where libc10 or its
+    flag cannot be found. Blocks allocated before this call stay outside the count."""
+    if not _FLAG:
+        ok = False
+        for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
+            try:
+                ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage").value = True
+                ok = True
+                break
+            except (OSError, ValueError):
+                continue
+        _FLAG.append(ok)
+    return _FLAG[0]
+
+
+exact_cpu_accounting()  # at import, so that (nearly) every block is counted: c10 warns when it
+# frees a block allocated before the accounting started (once per 1000 such frees)
+
+
+class _CPUSession:
+    """One profiler session recording CPU allocation events only; `close()` returns its peak."""
+    CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.USER_SCOPE})
+
+    def __init__(self) -> None:
+        # kineto, no shapes, profile_memory=True, no stacks / flops / modules
+        cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+                             _ExperimentalConfig(), "")
+        _prepare_profiler(cfg, self.CONFIG["activities"])
+        _enable_profiler(cfg, self.CONFIG["activities"], self.CONFIG["scopes"])
+        probe = torch.empty(1, dtype=torch.uint8)  # an event holding the live total at the start
+        self.probe = probe.data_ptr()
+        _OPEN.append(self)
+
+    def close(self) -> int:
+        _OPEN.remove(self)
+        stack, peak, alloc = list(_disable_profiler().experimental_event_tree()), 0, _EventType.Allocation
+        while stack:  # (a hot loop: thousands of events a step) every event is a CPU allocation or
+            e = stack.pop()  # a user scope (Optimizer.step, record_function) holding some
+            if e.tag != alloc:
+                stack.extend(e.children)
+                continue
+            f = e.extra_fields
+            total = f.total_allocated
+            if total > peak and not (f.ptr == self.probe and f.alloc_size == 1):
+                peak = total
+            elif total > peak:
+                peak = total - 1  # the probe itself is left out
+        return peak
+
+
+_OPEN: list[_CPUSession] = []
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    """A profiler still running when the interpreter exits crashes it (a run that fails on bad
+    flags exits from inside a phase): close what is open."""
+    for session in list(_OPEN):
+        session.close()
+
+
+class PeakMeter:
+    """Peak live bytes per named phase on one rank (module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.peaks: dict[str, Peak] = {}
+        self.current: str | None = None
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._session: _CPUSession | None = None
+        # the CPU meter needs c10's accounting and the profiler to itself; kineto prints two lines
+        # per profiler session unless told otherwise (read when the profiler first starts)
+        self.available = self.cuda or (exact_cpu_accounting() and not _profiler_enabled())
+        if not self.cuda:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+    def phase(self, name: str | None) -> None:
+        """End the current phase (its peak is folded into `peaks`) and start `name` (None: pause)."""
+        if self.current is not None:
+            self.peaks[self.current] = self._close() | self.peaks.get(self.current)
+        self.current = name
+        if name is not None:
+            self._open()
+
+    @contextlib.contextmanager
+    def during(self, name: str) -> Iterator[None]:
+        """Measure a block as phase `name`, then return to the phase that was running."""
+        previous = self.current
+        self.phase(name)
+        try:
+            yield
+        finally:
+            self.phase(previous)
+
+    def watch(self, model: nn.Module) -> None:
+        """Mark phases from the model's own calls: each forward with grad enabled is "forward" and
+        what follows it (its backward, the gradient reduction) "backward". Recomputation under
+        activation checkpointing calls layers, not the model, and changes nothing."""
+        def forward(*_) -> None:
+            if torch.is_grad_enabled():
+                self.phase("forward")
+
+        def backward(*_) -> None:
+            if torch.is_grad_enabled():
+                self.phase("backward")
+        self.handles += [model.register_forward_pre_hook(forward), model.register_forward_hook(backward)]
+
+    def peak(self, *names: str) -> Peak | None:
+        """The peak over the named phases (all when none are named) measured so far, the running
+        phase included; None if none of them ran or bytes cannot be measured here."""
+        if self.current is not None and (not names or self.current in names):
+            self.phase(self.current)  # fold the running phase in and go on measuring it
+        found = [p for n, p in self.peaks.items() if not names or n in names]
+        if not found or not self.available:
+            return None
+        out = found[0]
+        for p in found[1:]:
+            out = out | p
+        return out
+
+    def close(self) -> None:
+        """Stop measuring and remove the hooks (they hold this object)."""
+        self.phase(None)
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # ---- the two backends ------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.available:
+            self._session = _CPUSession()
+
+    def _close(self) -> Peak:
+        if self.cuda:
+            return Peak(torch.cuda.max_memory_allocated(self.device),
+                        torch.cuda.max_memory_reserved(self.device))
+        if self._session is None:
+            return Peak(0)
+        peak = self._session.close()
+        self._session = None
+        return Peak(peak)
