@@ -21,6 +21,7 @@ What it does
                                                   host time per layer of each mode, beside torch's
                                                   op-level selective checkpoint in eager
       compile model.compile_layers (--compile)    the eager layers (one process, bench_speed.py)
+      optim   MixedPrecisionOptimizer.step (fp32)   clip_grad_norm_ + AdamW (one process)
     bench_speed.py's error of bf16 gradient accumulation/reduction beside fp32's (--reduce-dtype).
     Then bench_theory.py's tables, each measurement beside its formula: the pipeline bubble per
     stage (outside F/B/W: CUDA events on CUDA) beside pp.simulate and the closed form, per-rank
@@ -80,7 +81,7 @@ import train
 import weights as W
 import zero as Z
 
-SECTIONS = ("dp", "zero", "tp", "cp", "pp", "ac", "compile", "accum", "memory", "sft", "mfu")
+SECTIONS = ("dp", "zero", "tp", "cp", "pp", "ac", "compile", "optim", "accum", "memory", "sft", "mfu")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     ctx.targets = int(P.count_targets(ctx.data[0][:, 1:]))  # every label is a target: all batches alike
     sections = {"dp": partial(sec_dp, stages=(0,)), "zero": partial(sec_dp, stages=(1, 2, 3)),
                 "tp": sec_tp, "cp": sec_cp, "pp": sec_pp, "ac": sec_ac, "compile": bench_speed.sec_compile,
-                "accum": bench_speed.sec_accum,
+                "optim": bench_speed.sec_optim, "accum": bench_speed.sec_accum,
                 "memory": bench_theory.sec_memory,
                 "sft": sec_sft, "mfu": bench_mfu.sec_mfu}
     try:

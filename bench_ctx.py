@@ -104,8 +104,10 @@ class Ctx:
 
 
 def adamw(model: torch.nn.Module, ocfg: P.OptimConfig, cls: type = torch.optim.AdamW, **kw):
-    """The peers' optimizer: torch's AdamW with our decay groups and hyper-parameters."""
+    """The peers' optimizer: torch's AdamW with our decay groups and hyper-parameters (fused on
+    CUDA, as precision.py's: the same update kernel on both sides)."""
     named = list(model.named_parameters())
+    kw.setdefault("fused", named[0][1].is_cuda or None)
     groups = [{"params": [p for n, p in named if P.decays(n, p)], "weight_decay": ocfg.weight_decay},
               {"params": [p for n, p in named if not P.decays(n, p)], "weight_decay": 0.0}]
     return cls(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kw)

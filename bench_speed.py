@@ -11,13 +11,16 @@ What it does
                  (create_selective_checkpoint_contexts with ac.SAVE_OPS in eager: a Python
                  TorchDispatchMode around every aten op, what ac.py's selective mode used to be) —
                  alternating, median µs per layer and the overhead over no AC.
+    sec_optim    precision.MixedPrecisionOptimizer.step (fp32: the masters are the parameters) vs
+                 torch's clip_grad_norm_ + AdamW (fused on CUDA) on the same gradients: an ours-vs-peer
+                 row (the "loss" is the sum of the first parameter after the step).
     sec_accum    the error of train.py --reduce-dtype bf16: k bf16 gradients (k micro-batches of a
                  bf16 model, or k dp ranks: a ring all-reduce adds the pieces one by one, as
                  accumulation does) summed in bf16 and in fp32, each against their exact (fp64)
                  sum: the relative error of the whole gradient vector (L2).
 
 Run
-    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac,accum --steps 20
+    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac,optim,accum --steps 20
 
 Builds on: bench_ctx.py, ac.py, model.py, precision.py
 """
@@ -34,7 +37,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import ac as AC
 import model as M
 import precision as P
-from bench_ctx import Ctx, side
+from bench_ctx import Ctx, adamw, side
 
 
 def sec_compile(ctx: Ctx) -> None:
@@ -97,6 +100,38 @@ def ac_host(ctx: Ctx) -> None:
               note=f"{ctx.cfg.num_hidden_layers}-layer `{ctx.args.model}` config, one layer, {reps} calls per "
                    f"sample, modes alternating, median of {ctx.args.steps} samples; at this size the compute is "
                    f"negligible, so the time is the host's (Python, dispatch, autograd)")
+
+
+def sec_optim(ctx: Ctx) -> None:
+    """The step alone (rank 0): the same random gradients each step on both sides, alternating."""
+    if ctx.rank == 0:
+        models = {k: ctx.fresh() for k in ("ours", "torch")}
+        ours = P.MixedPrecisionOptimizer(models["ours"].named_parameters(), ctx.ocfg)
+        peer = adamw(models["torch"], ctx.ocfg)
+        shapes = [p.shape for p in models["ours"].parameters()]
+
+        def grads(i: int) -> list[torch.Tensor]:
+            g = torch.Generator().manual_seed(ctx.args.seed + i)
+            return [torch.randn(s, generator=g).to(ctx.device) * 1e-2 for s in shapes]
+        made = {i: grads(i) for i in range(ctx.args.warmup + ctx.args.steps)}
+
+        def step(name: str, i: int) -> tuple[torch.Tensor, float]:
+            params = list(models[name].parameters())
+            for p, g in zip(params, made[i]):
+                p.grad = g.clone()
+            if name == "ours":
+                norm = ours.step(ctx.args.lr)
+            else:
+                for group in peer.param_groups:
+                    group["lr"] = ctx.args.lr
+                norm = float(torch.nn.utils.clip_grad_norm_(params, ctx.ocfg.clip, foreach=True))
+                peer.step()
+                peer.zero_grad(set_to_none=True)
+            return params[0].detach().sum(), norm
+        r = ctx.race({k: partial(step, k) for k in models}, distributed=False)
+        ctx.add_row("optim step", "MixedPrecisionOptimizer.step (fp32, 1 process)",
+                    "clip_grad_norm_(foreach) + AdamW (fused on CUDA)", r["ours"], r["torch"])
+    dist.barrier()
 
 
 def sec_accum(ctx: Ctx) -> None:

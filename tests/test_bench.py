@@ -17,7 +17,7 @@ import torch
 from dist import run_ranks
 
 ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "cp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb", "ac full",
-        "ac selective", "compile", "sft ffd"]
+        "ac selective", "compile", "optim step", "sft ffd"]
 TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persistent bytes per rank",
           "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU",
           "Activation checkpointing: host time per decoder layer", "Gradient accumulation and reduction dtype"]
