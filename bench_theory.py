@@ -159,6 +159,7 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
                        bucket_mb=psi * 2 / 16 / 2**20, norm_groups=[groups["pp"][d]] if pp > 1 else (),
                        init=init, device=ctx.device, reduce_every_micro_batch=every)
     meter.phase(None)
+    meter.settle()
     meter.watch(model)
     x, y = ctx.batch(0, dp, d)
     if double:
@@ -182,6 +183,7 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
         meter.phase("step")
         opt.step(ctx.args.lr)
         meter.phase(None)
+        meter.settle()
     extras = Z.peak_extras(opt)
     base = meter.peaks["base"]
     peaks = {name: (p.allocated - base.allocated, p.reserved) for name, p in meter.peaks.items()}
@@ -341,6 +343,7 @@ def fake_pg(argv: list[str] | None = None) -> str:
         AC.apply_ac(model, "full")
     opt = Z.apply_zero(model, a.zero, None, P.OptimConfig(), torch.bfloat16, init=init, device="cpu")
     meter.phase(None)
+    meter.settle()
     meter.watch(model)
     t_setup = time.time() - t0
     x = torch.randint(0, cfg.vocab_size, (a.rows, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -354,6 +357,7 @@ def fake_pg(argv: list[str] | None = None) -> str:
         meter.phase("step")
         opt.step(1e-4)
         meter.phase(None)
+        meter.settle()
     psi, extras = cfg.num_params(), Z.peak_extras(opt)
     formula = Z.formula_bytes(a.zero, psi, a.dp)
     unit = max(b.size for b in opt.sync.buckets) * 2  # the largest bucket / unit, bf16 bytes

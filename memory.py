@@ -10,10 +10,12 @@ What it does
         for step ...:
             meter.phase("data"); batch = ...
             loss(...).backward(); opt.finish()
+            meter.settle()              # nothing in flight here: fold the peaks so far
             meter.phase("step"); opt.step(lr)
         meter.peak("forward", "backward", "step")   # Peak(allocated, reserved): the training peak
     A phase may be entered many times (each micro-batch's forward); its peak is the maximum over
-    all of them. `phase(None)` pauses the meter.
+    all of them. `phase(None)` pauses the meter. On CPU the peaks reach `peaks` (and `peak()`) at
+    `settle()`, called where no collective is in flight (train.py: after the gradient reduction).
 
     CUDA: the caching allocator's own counters — at each phase switch `max_memory_allocated` and
     `max_memory_reserved` are read for the phase that ends, and `reset_peak_memory_stats` starts the
@@ -25,11 +27,14 @@ What it does
     CPU allocation from then on) the reporter keeps a table
     pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
     ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator events:
-    callbacks limited to user scopes), one session per phase; every allocation on a thread carrying
-    the profiler's state (the training thread, autograd's, gloo's workers while they run a collective)
-    emits an event holding that running total. Live bytes only rise at allocations, so the largest
-    total over a phase's events is exactly its peak; each session starts with a one-byte probe, so
-    a phase also knows the live bytes it began with (the probe itself is left out).
+    callbacks limited to user scopes); every allocation on a thread carrying the profiler's state
+    (the training thread, autograd's, gloo's workers while they run a collective) emits an event
+    holding that running total. A phase switch allocates a one-byte marker inside the running
+    session (no profiler start or stop: gloo's workers may be running a collective under it), so
+    the events between two markers are the phase's; live bytes only rise at allocations, so the
+    largest total among them is exactly its peak, the marker's own event giving the live bytes the
+    phase began with (the markers themselves are left out). `settle()` ends the session and starts
+    another: the only call that must come where no collective is in flight.
     Without the flag the profiler alone would miss every free that happens on a thread it does not
     follow — a buffer whose last reference gloo's worker drops after a collective completes — and
     over-count forever; the flag makes those frees count (tests/test_memory.py shows both).
@@ -108,34 +113,47 @@ exact_cpu_accounting()  # at import, so that (nearly) every block is counted: c1
 
 
 class _CPUSession:
-    """One profiler session recording CPU allocation events only; `close()` returns its peak."""
+    """One profiler session recording CPU allocation events only, across any number of phases:
+    a phase switch inside it allocates a 1-byte marker (kept alive until the session ends, so its
+    address is unique and its allocation is the last one there). `close()` returns each phase's peak."""
     CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.USER_SCOPE})
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str | None) -> None:
         # kineto, no shapes, profile_memory=True, no stacks / flops / modules
         cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
                              _ExperimentalConfig(), "")
         _prepare_profiler(cfg, self.CONFIG["activities"])
         _enable_profiler(cfg, self.CONFIG["activities"], self.CONFIG["scopes"])
-        probe = torch.empty(1, dtype=torch.uint8)  # an event holding the live total at the start
-        self.probe = probe.data_ptr()
+        self.marks: list[torch.Tensor] = []  # one per phase switch; their events hold the live total
+        self.phases: list[str | None] = []
         _OPEN.append(self)
+        self.mark(phase)
 
-    def close(self) -> int:
+    def mark(self, phase: str | None) -> None:
+        self.marks.append(torch.empty(1, dtype=torch.uint8))
+        self.phases.append(phase)
+
+    def close(self) -> dict[str, int]:
         _OPEN.remove(self)
-        stack, peak, alloc = list(_disable_profiler().experimental_event_tree()), 0, _EventType.Allocation
+        stack, events, alloc = list(_disable_profiler().experimental_event_tree()), [], _EventType.Allocation
         while stack:  # (a hot loop: thousands of events a step) every event is a CPU allocation or
             e = stack.pop()  # a user scope (Optimizer.step, record_function) holding some
             if e.tag != alloc:
                 stack.extend(e.children)
-                continue
-            f = e.extra_fields
-            total = f.total_allocated
-            if total > peak and not (f.ptr == self.probe and f.alloc_size == 1):
-                peak = total
-            elif total > peak:
-                peak = total - 1  # the probe itself is left out
-        return peak
+            elif e.extra_fields.alloc_size > 0:  # live bytes only rise at allocations
+                events.append(e)
+        events.sort(key=lambda e: e.start_time_ns)
+        last = {e.extra_fields.ptr: k for k, e in enumerate(events)}  # a marker's own allocation
+        starts = {last[t.data_ptr()]: i for i, t in enumerate(self.marks) if t.data_ptr() in last}
+        peaks: dict[str, int] = {}
+        phase, seen = None, 0  # the running phase; markers allocated so far (left out of the totals)
+        for k, e in enumerate(events):
+            if k in starts:
+                phase, seen = self.phases[starts[k]], starts[k] + 1
+            if phase is not None:  # a phase's peak includes the live bytes it started with
+                peaks[phase] = max(peaks.get(phase, 0), e.extra_fields.total_allocated - seen)
+        self.marks.clear()
+        return peaks
 
 
 _OPEN: list[_CPUSession] = []
@@ -166,12 +184,37 @@ class PeakMeter:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     def phase(self, name: str | None) -> None:
-        """End the current phase (its peak is folded into `peaks`) and start `name` (None: pause)."""
-        if self.current is not None:
-            self.peaks[self.current] = self._close() | self.peaks.get(self.current)
+        """End the current phase and start `name` (None: pause). On CPU this only marks the running
+        profiler session, so it is safe anywhere, even with collectives in flight; the peaks reach
+        `peaks` at the next `settle()`."""
+        if self.cuda:
+            if self.current is not None:
+                self._fold({self.current: Peak(torch.cuda.max_memory_allocated(self.device),
+                                               torch.cuda.max_memory_reserved(self.device))})
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.available:
+            if self._session is None:
+                self._session = _CPUSession(name)
+            else:
+                self._session.mark(name)
         self.current = name
-        if name is not None:
-            self._open()
+
+    def settle(self) -> None:
+        """Fold what was measured so far into `peaks` (the running phase goes on). On CPU this stops
+        and restarts the profiler: call it only where no asynchronous collective is in flight —
+        gloo's worker threads carry the profiler's state while they run one, and stopping the
+        profiler under them crashes the process (train.py settles right after opt.finish())."""
+        if self.cuda:
+            self.phase(self.current)
+        elif self._session is not None:
+            session, self._session = self._session, None
+            self._fold({name: Peak(b) for name, b in session.close().items()})
+            if self.current is not None:
+                self._session = _CPUSession(self.current)
+
+    def _fold(self, peaks: dict[str, Peak]) -> None:
+        for name, p in peaks.items():
+            self.peaks[name] = p | self.peaks.get(name)
 
     @contextlib.contextmanager
     def during(self, name: str) -> Iterator[None]:
@@ -197,10 +240,8 @@ class PeakMeter:
         self.handles += [model.register_forward_pre_hook(forward), model.register_forward_hook(backward)]
 
     def peak(self, *names: str) -> Peak | None:
-        """The peak over the named phases (all when none are named) measured so far, the running
-        phase included; None if none of them ran or bytes cannot be measured here."""
-        if self.current is not None and (not names or self.current in names):
-            self.phase(self.current)  # fold the running phase in and go on measuring it
+        """The peak over the named phases (all when none are named) folded by the last `settle()`
+        (on CUDA: by the last phase switch); None if none of them ran or bytes cannot be measured."""
         found = [p for n, p in self.peaks.items() if not names or n in names]
         if not found or not self.available:
             return None
@@ -210,25 +251,10 @@ class PeakMeter:
         return out
 
     def close(self) -> None:
-        """Stop measuring and remove the hooks (they hold this object)."""
+        """Stop measuring (a last settle: call it where nothing is in flight) and remove the hooks
+        (they hold this object)."""
         self.phase(None)
+        self.settle()
         for h in self.handles:
             h.remove()
         self.handles.clear()
-
-    # ---- the two backends ------------------------------------------------------------------------
-    def _open(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.available:
-            self._session = _CPUSession()
-
-    def _close(self) -> Peak:
-        if self.cuda:
-            return Peak(torch.cuda.max_memory_allocated(self.device),
-                        torch.cuda.max_memory_reserved(self.device))
-        if self._session is None:
-            return Peak(0)
-        peak = self._session.close()
-        self._session = None
-        return Peak(peak)

@@ -938,6 +938,7 @@ def main(argv: list[str] | None = None) -> None:
         with stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
             dist.all_reduce(loss, group=grid.dp_group)
+        meter.settle()  # nothing in flight: the one point of the step where the meter may restart
         lr = lr_at(step, args)
         meter.phase("step")
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
@@ -997,10 +998,10 @@ def main(argv: list[str] | None = None) -> None:
             fail(str(e), grid)
         if log:
             print(f"exported HF model to {args.export_hf}", flush=True)
+    meter.close()  # the last settle: the final step's, the save's and the export's peaks
     if log and meter.available:
         print("peak memory by phase (rank 0): " + " · ".join(
             f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
-    meter.close()
     if metrics:
         metrics.close()
     opt.teardown()

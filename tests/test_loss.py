@@ -76,6 +76,7 @@ def test_memory_is_one_chunk_not_the_vocabulary():
         meter.phase("loss")
         out = fn()
         meter.phase(None)
+        meter.settle()
         peaks[name] = meter.peaks["loss"].allocated - meter.peaks["base"].allocated
         meter.close()
         del out

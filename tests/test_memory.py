@@ -64,6 +64,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
     meter = MEM.PeakMeter("cpu")
     meter.phase("base")  # what this process holds already: not the layout's
     meter.phase(None)
+    meter.settle()
     m, init = meta_model()
     opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=1e-3), BF16, bucket_mb=BUCKET_MB,
                        init=init, device="cpu", **kw)
@@ -79,6 +80,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
         meter.phase("step")
         opt.step(1e-3)
         meter.phase(None)
+        meter.settle()
     extras = Z.peak_extras(opt)  # zero.py's stated extras, from this rank's buckets and pieces
     peaks = {name: p.allocated - base for name, p in meter.peaks.items()}
     meter.close()
@@ -144,10 +146,12 @@ def test_meter_counts_every_block_exactly():
     del y, z
     meter.phase("a")  # a phase entered twice keeps its maximum
     meter.phase(None)
+    meter.settle()
     before = meter.peaks["a"].allocated
     assert before - meter.peaks["b"].allocated == 200 and meter.peak("a", "b") == MEM.Peak(before)
     meter.phase("c")  # nothing allocated: the live bytes it started with, the probe left out
     meter.phase(None)
+    meter.settle()
     assert before - meter.peaks["c"].allocated == 3000
     meter.close()
     del base
@@ -172,6 +176,7 @@ def collectives_leak(meter: MEM.PeakMeter) -> int:
     dist.barrier()
     meter.phase("after")
     meter.phase(None)
+    meter.settle()
     return meter.peaks["after"].allocated - meter.peaks["before"].allocated
 
 
@@ -206,6 +211,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
             m, init = W.materialize(M.build(CFG), "cpu", seed=0), None
         opt = Z.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
         meter.phase(None)
+        meter.settle()
         out[name] = (meter.peaks["setup"].allocated - meter.peaks["base"].allocated,
                      sum(Z.persistent_bytes(opt).values()),
                      max(opt.params[i].numel() for i in range(len(opt.params))))

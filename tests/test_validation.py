@@ -245,8 +245,8 @@ def _main(rank: int, world: int, argv: list[str]) -> None:
 
 
 def _nan_main(rank: int, world: int, argv: list[str]) -> None:
-    plain = M.cross_entropy
-    M.cross_entropy = lambda *a, **k: plain(*a, **k) * float("nan")
+    plain = M.linear_cross_entropy
+    M.linear_cross_entropy = lambda *a, **k: plain(*a, **k) * float("nan")
     train.main(argv)
 
 
