@@ -498,14 +498,16 @@ class Llama(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- compile
-def _documents_eager(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """attn_fn for a compiled layer: packed rows (Documents: host lengths that change every batch)
-    run the attention eagerly between two compiled graphs; without them compile traces it as is."""
-    eager = torch.compiler.disable(attn_fn)
+def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """attn_fn for a compiled layer: attention.attend on plain rows is traced; packed rows
+    (Documents: host lengths that change every batch, which would recompile) and any other attention
+    plugged into the seam (cp.py's ring, whose custom op is not checked under compile here) run
+    eagerly between two compiled graphs."""
+    eager, traced = torch.compiler.disable(attn_fn), attn_fn is attend
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              docs: Documents | torch.Tensor | None) -> torch.Tensor:
-        return eager(q, k, v, docs) if isinstance(docs, Documents) else attn_fn(q, k, v, docs)
+        return attn_fn(q, k, v, docs) if traced and not isinstance(docs, Documents) else eager(q, k, v, docs)
     return attn
 
 
@@ -520,7 +522,7 @@ def compile_layers(model: Llama, **options) -> None:
     own policy path), before the optimizer. Layers of one shape share one compiled graph (the
     parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one."""
     for layer in model.model.layers.values():
-        layer.self_attn.attn_fn = _documents_eager(layer.self_attn.attn_fn)
+        layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
         if own is not None:
             fn = torch.compile(own, **options)
