@@ -1,13 +1,21 @@
 """Activation checkpointing for the decoder layers, and a meter of the bytes autograd keeps.
 
 What it does
-    `apply_ac(model, mode, every)` makes chosen decoder layers keep less for backward and recompute
-    the rest when backward reaches them (non-reentrant `torch.utils.checkpoint`, never debug mode):
-      - "full": a layer keeps only its inputs; backward reruns the whole layer forward first.
-      - "selective" (the default of `--ac`): op-level selection (`create_selective_checkpoint_contexts`
-        with the policy below, `SAVE_OPS` + `_Policy`): the outputs of matmuls, fused attention and
-        collectives are kept, the cheap elementwise ops between them (RMSNorm, RoPE, SiLU, the SwiGLU
-        product) are recomputed.
+    `apply_ac(model, mode, every)` makes chosen decoder layers keep less for backward:
+      - "full": a layer keeps only its inputs; backward reruns the whole layer forward first
+        (non-reentrant `torch.utils.checkpoint`, never debug mode).
+      - "selective" (the default of `--ac`): the layer runs once, as without AC, but the outputs of
+        its cheap modules (`recomputable`: leaves holding no matrix — the RMSNorms and the SwiGLU
+        activation) are not kept: the saved-tensor hooks replace each saved view of them by a note,
+        and backward reruns that module alone (a few elementwise kernels) when it reaches them.
+        Their inputs are kept anyway (the modules' own backward reads them), so this drops the
+        inputs of the q/k/v, gate/up and down projections for free memory-wise. Host cost: one
+        forward hook per cheap module and one Python call per saved tensor — no Python per aten op
+        (torch's op-level selective checkpoint runs every op through a TorchDispatchMode, ~29 µs
+        each on CPU: more host time than the layer itself). bench.py measures host time per layer.
+        Under torch.compile (train.py --compile) the layer instead runs checkpoint with the op-level
+        policy `SAVE_OPS` (outputs of matmuls, fused attention, collectives kept; elementwise ops
+        recomputed), which the compiler applies once while tracing: no Python per op at run time.
       - `every=k`: only layers whose GLOBAL index is a multiple of k (0, k, 2k, ...) are checkpointed.
         Layers live in `model.model.layers` keyed by global index, so a pipeline stage holding layers
         "4".."7" checkpoints 4 and 6 at k=2: the choice does not depend on how pp splits the model.
@@ -25,80 +33,176 @@ Run
 Invariants
     - Parameter names and state_dict keys do not change: the layer's own forward is replaced by a
       closure on the instance (no wrapper module, no `_checkpoint_wrapped_module.` in any key), and
-      `remove_ac` deletes it again.
-    - Gradients are bit-identical with and without AC: the recompute runs the same ops on the same
+      `remove_ac` deletes it again (and the forward hooks selective mode put on the cheap modules).
+    - Gradients are bit-identical with and without AC: a recompute runs the same kernels on the same
       inputs (tests/test_ac.py checks every mode with torch.equal).
     - Hooks: the closure runs INSIDE the layer's `__call__`, so hooks on the layer itself fire once per
-      forward, as without AC. The recompute calls the submodules (q_proj, mlp, ...) through their
+      forward, as without AC. Full AC's recompute calls the submodules (q_proj, mlp, ...) through their
       `__call__`, so their pre-hooks fire again in backward (their post-hooks may not: the recompute
-      stops as soon as it has rebuilt the last tensor backward needs). Tensor-parallel comm ops
-      (autograd Functions) simply run again. ZeRO-3 (zero.py) re-gathers a layer's unit from a hook on
-      the layer's output gradient — before the layer's backward, so before its recompute, which reads
-      the gathered parameters. With AC autograd holds no reference to a layer's gathered parameters
-      between forward and backward (the meter's `param_nbytes`).
+      stops as soon as it has rebuilt the last tensor backward needs); selective mode reruns the cheap
+      modules' `forward` only (no hooks). Tensor-parallel comm ops (autograd Functions) run again
+      under full AC; under selective AC only what a cheap module holds runs again (tp.py's
+      sequence-parallel norm: its all-gather, as Megatron regathers in backward). ZeRO-3 (zero.py)
+      re-gathers a layer's unit from a hook on the layer's output gradient — before the layer's
+      backward, so before any recompute, which reads the gathered parameters. Under full AC autograd
+      holds no reference to a layer's parameters between forward and backward (the meter's
+      `param_nbytes`); under selective AC and without AC it holds views, whose storage ZeRO-3 resizes
+      to 0 bytes after the forward: they hold no memory.
     - RNG: Llama has no dropout, so nothing random runs in a layer and the recompute is exact without
-      restoring the RNG. We pass `preserve_rng_state=False`, which skips a CPU (and, on GPU, per-device)
-      RNG-state copy per checkpointed layer and the fork/restore of those states around every
-      recompute — tiny costs, but paid for nothing. If you add dropout inside a layer, pass
+      restoring the RNG. Full AC passes `preserve_rng_state=False`, which skips a CPU (and, on GPU,
+      per-device) RNG-state copy per checkpointed layer and the fork/restore of those states around
+      every recompute — tiny costs, but paid for nothing. If you add dropout inside a layer, pass
       `preserve_rng_state=True` or the recompute draws different masks (silently wrong gradients;
-      the tests show both).
-    - Selective AC and in-place collectives: `dist.all_reduce(x)` mutates x without bumping its
-      version counter, so if x is a saved matmul output, replaying the all-reduce on the cached
-      value in backward would reduce it twice — silently. The policy therefore keeps the collective
-      (does not replay it) exactly when the tensor it writes is one the policy kept. A collective into
-      a fresh tensor the policy did not keep is replayed (one more collective in backward); an
-      out-of-place functional collective (`torch.ops._c10d_functional`, as tp.py uses) is kept.
+      the tests show both). Selective mode never reruns a Dropout module.
+    - Selective mode and in-place writes: a cheap module's rerun gives its output as it was made,
+      which is what the saved view held; tensors kept as they are get autograd's in-place check back
+      (autograd skips it for hooked tensors; `_unpack` compares version counters). The storage key of
+      a cheap output identifies its views only while that output lives: the call's table holds it
+      until the layer's forward returns (a freed storage's address may be reused by the next tensor).
 
 Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for this layer)
-    s tokens, b batch, h hidden, a heads, g = n_kv/a, i = intermediate; bf16 activations, RMSNorm
-    computing in fp32 (as HF). Bytes one layer keeps for backward, per token:
-      input RMSNorm: fp32 copy of x (4h), x·rsqrt (2h), w·x·rsqrt = the q/k/v input (2h)  8h
+    s tokens, b batch, h hidden, a heads, g = n_kv/a, i = intermediate; bf16 activations. Bytes one
+    layer keeps for backward, per token (model.py's RMSNorm, RoPE and SwiGLU Functions):
+      input RMSNorm: its input x (2h), fp32 rstd (4); its output, the q/k/v input (2h)  4h + 4
       RoPE + attention: rotated q (2h) and k (2gh), v (2gh), output (2h), fp32 lse (4a)   4h + 4gh + 4a
         (RoPE keeps cos/sin — shared by all layers — not q, k; o_proj reads a view of the output)
-      post-attention RMSNorm (the residual sum itself is not kept, its fp32 copy is)     8h
-      SwiGLU: gate, up, silu(gate), silu(gate)·up                                       8i
-    none      = sbh(20 + 4g + 8i/h) + 4sba + 8sb (two fp32 rsqrt). i ≈ 8h/3 gives sbh(41.3 + 4g),
-                Llama-3 8B's i = 3.5h sbh(48 + 4g): more than GPT's 34 (two extra i-sized SwiGLU tensors
-                and the fp32 norm copies, fewer: no dropout masks). Fused attention (flash, efficient,
-                cudnn, CPU flash) keeps only output + lse, so the 5as²b term is gone; a math attention
-                would add ≈ 2as²b of probabilities; a document mask adds a float b·s² mask per layer.
-    selective = sbh(10 + 4g + 4i/h) + 4sba: x (the checkpoint input), q, k, v, attention output, lse and
-                the o, gate, up, down projection outputs (down's is kept though only the residual add
-                reads it: the policy sees ops, not their consumers) — about half of none.
+      post-attention RMSNorm: the residual sum (2h), rstd (4), its output (gate/up's)   4h + 4
+      SwiGLU: gate, up (its own backward recomputes silu), the product = down's input    6i
+    none      = sbh(12 + 4g + 6i/h) + 4sba + 8sb. i ≈ 8h/3 gives sbh(28 + 4g), Llama-3 8B's i = 3.5h
+                sbh(33 + 4g): about GPT's 34 (no dropout masks; two extra i-sized SwiGLU tensors).
+                The norms keep no fp32 copy of x and no x·rsqrt (ops.py; HF's op chain: 8h each).
+                Fused attention (flash, efficient, cudnn, CPU flash) keeps only output + lse, so the
+                5as²b term is gone; a math attention would add ≈ 2as²b of probabilities; a document
+                mask adds a float b·s² mask per layer.
+    selective = sbh(8 + 4g + 4i/h) + 4sba + 8sb: none without the two norm outputs and the SwiGLU
+                product (op-level selective checkpointing kept sbh(10 + 4g + 4i/h) + 4sba).
     full      = 2sbh: the layer input only; backward briefly holds one layer's `none` while it runs.
-    In fp32 x.float() is x itself, so the norm keeps x and the residual sum instead of copies:
-    none = 4sbh(8 + 2g + 4i/h) + 4sba + 8sb, selective = 4sbh(5 + 2g + 2i/h) + 4sba, full = 4sbh.
-    tests/test_ac.py checks these formulas byte for byte against SavedActivationMeter.
+    In fp32 the h, g, i terms double: none = 4sbh(6 + 2g + 3i/h) + 4sba + 8sb, selective =
+    4sbh(4 + 2g + 2i/h) + 4sba + 8sb, full = 4sbh. tests/test_ac.py checks these byte for byte against
+    SavedActivationMeter. Under --compile, what the compiled layer saves is the partitioner's choice
+    (bench.py measures it with the same meter).
     Packed rows (attention.Documents) on the CPU path keep q, k, v, the attention output and lse for
     the T' = Σ bucket(len) padded slots of the length groups instead of the sb tokens, plus the output
     scattered back to token order (o_proj's input) and two int64 indices (shared by all layers):
-    in fp32, T = sb, none = 4Th(6 + 4i/h + 1) + 8T + 4T'h(2 + 2g) + 4T'a + 8T' + 8T, selective =
-    4Th(3 + 1 + 2g + 2i/h) + 4T'(h + a), full = 4Th (q width = h); T' <= 9/8·T + 16·documents: O(S),
-    no S² term (tests/test_model.py measures it). The CUDA varlen path keeps the unpacked formula.
+    in fp32, T = sb, q width = h, none = 4Th(5 + 3i/h) + 16T + 4T'h(2 + 2g) + 4T'a + 8T' (16T: two
+    rstd and the scatter index), selective = 4Th(3 + 2i/h) + the same other terms, full = 4Th;
+    T' <= 9/8·T + 16·documents: O(S), no S² term (tests/test_model.py measures it). The CUDA varlen
+    path keeps the unpacked formula.
 """
 from __future__ import annotations
 
 import threading
-import types
 import weakref
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.attention.varlen  # noqa: F401 (registers torch.ops.torch_attn._varlen_attn)
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("full", "selective")
 
-# ------------------------------------------------------------------------------- selective policy
+# ------------------------------------------------------------------------------- selective, eager
+def recomputable(module: nn.Module) -> bool:
+    """A module selective AC reruns in backward instead of keeping its output: a leaf that holds no
+    matrix — RMSNorm (model.py, tp.py's sequence-parallel one), the SwiGLU activation. Its inputs
+    are kept anyway (its own backward reads them), so dropping its output saves that output for a
+    few elementwise kernels. Dropout is random: never rerun."""
+    return (next(module.children(), None) is None and not isinstance(module, nn.modules.dropout._DropoutNd)
+            and all(p.ndim < 2 for p in module.parameters(recurse=False)))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The storage's identity (its C++ StorageImpl), not its data_ptr: ZeRO-3 resizes a parameter
+    # storage to 0 bytes and the allocator hands that address to the next activation.
+    return t.untyped_storage()._cdata
+
+
+class _Rerun:
+    """A recomputable module's call: its detached inputs, and its output once rerun (shared by every
+    saved view of that output; freed with the last of them)."""
+    __slots__ = ("module", "args", "kwargs", "layout", "out")
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor):
+        detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
+        self.module, self.args = module, tuple(map(detach, args))
+        self.kwargs = {k: detach(v) for k, v in kwargs.items()}
+        self.layout, self.out = (out.shape, out.stride()), None
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    def output(self) -> torch.Tensor:
+        if self.out is None:
+            with torch.no_grad():  # the same kernels on the same inputs: the same bits
+                self.out = self.module.forward(*self.args, **self.kwargs)
+            if (self.out.shape, self.out.stride()) != self.layout:
+                raise RuntimeError(f"selective AC: rerunning {type(self.module).__name__} gave another layout")
+        return self.out
+
+
+class _Note:
+    """What autograd holds instead of a view of a recomputable module's output."""
+    __slots__ = ("rerun", "shape", "stride", "offset", "__weakref__")
+
+    def __init__(self, rerun: _Rerun, t: torch.Tensor):
+        self.rerun, self.shape, self.stride, self.offset = rerun, t.shape, t.stride(), t.storage_offset()
+
+
+# One table per selective layer call running: storage → (_Rerun, the output). The table holds the
+# output until the layer's forward returns, so its storage (the key) cannot be freed and handed to
+# another tensor meanwhile; then only the notes remain.
+_CALLS: list[dict[int, tuple[_Rerun, torch.Tensor]]] = []
+
+
+def _record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+    """Forward hook of each recomputable module inside a selective layer."""
+    if _CALLS and isinstance(out, torch.Tensor) and out.requires_grad:
+        _CALLS[-1][_storage_key(out)] = (_Rerun(module, args, kwargs, out), out)
+
+
+def _pack(t: torch.Tensor) -> Any:
+    """Saved-tensor hook inside a selective layer: a view of a recomputable module's output becomes
+    a note (the _Rerun and the view's geometry); anything else is kept with its version counter
+    (autograd skips its in-place check for hooked tensors: we do it at unpack)."""
+    made = _CALLS[-1].get(_storage_key(t)) if _CALLS else None
+    if made is None:
+        _count(t, owner=t)
+        return t, t._version
+    rerun = made[0]
+    note = _Note(rerun, t)
+    for x in rerun.inputs():  # held by the note (usually saved by the module itself: counted once)
+        _count(x, owner=note)
+    return note
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _Note):
+        return saved.rerun.output().as_strided(saved.shape, saved.stride, saved.offset)
+    t, version = saved
+    if t._version != version:
+        raise RuntimeError("selective AC: a tensor saved for backward was modified in place")
+    return t
+
+
+def _selective(inner: Callable, args: tuple, kwargs: dict) -> Any:
+    if not torch.is_grad_enabled():  # eval / generate: nothing is saved
+        return inner(*args, **kwargs)
+    _CALLS.append({})
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            return inner(*args, **kwargs)
+    finally:
+        _CALLS.pop()  # the table goes; the notes keep what they need
+
+
+# ------------------------------------------------------------------------------- selective, compiled
 aten = torch.ops.aten
-# Keep the outputs of the expensive ops (Korthikanti et al. 2022): recomputing a matmul costs
-# as much as running it, while the elementwise ops between them (norms, RoPE, SiLU, products) are
-# memory-bound and nearly free to rerun. F.linear reaches the dispatcher as mm (addmm with a bias).
-# Fused attention keeps O(s) memory (output + log-sum-exp) and costs a full attention forward, so it
-# is kept too. Deliberately NOT kept: bmm/softmax of a math (non-fused) attention — those are the
-# O(s²) tensors Korthikanti et al. recompute; here they are recomputed from the kept q, k, v.
+# Under torch.compile the layer's checkpoint is traced with this op-level policy and the partitioner
+# bakes it into the compiled backward (no Python per op at run time): keep the outputs of matmuls,
+# fused attention and collectives (as costly to redo as to run), recompute the elementwise ops
+# between them (fused by inductor into the backward's kernels). F.linear is mm (addmm with a bias).
 SAVE_OPS = {
     aten.mm.default,
     aten.addmm.default,
@@ -110,80 +214,37 @@ SAVE_OPS = {
     torch.ops.torch_attn._varlen_attn.default,  # packed rows on CUDA (attention.py)
 }
 if torch.distributed.is_available():
-    # Out-of-place (functional) collectives: communication is as costly to redo as a matmul. The
-    # in-place ones (dist.all_reduce) are handled in _Policy.
-    _funcol = torch.ops._c10d_functional
+    _funcol = torch.ops._c10d_functional  # dynamo turns in-place collectives into these
     SAVE_OPS |= {_funcol.all_reduce.default, _funcol.all_gather_into_tensor.default,
-                 _funcol.reduce_scatter_tensor.default}
+                 _funcol.reduce_scatter_tensor.default, _funcol.wait_tensor.default}
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    # The storage's identity (its C++ StorageImpl), not its data_ptr: ZeRO-3 resizes a parameter
-    # storage to 0 bytes and the allocator hands that address to the next activation.
-    return t.untyped_storage()._cdata
+def _compile_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors of an op argument or output (a tensor, or nested lists/tuples of them)."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-class _Policy:
-    """The save-or-recompute decision for one checkpointed layer call. It remembers which storages
-    it kept, for the in-place collectives (see the module docstring) and for the meter."""
-
-    def __init__(self) -> None:
-        self.kept: set[int] = set()
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in SAVE_OPS:
-            self._keep(ctx.op_output)
-            return CheckpointPolicy.MUST_SAVE
-        if getattr(op, "namespace", None) == "c10d":
-            # c10d's in-place collectives (allreduce_, allgather_, _reduce_scatter_base_, ...) all
-            # write into their first argument; their schemas and version counters do not say so.
-            written = [_storage_key(t) in self.kept for t in _tensors(args[0])]
-            if written and all(written):  # the kept value already holds the result: do not replay
-                return CheckpointPolicy.MUST_SAVE
-            if any(written):
-                raise RuntimeError(f"selective AC: {op} writes into tensors of which only some were "
-                                   f"kept; neither replaying nor skipping it is correct. Use mode='full' "
-                                   f"or an out-of-place collective.")
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    def _keep(self, output: Any) -> None:
-        for t in _tensors(output):
-            self.kept.add(_storage_key(t))
-            for meter in _METERS:  # kept by the checkpoint's cache, invisible to saved-tensor hooks
-                meter._add(t, owner=self)
-
-
-def _selective_contexts() -> tuple[Any, Any]:
-    policy = _Policy()
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
-    # The recompute context lives as long as the checkpoint (until this layer's backward ran); tying
-    # the policy to it lets the meter release the kept bytes exactly when the cache goes away.
-    recompute_ctx.ac_policy = policy
-    return forward_ctx, recompute_ctx
+def _compile_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_compile_policy)
 
 
 # ------------------------------------------------------------------------------- wrapping layers
 def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
     own = layer.__dict__.get("forward")  # an instance-level forward set by someone else, if any
     ref = weakref.ref(layer)  # no layer → closure → layer cycle: the model stays freeable by refcount
-    context_fn = _selective_contexts if mode == "selective" else noop_context_fn
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inner = own if own is not None else types.MethodType(type(ref()).forward, ref())
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, debug=False,
-                          preserve_rng_state=preserve_rng_state, **kwargs)
+        inner = own if own is not None else partial(type(ref()).forward, ref())  # (traceable by compile)
+        if mode == "selective" and not torch.compiler.is_compiling():
+            return _selective(inner, args, kwargs)
+        # (compile traces checkpoint's context_fn only when it is a selective one: full passes none)
+        policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
+        return checkpoint(inner, *args, use_reentrant=False, debug=False,
+                          preserve_rng_state=preserve_rng_state, **policy, **kwargs)
 
     forward.ac_mode = mode
     forward.ac_own = own
+    forward.ac_hooks = [m.register_forward_hook(_record, with_kwargs=True) for m in layer.modules()
+                        if m is not layer and recomputable(m)] if mode == "selective" else []
     layer.forward = forward  # an instance attribute: no new module, no change to any name
 
 
@@ -220,6 +281,8 @@ def remove_ac(model: nn.Module) -> None:
         forward = layer.__dict__.get("forward")
         if forward is None or not hasattr(forward, "ac_mode"):
             continue
+        for handle in forward.ac_hooks:
+            handle.remove()
         if forward.ac_own is None:
             del layer.forward
         else:
@@ -230,13 +293,17 @@ def remove_ac(model: nn.Module) -> None:
 _METERS: list["SavedActivationMeter"] = []
 
 
-def _pack(t: torch.Tensor) -> torch.Tensor:
+def _count(t: torch.Tensor, owner: object) -> None:
     for meter in _METERS:
-        meter._add(t, owner=t)
+        meter._add(t, owner=owner)
+
+
+def _meter_pack(t: torch.Tensor) -> torch.Tensor:
+    _count(t, owner=t)
     return t  # autograd keeps the tensor itself, exactly as without the meter
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _meter_unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -250,10 +317,11 @@ class SavedActivationMeter:
 
     Tensors are counted per unique storage (a view counts its whole storage once; a tensor saved by
     several ops counts once). Parameters and their views (W.t() saved by a matmul) are not activations:
-    they are counted apart in `param_nbytes` — with ZeRO-3 that is where gathered buffers held by
-    autograd show up. Tensors kept by selective AC's cache never pass through saved-tensor hooks; the
-    policy reports them here, so the meter counts everything a backward will read. Recomputed tensors
-    (inside backward) are not counted. Only sizes and storage ids are stored, plus a weakref finalizer
+    they are counted apart in `param_nbytes` (the storage's size when saved: ZeRO-3 later resizes
+    it to 0). Inside a selective layer autograd uses that layer's hooks, not the meter's (the
+    innermost pair wins): they report here what they keep, and the inputs a note holds, so the
+    meter counts everything a backward will read. Recomputed tensors (inside backward) are not
+    counted. Only sizes and storage ids are stored, plus a weakref finalizer
     per saved tensor: nothing lives longer than autograd keeps it. A storage counts as held while any
     tensor object saved from it is alive — so an input the caller still references stays "live".
 
@@ -267,7 +335,7 @@ class SavedActivationMeter:
         self.live_nbytes = self.peak_nbytes = 0
         self._live: dict[int, list] = {}  # storage key → [nbytes, holders, is_param]
         self._lock = threading.Lock()  # finalizers may run on autograd's device threads
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_meter_pack, _meter_unpack)
 
     def __enter__(self) -> "SavedActivationMeter":
         self._hooks.__enter__()

@@ -24,7 +24,7 @@ Run
     torchrun --nproc_per_node 4 bench.py --only pp,memory
     python bench_theory.py --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
 
-Builds on: bench.py, ac.py, dp.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py
+Builds on: bench_ctx.py, ac.py, dp.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import math
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,7 @@ import pp as PP
 import precision as P
 import weights as W
 import zero as Z
-
-if TYPE_CHECKING:  # bench.py imports this file and passes its Ctx in
-    from bench import Ctx
+from bench_ctx import Ctx
 
 
 # ------------------------------------------------------------------------------------- bubble
@@ -276,8 +274,8 @@ def activations(ctx: Ctx) -> None:
     cfg, rows = ctx.cfg, []
     h, i, a = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     q, kv = a * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    formula = {"none": lambda t: t * (16 * h + 4 * q + 4 * kv + 8 * i) + 4 * t * a + 8 * t,
-               "selective": lambda t: t * (6 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a,
+    formula = {"none": lambda t: t * (8 * h + 4 * q + 4 * kv + 6 * i) + 4 * t * a + 8 * t,
+               "selective": lambda t: t * (4 * h + 4 * q + 4 * kv + 4 * i) + 4 * t * a + 8 * t,
                "full": lambda t: 2 * t * h}
     layer = ctx.fresh().to(torch.bfloat16)
     for s in (8, 16) if ctx.args.quick else (128, 512, 2048):

@@ -13,7 +13,8 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py (causal attention within packed documents)
+Builds on: attention.py (causal attention within packed documents), ops.py (the layer's
+    elementwise ops as lean autograd Functions)
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
@@ -33,12 +34,18 @@ Invariants
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
+    - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
+      (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
+      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks
+      and everything between the layers stay eager.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -48,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
+from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (rms_norm: tp.py's sequence-parallel norm too)
 
 IGNORE_INDEX = -100
 
@@ -233,10 +241,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32 (as HF does), cast back before the weight multiply
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -258,6 +263,10 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 class Rotary(nn.Module):
+    """The RoPE tables of the positions, (B, S, hd) each, computed once per forward and shared by all
+    layers (and their backward): cos as HF's, and sin with rotate_half's sign folded in — HF's
+    sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (see `RoPEFunction`)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -268,13 +277,8 @@ class Rotary(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        s = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-s, s), dim=-1).to(dtype)
 
 
 class Attention(nn.Module):
@@ -298,11 +302,17 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, S, 1, hd)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, k, cos, sin)
         y = self.attn_fn(q, k, v, docs)  # (B, S, nh, hd)
         return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
+
+
+class SwiGLU(nn.Module):
+    """The MLP's activation as a module of its own (no parameters, so no name in the state_dict):
+    a cheap op ac.py's selective mode can rerun in backward instead of keeping its output."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate, up)
 
 
 class MLP(nn.Module):
@@ -312,9 +322,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -484,6 +495,43 @@ class Llama(nn.Module):
         if labels is None:
             return self.logits_fn(self.lm_head(h))  # (B, S, V)
         return self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
+
+
+# ----------------------------------------------------------------------------------------- compile
+def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """attn_fn for a compiled layer: attention.attend on plain rows is traced; packed rows
+    (Documents: host lengths that change every batch, which would recompile) and any other attention
+    plugged into the seam (cp.py's ring, whose custom op is not checked under compile here) run
+    eagerly between two compiled graphs."""
+    eager, traced = torch.compiler.disable(attn_fn), attn_fn is attend
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             docs: Documents | torch.Tensor | None) -> torch.Tensor:
+        return attn_fn(q, k, v, docs) if traced and not isinstance(docs, Documents) else eager(q, k, v, docs)
+    return attn
+
+
+def compile_layers(model: Llama, **options) -> None:
+    """torch.compile each decoder layer's forward (torchtitan does the same): inductor fuses the
+    elementwise ops between the matmuls (norms, RoPE, SwiGLU, residual adds) and their backward.
+    What runs inside the layer's `__call__` but outside its forward stays eager: hooks on the layer
+    (ZeRO-3's gathers, the output-gradient hooks), and everything outside the layers (embedding,
+    head, loss, the pipeline executor, dp/ZeRO's gradient hooks, which fire on AccumulateGrad).
+    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac (the layer's
+    checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
+    own policy path), before the optimizer. Layers of one shape share one compiled graph (the
+    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one."""
+    for layer in model.model.layers.values():
+        layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
+        own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
+        if own is not None:
+            fn = torch.compile(own, **options)
+            forward = functools.wraps(own)(lambda *args, fn=fn, **kwargs: fn(*args, **kwargs))
+        else:  # the class's forward, the layer passed in through a weakref: no layer → forward cycle
+            fn, ref = torch.compile(type(layer).forward, **options), weakref.ref(layer)
+            forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
+        forward.compiled = True
+        layer.forward = forward
 
 
 # ----------------------------------------------------------------------------------------- weights

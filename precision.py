@@ -4,7 +4,7 @@ What it does
     `MixedPrecisionOptimizer` keeps an fp32 master copy of every compute parameter, upcasts the
     (bf16) gradients into it, clips by the global L2 norm in fp32, runs AdamW on the masters and
     copies them back into the compute parameters. In fp32 mode the masters *are* the parameters: the
-    step is exactly `torch.optim.AdamW` (bit-identical to a plain loop).
+    step is exactly `torch.optim.AdamW` (bit-identical to a plain loop; fused on CUDA).
     `normalized_loss` is the one loss rule of the project: the sum of token losses over the whole
     optimizer step divided by the number of target tokens in it — never a mean of micro-batch means
     (the 2024 gradient-accumulation bug: micro-batches with few targets were over-weighted).
@@ -17,13 +17,19 @@ Run
 
 Invariants
     - bf16 would lose small updates (1.0 - 1e-6 == 1.0 in bf16): AdamW only ever sees fp32 masters.
-    - No whole-model temporary in the step: the norm squares the gradients in slices of at most
+    - No whole-model temporary in the step: the norm reads the gradients in slices of at most
       STEP_CHUNK_BYTES of fp32; gradients held in bf16 are upcast and applied chunk by chunk (AdamW
       steps the masters whose .grad is set, one chunk at a time — elementwise, so bit-identical to
       one call); fp32 gradients are used as they are, in one call. The extra memory of a step is one
-      chunk of fp32 gradients plus AdamW's own temporaries: none with `fused=True` (used on CUDA),
-      a few of one parameter with the CPU default (kept: it is the plain loop, bit for bit).
+      chunk of fp32 gradients (one slice of one gradient for the norm on CPU, whose foreach kernels
+      upcast tensor by tensor) plus AdamW's own temporaries: none with `fused=True` (CUDA), a few
+      of one parameter with the CPU default (kept: it is the plain loop, and unlike CPU's fused
+      kernel it gives the same bits however ZeRO cuts a parameter into pieces).
       Without the chunks a bf16 step would hold an fp32 copy of every gradient beside the bf16 one.
+    - No kernel per parameter on CUDA: the norm is one `torch._foreach_norm` over all slices, the
+      clip one `_foreach_mul_` per chunk, AdamW one fused kernel per chunk, the publish one
+      `_foreach_copy_`. What stays a Python loop per parameter sets `.grad` (torch.optim's
+      interface) and, for bf16 gradients (`--reduce-dtype bf16`), their upcast.
     - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
       over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
       that another rank already counts passes `counted(name) = False` for it.
@@ -114,18 +120,19 @@ class MixedPrecisionOptimizer:
     def _publish(self) -> None:
         if self.master is not self.params:
             with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m)
+                torch._foreach_copy_(self.params, self.master)  # fp32 → compute dtype, one launch
 
     # ---- the step ---------------------------------------------------------------------------------
     def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Global L2 norm in fp32: local sum of squares of counted grads, summed over norm_groups.
-        Squared in slices of STEP_CHUNK_BYTES (fp32), so no gradient-sized temporary appears."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
-        for g, c in zip(grads, self.counted):
-            if g is not None and c:
-                for piece in g.reshape(-1).split(STEP_CHUNK_BYTES // 4):
-                    sq += piece.float().pow(2).sum()
+        """Global L2 norm in fp32: the norms of the counted grads' slices (STEP_CHUNK_BYTES of fp32
+        at most: no gradient-sized temporary) in one foreach kernel, accumulated in fp32; their
+        squares summed here and over norm_groups (as clip_grad_norm_ combines per-tensor norms)."""
+        pieces = [piece for g, c in zip(grads, self.counted) if g is not None and c
+                  for piece in g.reshape(-1).split(STEP_CHUNK_BYTES // 4)]  # views: no copy
+        if pieces:
+            sq = torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float32)).square().sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
         for group in self.norm_groups:
             dist.all_reduce(sq, group=group)
         return sq.sqrt()
@@ -154,9 +161,12 @@ class MixedPrecisionOptimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             for chunk in self._chunks(grads):  # AdamW steps only the masters that have a .grad
-                for i in chunk:
-                    g = None if grads[i] is None else grads[i].float()  # a copy only if not fp32
-                    self.master[i].grad = g if coef is None or g is None else g.mul_(coef)
+                chunk = [i for i in chunk if grads[i] is not None]
+                gs = [grads[i].float() for i in chunk]  # a copy only if not fp32
+                if coef is not None:
+                    torch._foreach_mul_(gs, coef)
+                for i, g in zip(chunk, gs):
+                    self.master[i].grad = g
                 self.optimizer.step()
                 for i in chunk:
                     self.master[i].grad = None

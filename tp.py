@@ -85,7 +85,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, chunk_grads, chunk_stats,
-                   global_shapes, reduce_loss)
+                   global_shapes, reduce_loss, rms_norm)
 
 Group = dist.ProcessGroup | None
 
@@ -335,9 +335,7 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # the same ops as model.RMSNorm: bit-identical per token
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = copy_to_region(self.weight, self.group) * xf.to(x.dtype)  # (B, S/tp, H)
+        y = rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # (B, S/tp, H) as model.RMSNorm
         return gather_from_sequence_region(y, self.group)  # (B, S, H)
 
 

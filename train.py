@@ -16,7 +16,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
-    7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names)
+    7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
+       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
     8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model
@@ -103,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--warmup", type=int, default=10, help="linear warm-up steps")
     a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
     a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    a("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (masters stay fp32)")
+    a("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+      help="compute dtype, masters stay fp32 (auto: bf16 on CUDA, fp32 on CPU; fp32 on CUDA uses TF32)")
     a("--seed", type=int, default=0, help="init and data-order seed")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
@@ -151,12 +153,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="model chunks per pp rank for interleaved / zb (default: 2 for interleaved, else 1)")
     a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
     a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
-    a("--reduce-dtype", default=None, choices=["fp32", "bf16"],
-      help="dtype of gradient reductions and ZeRO-2/3 accumulation (default: the compute dtype)")
+    a("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+      help="dtype of gradient accumulation over micro-batches and of dp/ZeRO reductions; bf16 halves "
+           "their bytes but loses precision (README: measured error)")
     a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
     a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
+    a("--compile", action="store_true", help="torch.compile each decoder layer (hooks, pipeline "
+                                             "executor, embedding and head stay eager)")
+    a("--peak-tflops", type=float, default=None,
+      help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     if args.seq_len is None:
@@ -356,6 +363,8 @@ def validate_more(args: argparse.Namespace) -> list[str]:
         errors.append(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.sp and args.tp < 2:
         errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
     return errors + check_outputs(args)
 
 
@@ -440,6 +449,9 @@ def validate_pipeline(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]
     if args.schedule == "zb" and (args.ac or args.ac_mode):
         errors.append("--schedule zb with --ac: each W would recompute the checkpointed layers again; use "
                       "--schedule interleaved (or 1f1b) with --ac")
+    if args.compile and args.schedule == "zb":
+        errors.append("--compile with --schedule zb: a compiled layer's backward is one autograd node, so "
+                      "the B/W split would run it twice; use --schedule interleaved (or 1f1b) with --compile")
     if args.zero == 2 and v > 1:
         errors.append("--zero 2 with --virtual-stages > 1: a gradient bucket may hold parameters of two chunks "
                       "that finish backward at different times; use --zero 1 or 3")
@@ -655,9 +667,46 @@ def peak_text(peak: MEM.Peak | None) -> str:
 
 
 def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
-    """6N for the matmuls of forward + backward, plus 12·L·H·Q·T for attention scores (PaLM App. B)."""
-    n = cfg.num_params()
+    """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan):
+    6N for the matmuls of forward + backward, N = every parameter a matmul reads — all but the input
+    embedding when untied (a lookup, no FLOPs); tied, the shared matrix counts once, as lm_head —
+    plus 12·L·H·Q·T for attention's two matmuls (H heads of Q dims over T tokens), counted over the
+    full T×T (the causally masked half too), as those references do, so MFUs compare."""
+    n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+
+
+# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it;
+# the first key found in the name wins (so "H100 PCIe" before "H100", "GH200" before "H200").
+GPU_PEAK_TFLOPS = {
+    "A100": (312, 156), "A800": (312, 156), "H100 PCIe": (756, 378), "H100 NVL": (835, 418),
+    "H100": (989, 495), "H800": (989, 495), "GH200": (989, 495), "H200 NVL": (835, 418),
+    "H200": (989, 495), "B200": (2250, 1100), "L40S": (362, 183), "L4": (121, 60), "MI300X": (1307, 654),
+}
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
+    """--peak-tflops, or the GPU's dense peak for the compute dtype (bf16, or tf32 for fp32 on CUDA);
+    None where unknown (CPU, a GPU not in GPU_PEAK_TFLOPS): the log then shows no MFU."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    found = next((v for k, v in GPU_PEAK_TFLOPS.items() if k.lower() in name.lower()), None)
+    return None if found is None else found[args.dtype != "bf16"] * 1e12
+
+
+def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
+    """--dtype auto becomes bf16 on CUDA, fp32 on CPU; fp32 on CUDA turns TF32 matmuls on (10-bit
+    mantissa inputs, fp32 accumulation: ~8x the fp32 rate). Returns what to say in the log."""
+    if args.dtype == "auto":
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    if device.type == "cuda" and args.dtype == "fp32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.fp32_precision = "tf32"
+        return "fp32 with TF32 matmuls"
+    return args.dtype
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -672,6 +721,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: Grid) -> tup
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
+    if args.compile:
+        M.compile_layers(model)
     return model, shards, init
 
 
@@ -681,7 +732,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.reduce_dtype]
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
     counted = lambda n: pp_counted(n) and (n in shards or grid.at.tp_rank == 0)  # noqa: E731
@@ -730,7 +781,7 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops"}
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
@@ -821,6 +872,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaC
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     grid = setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # validate reports a bad one
+    numerics = device_defaults(args, grid.device)
     meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
     meter.phase("data")
     try:
@@ -863,12 +915,14 @@ def main(argv: list[str] | None = None) -> None:
     metrics = open_metrics(args.metrics, start) if args.metrics and log else None
     tokens_per_step = args.batch_size * args.seq_len
     fpt = flops_per_token(cfg, args.seq_len)
-    peak_flops = 989e12 if grid.device.type == "cuda" else None  # H100/H200 dense bf16
+    peak = peak_flops(args, grid.device)
     if log:
         print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
               f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
-              f"zero {args.zero} · "
-              f"{args.dtype} on {grid.device.type}", flush=True)
+              f"zero {args.zero} · {numerics} on {grid.device.type}"
+              + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
+              + (" · compiled layers" if args.compile else "")
+              + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
     t_start, bad, good = time.time(), 0, 0
@@ -906,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
         if log and (step % args.log_every == 0 or step == args.steps - 1):
             # steps run by this process only: a resumed run did not do the first `start`
             eta = (time.time() - t_start) / (step + 1 - start) * (args.steps - step - 1)
-            mfu = f"{100 * tps * fpt / (peak_flops * grid.world):.1f}%" if peak_flops else "n/a"
+            mfu = f"{100 * tps * fpt / (peak * grid.world):.1f}%" if peak else "n/a"
             print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "

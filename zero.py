@@ -282,11 +282,12 @@ class ZeroOptimizer(DataParallel):
         return self._sum_tied(grads)
 
     def _write_shard(self, b: int, shard: torch.Tensor) -> None:
-        """Write the master pieces of bucket b, cast to the compute dtype, into its shard."""
+        """Write the master pieces of bucket b, cast to the compute dtype, into its shard (one
+        foreach launch for the bucket, not a copy kernel per parameter)."""
+        index = [i for i in self.buckets[b].index if self.pieces[i].n]
         with torch.no_grad():
-            for i in self.buckets[b].index:
-                pc = self.pieces[i]
-                shard[pc.shard_start:pc.shard_start + pc.n].copy_(self.master[i])
+            torch._foreach_copy_([shard[self.pieces[i].shard_start:self.pieces[i].shard_start + self.pieces[i].n]
+                                  for i in index], [self.master[i] for i in index])
 
     def _publish(self) -> None:
         """All-gather the updated shards into the flats, at most `inflight` buckets at a time."""

@@ -1,6 +1,7 @@
-"""bench.py --quick on 4 gloo ranks (~15 s): every ours-vs-PyTorch row is present and both sides computed
-the same result, and every table of the report is there. Timings are never asserted (the GUIDE: speed
-is measured in the benchmark, not tested).
+"""bench.py --quick on 4 gloo ranks (~15 s + one compile): every ours-vs-PyTorch row is present and both
+sides computed the same result, and every table of the report is there. Timings are never asserted (the
+GUIDE: speed is measured in the benchmark, not tested). Then bench_mfu.py --smoke: the GPU check's
+script end to end on CPU (the tiny preset; eager rows of every AC mode, one compiled row, transformers).
 
 The agreement checked is bench.py's own: the global grad norm of the first step (both sides still hold
 the same weights) and the losses of the first three steps (all of --quick's) within 1e-5 relative
@@ -16,9 +17,10 @@ import torch
 from dist import run_ranks
 
 ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "cp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb", "ac full",
-        "ac selective", "sft ffd"]
+        "ac selective", "compile", "optim step", "sft ffd"]
 TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persistent bytes per rank",
-          "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU"]
+          "Saved activations per layer", "SFT packing", "1B single-GPU bf16 tokens/s and MFU",
+          "Activation checkpointing: host time per decoder layer", "Gradient accumulation and reduction dtype"]
 
 
 def _bench(rank: int, world: int, out: str) -> dict:
@@ -47,3 +49,24 @@ def test_quick_every_row_same_result(tmp_path):
     layouts = [line for line in text.splitlines() if line.startswith(("| baseline", "| ZeRO", "| PP2"))]
     assert len(layouts) == 10
     assert all(abs(float(line.split("|")[9]) - 1) < 1e-3 for line in layouts), layouts
+
+
+def _smoke(rank: int, world: int, out: str) -> dict:
+    import bench_mfu
+    return bench_mfu.main(["--smoke", "--out", out])
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    """bench_mfu.py --smoke in a forked process (its compile stays out of the pytest process): every row
+    ran and computed the eager model's first loss (bf16, 2e-2), the attention op was recorded for both
+    kinds of rows, and the report was written."""
+    out = tmp_path / "mfu.md"
+    result = run_ranks(_smoke, 1, str(out), timeout=400)[0]
+    rows = [(r["layers"], r["ac"]) for r in result["rows"]]
+    assert rows == [("eager", "none"), ("eager", "selective"), ("eager", "full"), ("compiled", "full"),
+                    ("transformers LlamaForCausalLM (sdpa)", "none")]
+    assert all(r["same"] and r["ms"] > 0 for r in result["rows"]), result["rows"]
+    assert result["grads"]["worst"] <= 5e-2, result["grads"]  # bf16 gradients vs transformers
+    assert set(result["kernels"]) == {"pretraining rows", "packed rows"}
+    assert all("scaled_dot_product" in k or "varlen" in k for k in result["kernels"].values()), result["kernels"]
+    assert out.read_text().strip().endswith(result["markdown"].strip().split("\n")[-1])

@@ -290,8 +290,9 @@ def test_packed_saved_bytes_are_linear_in_s():
         lens = [5, 17, 40, 2, 64] * reps  # one row of S = 128·reps
         t, slots = sum(lens), sum(A.bucket(n) for n in lens)  # tokens, CPU-path slots T'
         pos = torch.cat([torch.arange(n) for n in lens])[None]  # (1, S)
-        want = {None: 4 * t * (6 * h + 4 * i + qh + 2) + 4 * slots * (2 * qh + 2 * gh + a) + 8 * slots + 8 * t,
-                "selective": 4 * t * (3 * h + qh + 2 * gh + 2 * i) + 4 * slots * (qh + a),
+        attn = 4 * slots * (2 * qh + 2 * gh + a) + 8 * slots + 8 * t  # gathered q, k, v, out, lse; indices
+        rest = attn + 8 * t  # + the norms' fp32 rstd
+        want = {None: 4 * t * (4 * h + 3 * i + qh) + rest, "selective": 4 * t * (2 * h + 2 * i + qh) + rest,
                 "full": 4 * t * h}
         for mode in want:
             model = W.materialize(M.build(cfg), "cpu")

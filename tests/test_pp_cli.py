@@ -3,7 +3,8 @@
 Every layout runs the real CLI (`train.main(argv)`) on forked gloo ranks (tests/dist.py) and compares
 its `--metrics` loss curve (5 AdamW steps) with the single-process run of the same flags and data:
 interleaved at pp=2, v=2 and pp=4, v=2, zb at pp=2 and pp=4, each with tp=2 and ZeRO-1 on 8 ranks;
-tied embeddings; ZeRO-3 under zb; a v=2 checkpoint resumed in the same layout (bit for bit), in one
+tied embeddings; ZeRO-3 under zb; compiled layers (--compile) with selective AC under interleaved
+(inductor reorders the norms' reductions: ~1e-7); a v=2 checkpoint resumed in the same layout (bit for bit), in one
 process and at v=4. Tolerance: 1e-5 relative (fp32; the layouts change only the summation order of
 the same products: tp all-reduces, dp/ZeRO reduce-scatters, the tied copies' sum; measured ~3e-7).
 An 8-layer model, so that pp=4 can hold v=2 chunks of one layer each.
@@ -62,6 +63,9 @@ LAYOUTS = {  # name: (world, flags, init)
     "zb-pp2v2-zero3": (4, ["--pp", "2", "--zero", "3", "--schedule", "zb", "--virtual-stages", "2"], "init"),
     "tied-interleaved-pp2v2-zero1": (4, ["--pp", "2", "--zero", "1", "--schedule", "interleaved"], "init_tied"),
     "tied-zb-pp2-tp2": (4, ["--pp", "2", "--tp", "2", "--schedule", "zb"], "init_tied"),
+    # compiled layers under the pipeline executor, with selective AC (compile's policy) and ZeRO-1
+    "compile-interleaved-pp2v2-zero1-ac": (4, ["--pp", "2", "--zero", "1", "--schedule", "interleaved",
+                                               "--compile", "--ac"], "init"),
 }
 
 
@@ -73,6 +77,7 @@ def test_schedule_matches_single_process(dirs, reference, name, capfd):
     out = capfd.readouterr().out
     schedule = extra[extra.index("--schedule") + 1]
     assert f"pipeline: {schedule}, " in out and "simulated bubble" in out
+    assert ("compiled layers" in out) == ("--compile" in extra)
 
 
 def test_interleaved_checkpoint_is_layout_free(dirs, reference):

@@ -108,14 +108,14 @@ def _ops_stages_errors(rank: int, world: int) -> dict:
 
 def test_sp_ops_stages_errors_and_saved_bytes():
     saved = run_ranks(_ops_stages_errors, 4)[0]
-    # Each RMSNorm keeps for backward its input x (fp32: x.float() is x), its rsqrt (one value per
-    # token) and x·rsqrt: 2h + 1 values per token, now for S/tp tokens instead of S. What stays full
+    # Each RMSNorm keeps for backward its input x and its rstd (h + 1 values per token; ops.py), now
+    # for S/tp tokens instead of S. What stays full
     # length: the gathered norm outputs that q/k/v and gate/up save, and the head-sharded attention
     # and MLP tensors (already 1/tp under plain TP).
     h, B, S = CONFIGS["B"].hidden_size, 2, 16
     for tp, (plain_tp, sp) in saved.items():
         print(f"saved activations per layer, tp={tp}: {plain_tp} B without SP, {sp} B with SP")
-        assert plain_tp - sp == 2 * (2 * h + 1) * B * S * (tp - 1) // tp * 4, (tp, plain_tp, sp)
+        assert plain_tp - sp == 2 * (h + 1) * B * S * (tp - 1) // tp * 4, (tp, plain_tp, sp)
 
 
 def test_validate_sequence_length():

@@ -57,6 +57,8 @@ def test_zero_is_kept_not_replaced_by_the_default():
     (["--sft", "--eval-batches", "2"], "--eval-batches sizes the validation loss of pretraining"),
     (["--cp", "3"], "world size 1 is not divisible by --tp 1 × --cp 3 × --pp 1"),
     (["--cp", "0"], "--cp 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a positive number, got nan"),
 ])
 def test_flag_holes_are_reported(argv, text):
     assert text in validate(*argv)
@@ -69,6 +71,28 @@ def test_context_parallel_layouts():
     assert "each rank's seq-len/cp = 8 tokens must split into --tp 3" in validate(
         "--cp", "4", "--tp", "3", "--sp", world=12).replace("heads", "")
     assert "--cp with --sft" in validate("--cp", "2", "--sft", world=2)
+
+
+def test_device_defaults_and_peak_flops():
+    """--dtype auto: fp32 on CPU (bf16 on CUDA: not testable here); MFU's peak from the GPU's name
+    (the first table key found in it), --peak-tflops over it, none on CPU."""
+    args = train.parse_args([])
+    assert (args.dtype, args.reduce_dtype) == ("auto", "fp32")
+    assert train.device_defaults(args, torch.device("cpu")) == "fp32" and args.dtype == "fp32"
+    assert train.peak_flops(args, torch.device("cpu")) is None
+    assert train.peak_flops(train.parse_args(["--peak-tflops", "312"]), torch.device("cpu")) == 312e12
+    found = lambda name: next(v for k, v in train.GPU_PEAK_TFLOPS.items() if k.lower() in name.lower())  # noqa: E731
+    assert found("NVIDIA H100 80GB HBM3") == (989, 495) and found("NVIDIA H100 PCIe") == (756, 378)
+    assert found("NVIDIA A100-SXM4-80GB") == (312, 156) and found("NVIDIA GH200 480GB") == (989, 495)
+    assert found("NVIDIA H200") == (989, 495) and found("NVIDIA L40S") == (362, 183)
+    # FLOPs per token: 6N + attention, the untied input embedding (a lookup) left out of N
+    tied = M.PRESETS["1b"]
+    untied = M.LlamaConfig(**{**tied.__dict__, "tie_word_embeddings": False})
+    attn = 12 * 16 * 32 * 64 * 2048
+    assert train.flops_per_token(tied, 2048) == 6 * tied.num_params() + attn
+    assert train.flops_per_token(untied, 2048) == train.flops_per_token(tied, 2048)
+    assert "--compile with --schedule zb" in validate("--compile", "--pp", "2", "--schedule", "zb", world=2)
+    assert validate("--compile", "--pp", "2", "--schedule", "interleaved", world=2) == ""
 
 
 def test_eval_every_is_valid_without_sft():
