@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
-from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (rms_norm: tp.py's sequence-parallel norm too)
+from ops import apply_rope, rms_norm, swiglu, wanted_grads  # noqa: F401 (tp.py uses rms_norm too)
 
 IGNORE_INDEX = -100
 
@@ -393,14 +393,15 @@ def chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
 
 
 def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                g: torch.Tensor, chunk: int, start: int = 0,
-                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                g: torch.Tensor, chunk: int, start: int = 0, vocab_size: int | None = None,
+                want: tuple[bool, bool] = (True, True)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward of loss_t = lse_t - logit_t(target) scaled by g (T,): per block the logits are
     recomputed and dL/dlogits = (softmax - one-hot)·g. Returns dL/dh (T, H) summed in fp32 over the
-    blocks and dL/dweight (n, H), each block's rows one matmul over all tokens (rounded once)."""
+    blocks and dL/dweight (n, H), each block's rows one matmul over all tokens (rounded once) — each
+    only if `want`ed (ops.wanted_grads: a pipeline's B pass asks for dL/dh, its W pass for dL/dW)."""
     c0 = min(chunk, weight.shape[0])
-    gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # (T, H)
-    gw = torch.empty_like(weight)  # (n, H)
+    gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if want[0] else None  # (T, H)
+    gw = torch.empty_like(weight) if want[1] else None  # (n, H)
     for v0 in range(0, weight.shape[0], c0):
         z = block_logits(h, weight, v0, c0, start, vocab_size)  # (T, c)
         z.sub_(lse[:, None]).exp_().mul_(g[:, None])  # softmax · g (padding: 0)
@@ -408,14 +409,17 @@ def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse
         here = (col >= 0) & (col < z.shape[1])
         z.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], (-g).masked_fill(~here, 0.0)[:, None])
         dz = z.to(h.dtype)  # (T, c)
-        torch.mm(dz.t(), h, out=gw[v0:v0 + z.shape[1]])  # (c, H)
-        gh += dz @ weight[v0:v0 + z.shape[1]]  # (T, H)
+        if gw is not None:
+            torch.mm(dz.t(), h, out=gw[v0:v0 + z.shape[1]])  # (c, H)
+        if gh is not None:
+            gh += dz @ weight[v0:v0 + z.shape[1]]  # (T, H)
     return gh, gw
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of h @ weight.T over the whole vocabulary, (T, H) → (T,), with
-    (T, chunk) blocks of fp32 logits only; backward recomputes each block (one more head matmul)."""
+    (T, chunk) blocks of fp32 logits only; backward recomputes each block (one more head matmul,
+    once per pass: a zero-bubble pipeline's B and W each recompute it)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -429,8 +433,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         h, weight, labels, lse = ctx.saved_tensors
         g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)  # (T,) ignored: no gradient
-        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk)
-        return gh.to(h.dtype), gw, None, None
+        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, want=wanted_grads(ctx, 2))
+        return None if gh is None else gh.to(h.dtype), gw, None, None
 
 
 def reduce_loss(loss: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:

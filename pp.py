@@ -40,16 +40,16 @@ The B/W split (zb), with autograd
     the gradient flowing in (dY). W runs, per group of parameters joining the path at the same
     nodes, `torch.autograd.backward(GradientEdge(node, k) with dY, inputs=params)`: the node runs
     again for its parameter outputs only, and each AccumulateGrad (dp/ZeRO's hook) fires once. So
-    B + W cost one backward (tests count the FLOPs), plus ~20 µs of engine call per group. On rank
+    B + W cost one backward (tests count the FLOPs) — but one head matmul: the chunked loss
+    (model.linear_cross_entropy) recomputes its logits blocks in each pass, computing dL/dh in B and
+    dL/dW in W only (ops.wanted_grads) — plus ~20 µs of engine call per group. On rank
     0 a forward hook cuts the embedding's output off as the chunk's input leaf: B stops there and
     the embedding's gradient is part of W. Held from B to W: the dY of every parameterised op, per
     layer and token q + 2·kv + 4·h + 2·i values (q, k, v, o, gate, up, down outputs and both norms:
     in bf16 about half the layer's activations) and the ops' saved inputs; here the whole graph
     stays alive from F to W (retain_graph), so pp_schedules counts activations in flight from F to
-    W. On the last stage the head's dY is the (B, S, V) logits gradient, 2V bytes per token in bf16
-    (V = 128K: 0.5 GB per 2048 tokens), held for the p-1 micro-batches whose W waits: lm_head's dW
-    in B would avoid it, but then a bucket or ZeRO-3 unit holding lm_head and the final norm would
-    get gradients at two times (dp.py/zero.py count them per backward). Not with activation
+    W. On the last stage the head holds only the (T,) loss gradient (W recomputes the logits blocks
+    from it), not a (B, S, V) logits gradient. Not with activation
     checkpointing: each W group would recompute the checkpointed layer (train.py rejects it).
 
 Communication

@@ -85,7 +85,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, chunk_grads, chunk_stats,
-                   global_shapes, reduce_loss, rms_norm)
+                   global_shapes, reduce_loss, rms_norm, wanted_grads)
 
 Group = dist.ProcessGroup | None
 
@@ -433,8 +433,9 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor) -> tuple:
         h, weight, labels, lse = ctx.saved_tensors
         g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)
-        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, ctx.start, ctx.vocab_size)
-        return gh.to(h.dtype), gw, None, None, None, None
+        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, ctx.start, ctx.vocab_size,
+                             want=wanted_grads(ctx, 2))
+        return None if gh is None else gh.to(h.dtype), gw, None, None, None, None
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -333,8 +333,9 @@ def test_pp1_is_the_plain_model():
 
 
 def test_bw_split_costs_one_backward():
-    """B + W = one backward: the same FLOPs (B computes dX, W dW: each matmul's backward once), the
-    same gradients bit for bit, and each parameter's AccumulateGrad (dp/ZeRO's hook) fires once."""
+    """B + W = one backward: the same FLOPs (B computes dX, W dW: each matmul's backward once) but
+    one head matmul (the chunked loss recomputes its logits blocks in each pass), the same gradients
+    bit for bit, and each parameter's AccumulateGrad (dp/ZeRO's hook) fires once."""
     from torch.utils.flop_counter import FlopCounterMode
     mbs = batches(1, seed=4)
     x = torch.randn(2, 8, CFG.hidden_size)
@@ -354,17 +355,19 @@ def test_bw_split_costs_one_backward():
         dx, work = backward_input(out, None, inp, list(model.parameters()))
     assert fired == [] and all(p.grad is None for p in model.parameters())  # B touches no parameter
     # W's inputs held from B to W: dY of every parameterised op (pp.py's docstring), fp32 here: per
-    # layer and token q + 2 kv + 4 h + 2 i values, the final norm h, lm_head's the logits' V
+    # layer and token q + 2 kv + 4 h + 2 i values, the final norm h, the chunked loss's 1 (the loss
+    # gradient: W recomputes the logits blocks from it, no (T, V) gradient is held)
     c = CFG
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_token = c.num_hidden_layers * (q + 2 * kv + 4 * c.hidden_size + 2 * c.intermediate_size) + \
-        c.hidden_size + c.vocab_size
+        c.hidden_size + 1
     held = sum(g.nbytes for _, nodes in work for _, gs in nodes for g in gs if g is not None)
     assert held == 4 * x.shape[0] * x.shape[1] * per_token
     with FlopCounterMode(display=False) as w:
         backward_weight(work)
     assert b.get_total_flops() > 0 and w.get_total_flops() > 0
-    assert b.get_total_flops() + w.get_total_flops() == full.get_total_flops()
+    head = 2 * x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size  # one (T, H) x (H, V) matmul
+    assert b.get_total_flops() + w.get_total_flops() == full.get_total_flops() + head
     assert torch.equal(dx, leaf.grad)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     assert sorted(fired) == sorted(id(p) for p in model.parameters())  # once each
