@@ -131,13 +131,15 @@ class DPSampler:
         self.epoch, self.offset = int(state["epoch"]), int(offset)
 
 
-def global_count(local: torch.Tensor | int, group: Group = None) -> int:
+def global_count(local: torch.Tensor | int, group: Group = None) -> torch.Tensor:
     """Sum of a count over the dp group (e.g. the step's target tokens): pass the tensor from
-    `precision.count_targets` (it lives on the data device, which NCCL needs)."""
+    `precision.count_targets` (it lives on the data device, which NCCL needs). Returns a 0-dim int64
+    tensor on that device and never reads it on the host (precision.normalized_loss divides by it
+    there): on CUDA the step goes on without waiting for the GPU. int() it where a number is needed."""
     t = local.detach().to(torch.int64).clone() if isinstance(local, torch.Tensor) else torch.tensor(local)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
-    return int(t)
+    return t
 
 
 # ------------------------------------------------------------------------------------------ buckets
