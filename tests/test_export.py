@@ -62,8 +62,8 @@ def _export(rank: int, world: int, init: str, runs: list) -> list:
         grid = train.setup()
         cfg = M.load_config(init)
         train.make_grid(grid, args.tp, args.pp)
-        model, shards, init = train.build_model(args, cfg, grid)
-        opt = train.make_optimizer(args, model, shards, init, grid)
+        model, shards, reader = train.build_model(args, cfg, grid)
+        opt = train.make_optimizer(args, model, shards, reader, grid)
         gathered, real = [0], EX._stage_tensors
 
         def watched(model, opt, *a):
