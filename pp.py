@@ -282,10 +282,12 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
 
 def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
     """W: run each group's nodes again with the saved gradients, for its parameters only; they
-    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). embed: (the
-    embedding output cut off on rank 0, its gradient, the embedding's parameters), one more root."""
+    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). The groups run
+    last parameters first, the embedding last: gradients complete in the order of a plain backward,
+    the order dp/ZeRO launch their buckets in. embed: (the embedding output cut off on rank 0, its
+    gradient, the embedding's parameters), one more root."""
     groups = [(ps, [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None],
-               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in work]
+               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in reversed(work)]
     if embed is not None:
         out, grad, eps = embed
         tied = [g for g in groups if set(map(id, g[0])) & set(map(id, eps))]  # pp=1, tied: lm_head

@@ -256,8 +256,8 @@ class ZeroOptimizer(DataParallel):
         self.per_micro_batch = stage == 3 or (stage == 2 and reduce_every_micro_batch)
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gathers: collections.deque = collections.deque()  # (bucket, work) launched, not yet waited
+        self._model = model
         super().__init__(named_params, cfg, dtype, group, **kw)
-        self._order, self._site_pos = self._gather_order(model)
         self._launched = self._landed = len(self._order)  # in self._order; the flats are complete now
         if model is not None and self.world > 1:
             for s, site in enumerate(sites(model)):
@@ -267,7 +267,8 @@ class ZeroOptimizer(DataParallel):
     def _gather_order(self, model: nn.Module | None) -> tuple[list[int], list[int]]:
         """The buckets in the order a forward first reads them, and per site the position in that
         order through which its parameters are complete. Buckets holding a parameter outside every
-        site come first (every site waits for them); without a model: reverse bucket order."""
+        site come first (every site waits for them); without a model: reverse bucket order (buckets
+        hold the parameters in reverse). Reversed, the order backward completes them in."""
         if model is None:
             return list(reversed(range(len(self.buckets)))), []
         bucket_of = {id(self.params[i]): b for b, bk in enumerate(self.buckets) for i in bk.index}
@@ -316,9 +317,12 @@ class ZeroOptimizer(DataParallel):
         return master
 
     def _make_sync(self) -> GradSync:
+        # gradients are reduced in the order backward completes the buckets: the gathers' reversed
+        self._order, self._site_pos = self._gather_order(self._model)
         return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
                                  keep_full=self.stage == 1, per_micro_batch=self.per_micro_batch,
-                                 on_reduced=self._on_reduced, inflight=self.inflight)
+                                 on_reduced=self._on_reduced, inflight=self.inflight,
+                                 order=self._order[::-1])
 
     def _on_reduced(self, b: int) -> None:
         pass

@@ -455,6 +455,27 @@ def _overlap(rank: int, world: int) -> dict:
             opt._wait_site(s, None, ())
         out[stage, "any_order"] = opt._landed == len(opt._order)
         opt.teardown()
+    # gradient buckets: grads completing in opposite orders on the two ranks (rank 1: the embedding
+    # first) are still reduced in one order; a bucket with no gradient blocks those behind it
+    for case in ("orders", "missing"):
+        m = make_model()
+        opt = Z.apply_zero(m, 1, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        launched, real = [], opt.sync._launch
+        opt.sync._launch = lambda b: launched.append(b) or real(b)
+        for p in opt.params:
+            p.grad = torch.full_like(p, rank + 1.0)
+        positions = list(range(len(opt.params)))
+        skip = set(opt.sync.buckets[0].index) if case == "missing" else set()
+        for i in (positions if rank == 0 else positions[::-1]):
+            if i not in skip:
+                opt.sync._on_grad(opt.sync._where[i][0], i, opt.params[i])
+        try:
+            opt.finish()
+            out[case] = (launched, all(bool((p.grad.view(-1)[pc.start:pc.start + pc.n] == 3).all())
+                                       for p, pc in zip(opt.params, opt.pieces)))
+        except RuntimeError as e:
+            out[case] = (launched, str(e))
+        opt.teardown()
     return out
 
 
@@ -463,7 +484,8 @@ def test_zero12_parameter_gather_overlaps_the_next_forward():
     site hooks wait for them bucket by bucket in forward order (the embedding's first), never more
     than `inflight` in flight, all complete before the head; the launch order is the same fixed one
     every step on every rank, so hooks asked in any order complete; finish_gathers() leaves every
-    parameter equal to its master (cast) and the same on both ranks."""
+    parameter equal to its master (cast) and the same on both ranks. Gradient buckets: reduced in
+    one fixed order whatever order their gradients complete in on each rank."""
     for out in run_ranks(_overlap, 2):
         for stage in (1, 2):
             n, k, order = out[stage, "buckets"], out[stage, "inflight"], out[stage, "order"]
@@ -477,6 +499,10 @@ def test_zero12_parameter_gather_overlaps_the_next_forward():
                 assert all(f <= k for _, f in st["seen"]) and st["seen"][-1] == (n, 0)
                 assert st["launched"] == order[k:] + order[:k]  # the forward's hooks, then step()
             assert out[stage, "finished"] and out[stage, "same_on_ranks"] and out[stage, "any_order"]
+        launched, summed = out["orders"]
+        assert launched == sorted(launched) and len(launched) > 2 and summed is True  # index order
+        launched, error = out["missing"]
+        assert launched == [] and "bucket 0 got no gradient" in error, error
 
 
 def _fp32_accumulation(rank: int, world: int) -> dict:
