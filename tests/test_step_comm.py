@@ -11,7 +11,8 @@ Method. Each rank runs the real CLI (`train.main`) with recorders patched in (te
   step's tensors are device tensors but for two kinds made on the host by design, listed in HOST
   with the reason; the batch is made by the prefetch thread (not recorded: it never waits for the
   GPU) and copied with non_blocking;
-- `Prefetcher.next` marks the start of each step, so a step's window runs up to the next one.
+- `Prefetcher.next` marks the start of each step, so a step's window runs up to the next one;
+- `new_group` is recorded too: every group exists before the first step (none is made later).
 Steps 2 and 3 of 4 are counted (--log-every 100: step 1 and the last step log and evaluate).
 
 Targets (issue 14): at most one host sync in a step that does not log (exactly one: the grad norm,
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import memory as MEM
 import model as M
 import train
 import weights as W
@@ -114,9 +116,14 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
 
     for name in COLLECTIVES:
         setattr(dist, name, collective(name, getattr(dist, name)))
+    new_group = dist.new_group
+    dist.new_group = lambda *a, **k: events.append(("group",)) or new_group(*a, **k)
     for name in CONVERSIONS + ("to", "cpu", "cuda"):
         setattr(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name)))
     train.Prefetcher.next, Z.apply_zero = marked, capture
+    # the CPU peak meter (profiler sessions per phase) is CPU-only instrumentation, no part of the
+    # step on CUDA (there it reads allocator counters); off, it also leaves gloo's threads alone
+    MEM.PeakMeter._open = lambda self: None
     train.main(argv)
     steps = [[]]
     for e in events:
@@ -140,6 +147,7 @@ def check_quiet_steps(results: list[dict]) -> list[list[tuple]]:
     out = []
     for rank, r in enumerate(results):
         assert len(r["steps"]) == 4
+        assert not [e for step in r["steps"] for e in step if e == ("group",)]  # all made before
         colls = []
         for step in r["steps"][1:3]:
             syncs = Counter(e[2] + (e[1],) for e in step if e[0] == "sync")
