@@ -680,6 +680,8 @@ class Prefetcher:
 
     def _run(self, load: Callable[[list[int]], list[dict]], sampler: dp.DPSampler, steps: int) -> None:
         try:
+            if self.device.type == "cuda":  # pinning on this thread: this rank's GPU, not GPU 0
+                torch.cuda.set_device(self.device)
             for _ in range(steps):
                 rows = sampler.next_batch()
                 self._queue.put((sampler.state_dict(), load(rows)))
