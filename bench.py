@@ -246,13 +246,9 @@ def sec_dp(ctx: Ctx, stages: tuple[int, ...]) -> None:
         popt = adamw(peer, ctx.ocfg) if stage != 1 else adamw(
             peer, ctx.ocfg, ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW,
             parameters_as_bucket_view=True)
-        kw = dict(parts=ctx.world, part=ctx.rank)
-
-        def update() -> float:  # the step's parameter all-gathers (stages 1-2) are charged to it: in
-            norm = opt.step(ctx.args.lr)  # the race the peer's step would hide them (zero_overlap)
-            opt.finish_gathers()
-            return norm
-        r = ctx.race({"ours": side(ctx, ours, update, **kw),
+        kw = dict(parts=ctx.world, part=ctx.rank)  # (stages 1-2: the step's parameter all-gathers
+        # run in ours' next forward, inside its own timed step: none leaks into the peer's time)
+        r = ctx.race({"ours": side(ctx, ours, partial(opt.step, ctx.args.lr), **kw),
                       "peer": side(ctx, peer, peer_update(ctx, peer, popt), scale=ctx.world, **kw)})
         name = f"ZeRO-{stage}" if stage else "dp"
         ctx.add_row(f"zero{stage}" if stage else "dp", f"{name} (dp={ctx.world})", peers[stage],

@@ -23,19 +23,23 @@ What it does
     owns elements [r·S, (r+1)·S), S = size/N. The fp32 master of parameter i is the piece of i in
     that range (maybe empty), so AdamW still sees one tensor per parameter: weight-decay groups
     survive, and AdamW being elementwise the update is bit-identical to the unsharded one. Updated
-    masters are cast to the compute dtype and all-gathered (stages 1-2: launched by the step,
-    overlapping the next forward, below) or written into the persistent compute-dtype shard
+    masters are cast to the compute dtype and all-gathered (stages 1-2: during the next forward,
+    below) or written into the persistent compute-dtype shard
     (stage 3, gathered when next used).
 
 Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, overlap_param_gather)
-    step() writes each updated master piece, cast, into this rank's slice of its bucket's flat and
-    starts the all-gathers that complete the flats in place (NCCL detects the in-place form: no
-    shard buffer), `inflight` of them, in a fixed order: the order in which a forward first reads
-    the buckets (the embedding's first, the head's last; `sites`). A forward pre-hook on each site
-    (embedding, each decoder layer, the final norm for norm + head) waits for the gathers through
-    the last bucket it reads and launches the next ones, keeping `inflight` in flight: the
-    all-gather of layer k+1 runs while layer k computes, and only the first bucket's is exposed.
-    Whichever hook asks, gathers are launched in that one order, so dp ranks post the same
+    step() writes each updated master piece, cast, into this rank's slice of its bucket's flat; the
+    all-gathers that complete the flats in place (NCCL detects the in-place form: no shard buffer)
+    then run in a fixed order: the order in which a forward first reads the buckets (the
+    embedding's first, the head's last; `sites`). A forward pre-hook on each site (embedding, each
+    decoder layer, the final norm for norm + head) launches them in that order up to the last
+    bucket it reads, waits for those, and keeps the next `inflight` in flight: the all-gather of
+    layer k+1 runs while layer k computes, and only the first bucket's is exposed. They start at
+    the first pre-hook, not in step(): on a GPU the host gets there long before the device is
+    through the optimizer's kernels, so nothing is lost, and no collective is left running under
+    the host's logging, checkpoint or evaluation code (nor under memory.PeakMeter's phase switch on
+    CPU: its profiler session must not close while a gloo collective started under it runs).
+    Whichever hook asks, gathers are launched in the one order, so dp ranks post the same
     collectives in the same order and cannot deadlock. Between step() and the next forward the
     parameters are NOT complete: `finish_gathers()` completes them (train.py calls it before a
     checkpoint save, an evaluation, the export and at the end of the run; gathered() and export.py
@@ -64,10 +68,10 @@ largest bucket (stage 3: unit) in the reduce dtype:
       the head's backward to the embedding's;
     - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece)
       and AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured); the
-      stage 1-2 parameter all-gathers, in flight from the step through the next forward, are in
-      place (nothing extra on NCCL);
+      stage 1-2 parameter all-gathers, in flight during the next forward, are in place (nothing
+      extra on NCCL);
     - on gloo (CPU) every collective in flight also stages through a buffer of its full size (the
-      stage 1-2 all-gathers too: `inflight` buckets in the step and the forward);
+      stage 1-2 all-gathers too: `inflight` buckets in the forward);
     - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
     Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
     first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
@@ -350,15 +354,14 @@ class ZeroOptimizer(DataParallel):
 
     def _publish(self) -> None:
         """Write each updated master piece, cast to the compute dtype, into this rank's slice of its
-        bucket's flat (the padding stays zero), then start the all-gathers that complete the flats
-        in place: `inflight` of them here, the rest as the next forward's pre-hooks need them."""
+        bucket's flat (the padding stays zero); the all-gathers that complete the flats in place
+        are due: the next forward's pre-hooks launch and wait for them (or finish_gathers())."""
         self.finish_gathers()  # the last step's, if a bucket was never needed since
         for b, full in enumerate(self.flat_params):
             S = full.numel() // self.world
             self._write_shard(b, full[self.rank * S:(self.rank + 1) * S])  # (S,) a view: in place
         self._launched = self._landed = 0
-        self._gather_through(-1)
-        if not self.module_handles:  # nobody would wait for them: complete them now
+        if not self.module_handles:  # no forward hook would ask for them: complete them now
             self.finish_gathers()
 
     def _gather_through(self, k: int) -> None:
@@ -649,4 +652,4 @@ def peak_extras(opt: DataParallel) -> dict[str, int]:
     gathers = gloo * k * bucket * c if opt.stage in (1, 2) else 0  # in place: gloo's staging only
     pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
     return {"forward": small + units + pending + gathers,
-            "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk + gathers}
+            "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk}

@@ -18,7 +18,7 @@ Steps 2 and 3 of 4 are counted (--log-every 100: step 1 and the last step log an
 Targets (issue 14): at most one host sync in a step that does not log (exactly one: the grad norm,
 whose non-finite check decides the update); no collective on a group of one rank (a single process
 runs none in its step); ZeRO-1 at dp=2: 3 all-reduces (targets, loss, grad norm) plus one
-reduce-scatter and one all-gather per bucket, some all-gathers launched by the next forward.
+reduce-scatter and one all-gather per bucket, the all-gathers launched by the next forward.
 """
 from __future__ import annotations
 
@@ -169,12 +169,11 @@ def test_zero1_dp2_collectives_per_step(dirs):
     results = run(dirs, 2, "--zero", "1", "--bucket-mb", "0.05")
     for r, colls in zip(results, check_quiet_steps(results)):
         nb = r["buckets"]
-        assert nb > r["inflight"]  # so that some all-gathers must wait for the next forward
+        assert nb > r["inflight"]  # so that the forward's hooks keep launching as they go
         assert Counter(e[1] for e in colls) == {"all_reduce": 3, "reduce_scatter_single": nb,
                                                 "all_gather_single": nb}
         gathers = [e[3] for e in colls if e[1] == "all_gather_single"]
-        assert sum("_publish" in chain for chain in gathers) == r["inflight"]  # launched by step()
-        assert sum("_wait_site" in chain for chain in gathers) == nb - r["inflight"]  # by the forward
+        assert all("_wait_site" in chain for chain in gathers)  # launched by the forward's hooks
 
 
 def test_tp2_pp2_step_skips_groups_of_one(dirs):
