@@ -49,6 +49,7 @@ Invariants
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -117,10 +118,20 @@ class Documents:
         lengths = torch.diff(first, append=torch.tensor([pos.numel()]))
         return cls(lengths.tolist(), tuple(pos.shape), position_ids.device if device is None else device)
 
-    def to(self, device: torch.device | str) -> "Documents":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Documents":
+        """The same boundaries with cu_seqlens on `device` (non_blocking: from pinned memory, as the
+        batch's tensors are copied: the host does not wait)."""
         if self.cu_seqlens.device == torch.device(device):
             return self
-        return Documents(self.lengths, self.shape, device)
+        return self._with(self.cu_seqlens.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Documents":
+        return self._with(self.cu_seqlens.pin_memory())
+
+    def _with(self, cu_seqlens: torch.Tensor) -> "Documents":
+        out = copy.copy(self)
+        out.cu_seqlens, out._plans = cu_seqlens, {}
+        return out
 
     def plan(self, device: torch.device) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
         """The CPU path's plan, built once per batch and device: groups [(n documents, bucket Lb)],

@@ -131,13 +131,62 @@ def sec_dp(ctx: Ctx, stages: tuple[int, ...]) -> None:
         popt = adamw(peer, ctx.ocfg) if stage != 1 else adamw(
             peer, ctx.ocfg, ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW,
             parameters_as_bucket_view=True)
-        kw = dict(parts=ctx.world, part=ctx.rank)
+        kw = dict(parts=ctx.world, part=ctx.rank)  # (stages 1-2: the step's parameter all-gathers
+        # run in ours' next forward, inside its own timed step: none leaks into the peer's time)
         r = ctx.race({"ours": side(ctx, ours, partial(opt.step, ctx.args.lr), **kw),
                       "peer": side(ctx, peer, peer_update(ctx, peer, popt), scale=ctx.world, **kw)})
         name = f"ZeRO-{stage}" if stage else "dp"
         ctx.add_row(f"zero{stage}" if stage else "dp", f"{name} (dp={ctx.world})", peers[stage],
                     r["ours"], r["peer"])
         opt.teardown()
+    if 1 in stages:
+        zero_overlap(ctx)
+
+
+def zero_overlap(ctx: Ctx, blocks: int = 3, per_block: int = 3) -> None:
+    """ZeRO-1/2, ours only: steps with the parameter all-gather overlapped with the next forward
+    (the default) vs waited at the end of each step, timed in blocks of consecutive steps (a block
+    ends with finish_gathers(), so no block's gathers run on another's time), alternating; and the
+    gradient reduction left to wait for after backward (finish()), the embedding's bucket last."""
+    rows, blocks = [], 1 if ctx.args.quick else blocks
+    for stage in (1, 2):
+        for bucket_mb in (25.0, 2.0):
+            model = ctx.fresh()
+            opt = Z.apply_zero(model, stage, None, ctx.ocfg, bucket_mb=bucket_mb)
+            waits: list[float] = []
+            finish = opt.sync.finish
+
+            def timed_finish() -> None:
+                t0 = time.perf_counter()
+                finish()
+                waits.append(time.perf_counter() - t0)
+            opt.sync.finish = timed_finish
+            step = side(ctx, model, partial(opt.step, ctx.args.lr), parts=ctx.world, part=ctx.rank)
+            times = {True: [], False: []}
+            for i in range(ctx.args.warmup + 2 * blocks):
+                overlap = i % 2 == 0
+                dist.barrier()
+                t0 = time.perf_counter()
+                for k in range(per_block):
+                    step(i * per_block + k)
+                    if not overlap:
+                        opt.finish_gathers()
+                opt.finish_gathers()
+                if i >= ctx.args.warmup:
+                    times[overlap].append((time.perf_counter() - t0) / per_block)
+            stats = torch.tensor([statistics.median(times[True]), statistics.median(times[False]),
+                                  statistics.median(waits[ctx.args.warmup * per_block:])], dtype=torch.float64)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            on, off, wait = (1e3 * v for v in stats.tolist())
+            last = opt.sync.buckets[opt.sync.order[-1]]
+            rows.append([stage, f"{bucket_mb:g} MB: {len(opt.sync.buckets)}", f"{off:.1f}", f"{on:.1f}",
+                         f"{on / off:.2f}", f"{wait:.1f}", f"{last.size * 4 / 2**20:.2f} MB"])
+            opt.teardown()
+    ctx.table("ZeRO-1/2: parameter all-gather overlapped with the next forward (ours, median ms per step)",
+              ["stage", "bucket size: buckets", "gathers waited in step()", "overlapped (default)",
+               "overlapped / waited", "reduction left after backward", "last bucket reduced (fp32)"], rows,
+              note=f"dp={ctx.world}, fp32; {per_block} consecutive steps per block, blocks alternating; slowest "
+                   f"rank. The last bucket holds the embedding (its gradient is ready last in backward)")
 
 
 def sec_tp(ctx: Ctx) -> None:

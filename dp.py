@@ -11,7 +11,10 @@ What it does
     (the order backward produces their grads), into flat buckets of about `bucket_mb` MB. A
     post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
     grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
-    earlier layers. At most `inflight` (default 2) reductions are in flight: launching one more first
+    earlier layers. Buckets are launched in one fixed order (`order`: index order, the order
+    backward completes them in); one complete before its turn waits for those before it (as DDP),
+    so ranks whose hooks fire in different orders still post the same collectives in the same
+    order — NCCL pairs them by call order. At most `inflight` (default 2) reductions are in flight: launching one more first
     lands the oldest (waits, copies its sums back into `.grad`, drops its flat buffer), so the extra
     memory of a backward is at most `inflight` buckets, never a second copy of all gradients. Two,
     not one: the next bucket is queued while the previous is still on the wire, so the link never
@@ -22,7 +25,7 @@ What it does
     accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
     `ReduceScatterSync` (the gradient side of zero.py's ZeRO) reduce-scatters the same buckets
     instead: each rank receives the dp sum of its 1/N of every bucket (a `Piece` of each parameter).
-    `global_count` all-reduces the step's target-token count.
+    `global_count` all-reduces the step's target-token count, on the device (no host sync).
 
 Reference
     Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB):
@@ -131,13 +134,15 @@ class DPSampler:
         self.epoch, self.offset = int(state["epoch"]), int(offset)
 
 
-def global_count(local: torch.Tensor | int, group: Group = None) -> int:
+def global_count(local: torch.Tensor | int, group: Group = None) -> torch.Tensor:
     """Sum of a count over the dp group (e.g. the step's target tokens): pass the tensor from
-    `precision.count_targets` (it lives on the data device, which NCCL needs)."""
+    `precision.count_targets` (it lives on the data device, which NCCL needs). Returns a 0-dim int64
+    tensor on that device and never reads it on the host (precision.normalized_loss divides by it
+    there): on CUDA the step goes on without waiting for the GPU. int() it where a number is needed."""
     t = local.detach().to(torch.int64).clone() if isinstance(local, torch.Tensor) else torch.tensor(local)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
-    return int(t)
+    return t
 
 
 # ------------------------------------------------------------------------------------------ buckets
@@ -193,7 +198,7 @@ class GradSync:
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
-                 inflight: int = 2):
+                 inflight: int = 2, order: Sequence[int] | None = None):
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
         self.params = list(params)
@@ -213,6 +218,11 @@ class GradSync:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self._sync = True
         self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
+        # the launch order: buckets are reduced in it whatever order their grads complete in
+        self.in_order = True
+        self.order = list(range(len(self.buckets))) if order is None else list(order)
+        self._complete = [False] * len(self.buckets)  # all grads in, launch not yet due
+        self._next = 0  # position in self.order of the next bucket to launch
         self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
         self._launched: set[int] = set()  # buckets reduced since the last finish()
         self._alias = True  # may a one-gradient bucket be reduced in the .grad itself (_pack)
@@ -244,7 +254,16 @@ class GradSync:
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b].index):
             self._ready[b] = 0
-            self._launch(b)
+            if not self.in_order:
+                self._launch(b)
+                return
+            self._complete[b] = True
+            while self._complete[self.order[self._next]]:  # launch in self.order, never out of it
+                self._complete[self.order[self._next]] = False
+                self._launch(self.order[self._next])
+                self._next = (self._next + 1) % len(self.order)  # a whole round: the next backward
+                if self._next == 0:
+                    break
 
     def _pack(self, b: int) -> torch.Tensor:
         """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,).
@@ -277,7 +296,7 @@ class GradSync:
     def _bound(self) -> None:
         """Before packing one more bucket, land the oldest until fewer than `inflight` are pending."""
         while len(self._pending) >= self.inflight:
-            self._complete(next(iter(self._pending)))
+            self._land_bucket(next(iter(self._pending)))
 
     def _land(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.buckets[b]
@@ -308,11 +327,16 @@ class GradSync:
             raise RuntimeError(f"buckets {partial_} got only some of their gradients in the synced "
                                f"backward (no grad for parameters at positions {names[:8]}): every "
                                f"rank must use every parameter, or freeze the unused ones")
+        if self._next or any(self._complete):  # a round begun and not finished
+            blocked = self.order[self._next:]
+            raise RuntimeError(f"bucket {blocked[0]} got no gradient in the synced backward, so buckets "
+                               f"{[b for b in blocked if self._complete[b]]} behind it in the fixed launch "
+                               f"order were not reduced: every rank must use every parameter")
         for b in list(self._pending):
-            self._complete(b)
+            self._land_bucket(b)
         self._launched.clear()
 
-    def _complete(self, b: int) -> None:
+    def _land_bucket(self, b: int) -> None:
         work, *buffers = self._pending.pop(b)
         if work is not None:  # None: a dp=1 "collective" that was a plain copy
             work.wait()
@@ -327,6 +351,7 @@ class GradSync:
         self._pending.clear()
         self._launched.clear()
         self._ready = [0] * len(self.buckets)
+        self._complete, self._next = [False] * len(self.buckets), 0
         self.clear()
 
 
@@ -355,16 +380,21 @@ class ReduceScatterSync(GradSync):
     [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
     .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
     packed). per_micro_batch: every backward reduces and the shards accumulate (stage 3, and stage 2
-    on request); else no_sync is honoured and each bucket is reduced once per step. `on_reduced(b)`
-    runs after each launch."""
+    on request), each bucket launched as it completes (with several chunks per rank, micro-batches
+    interleave: no fixed round; every dp rank runs the same schedule and graph); else no_sync is
+    honoured and each bucket is reduced once per step, in `order`. `on_reduced(b)` runs after each
+    launch."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
                  pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2):
+                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
+                 order: Sequence[int] | None = None):
         self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
         self.per_micro_batch = per_micro_batch
         self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
-        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight)
+        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
+                         order=order)
+        self.in_order = not per_micro_batch  # each micro-batch: as completed (see the class docstring)
         self.wide &= not per_micro_batch  # those accumulate in fp32 grad shards already
         self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
 
@@ -375,7 +405,7 @@ class ReduceScatterSync(GradSync):
         if not self.per_micro_batch and b in self._launched:
             raise RuntimeError(TWICE.format(b))
         if b in self._pending:
-            self._complete(b)  # an earlier micro-step's sum: accumulate it first
+            self._land_bucket(b)  # an earlier micro-step's sum: accumulate it first
         self._launched.add(b)
         self._bound()
         flat = self._pack(b)  # (size,)

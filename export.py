@@ -77,6 +77,7 @@ def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig
     shapes = global_shapes(cfg)
     params = dict(model.named_parameters())
     order = [n for n in params if n in shapes]
+    getattr(opt, "finish_gathers", lambda: None)()  # ZeRO-1/2: the last step's all-gathers complete
     writer = at.dp_rank == 0 and at.tp_rank == 0
     files = W.plan_shards([(n, shapes[n], params[n].dtype) for n in order], max_shard_bytes) if writer else []
     what = f"export to {out} failed"

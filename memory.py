@@ -26,8 +26,8 @@ What it does
     set (importing this file sets it, through ctypes in libc10: a mutex and a hash-table entry per
     CPU allocation from then on) the reporter keeps a table
     pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
-    ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator events:
-    callbacks limited to user scopes); every allocation on a thread carrying the profiler's state
+    ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator or
+    user-scope events: see _CPUSession); every allocation on a thread carrying the profiler's state
     (the training thread, autograd's, gloo's workers while they run a collective) emits an event
     holding that running total. A phase switch allocates a one-byte marker inside the running
     session (no profiler start or stop: gloo's workers may be running a collective under it), so
@@ -115,8 +115,12 @@ exact_cpu_accounting()  # at import, so that (nearly) every block is counted: c1
 class _CPUSession:
     """One profiler session recording CPU allocation events only, across any number of phases:
     a phase switch inside it allocates a 1-byte marker (kept alive until the session ends, so its
-    address is unique and its allocation is the last one there). `close()` returns each phase's peak."""
-    CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.USER_SCOPE})
+    address is unique and its allocation is the last one there). `close()` returns each phase's peak.
+    No RecordFunction is recorded (the one scope asked for, the lite interpreter's, never runs here;
+    an empty set would mean every scope): a record started under one session and ended after it
+    closed — a gloo collective or a pipeline send waited after a settle (c10d records each as a
+    user scope) — would write its end into the closed session's freed events (heap corruption)."""
+    CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.LITE_INTERPRETER})
 
     def __init__(self, phase: str | None) -> None:
         # kineto, no shapes, profile_memory=True, no stacks / flops / modules
@@ -136,8 +140,8 @@ class _CPUSession:
     def close(self) -> dict[str, int]:
         _OPEN.remove(self)
         stack, events, alloc = list(_disable_profiler().experimental_event_tree()), [], _EventType.Allocation
-        while stack:  # (a hot loop: thousands of events a step) every event is a CPU allocation or
-            e = stack.pop()  # a user scope (Optimizer.step, record_function) holding some
+        while stack:  # (a hot loop: thousands of events a step) every event is a CPU allocation
+            e = stack.pop()  # (any other kind holding some is walked into)
             if e.tag != alloc:
                 stack.extend(e.children)
             elif e.extra_fields.alloc_size > 0:  # live bytes only rise at allocations

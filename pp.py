@@ -29,8 +29,10 @@ Invariants
       W under zb, else its last B): hook-based dp/ZeRO reduce after a parameter's last gradient.
     - Tied embeddings with pp > 1: rank p-1 holds its own copy as `lm_head.weight`; the two copies'
       gradients are summed over a 2-rank group before the step, so they stay identical.
-    - A disagreement between pp peers (micro-batch count or shape, target count) raises on every
-      stage instead of hanging: a small header is all-gathered before any point-to-point message.
+    - A disagreement between pp peers (micro-batch count or shape) raises on every stage instead of
+      hanging: a small header of host values is all-gathered before any point-to-point message
+      (train.py: over a gloo group, so on CUDA it costs no GPU sync). The step's target count is not
+      in it: every pp peer counts the same rows of its dp rank, and it stays on the device.
 
 The B/W split (zb), with autograd
     B = `torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)`, x the chunk's input
@@ -280,10 +282,12 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
 
 def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
     """W: run each group's nodes again with the saved gradients, for its parameters only; they
-    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). embed: (the
-    embedding output cut off on rank 0, its gradient, the embedding's parameters), one more root."""
+    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). The groups run
+    last parameters first, the embedding last: gradients complete in the order of a plain backward,
+    the order dp/ZeRO launch their buckets in. embed: (the embedding output cut off on rank 0, its
+    gradient, the embedding's parameters), one more root."""
     groups = [(ps, [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None],
-               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in work]
+               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in reversed(work)]
     if embed is not None:
         out, grad, eps = embed
         tied = [g for g in groups if set(map(id, g[0])) & set(map(id, eps))]  # pp=1, tied: lm_head
@@ -298,11 +302,11 @@ def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] |
 KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
 
 
-def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], step_targets: int,
-                group: dist.ProcessGroup | None, stage: int, n: int, v: int, device: torch.device,
-                seq_shards: int) -> None:
+def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: dist.ProcessGroup | None,
+                stage: int, n: int, v: int, device: torch.device, seq_shards: int) -> None:
     """Local checks, then one tiny all_gather so that every pp peer raises the same error rather
-    than some of them waiting forever for a message of another shape."""
+    than some of them waiting forever for a message of another shape. The header holds host values
+    only: over a gloo group on the host (device cpu) the check never waits for the GPU."""
     m = len(microbatches)
     shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
     shapes = [tuple(mb[k].shape) for mb in microbatches for k in KEYS_CHECKED if mb.get(k) is not None]
@@ -321,35 +325,39 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], step_targ
         if not problem and (bad_peer or any(not (0 <= x.microbatch < m and 0 <= x.chunk < v) for x in pieces)):
             problem = f"action {a} does not fit {m} micro-batches and {v} chunk(s) on stage {stage} of {n}"
     bs = shape if len(shape) == 2 else (0, 0)
-    header = torch.tensor([m, *bs, step_targets, int(not problem)], dtype=torch.int64, device=device)
+    header = [m, *bs, int(not problem)]
+    rows = [header]
     if n > 1:
-        rows = torch.empty(n * 5, dtype=torch.int64, device=device)
-        dist.all_gather_single(rows, header, group=group)  # rows: flat (n * 5,)
-        rows = rows.view(n, 5).tolist()  # per stage: [M, B, S, step targets, ok]
-    else:
-        rows = [header.tolist()]
+        gathered = torch.empty(n * 4, dtype=torch.int64, device=device)
+        dist.all_gather_single(gathered, torch.tensor(header, device=device), group=group)  # flat (n * 4,)
+        rows = gathered.view(n, 4).tolist()  # per stage: [M, B, S, ok]
     if problem:
         raise ValueError(f"pipeline stage {stage}: {problem}")
-    if any(r != rows[0] for r in rows) or not all(r[4] for r in rows):
-        raise ValueError("pipeline peers disagree on the step (per stage: [micro-batches, B, S, targets, "
-                         f"ok]): {rows}; all pp peers must be given the same micro-batches")
+    if any(r != rows[0] for r in rows) or not all(r[3] for r in rows):
+        raise ValueError("pipeline peers disagree on the step (per stage: [micro-batches, B, S, ok]): "
+                         f"{rows}; all pp peers must be given the same micro-batches")
 
 
 def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
                  microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
                  step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
-                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None) -> torch.Tensor:
+                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
+                 check_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Run this rank's `actions` over `microbatches` (dicts with (B, S) input_ids and labels; every
     other key, e.g. position_ids, goes to the model as a keyword; identical on every pp peer),
     accumulating gradients in .grad.
 
     model: the stage model, or its chunks (stage_chunks) when the schedule has virtual stages.
-    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
+    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks); a
+    tensor (dp.global_count) stays on its device: the loss is divided there, never read on the host.
     no_sync: the dp/ZeRO object's context that defers its gradient reduction (hook-based dp such as
     dp.GradSync reduces during backward); every B and W runs inside it except the last action that
     accumulates into each chunk's parameters.
     seq_shards: tp under sequence parallelism (tp.py): stages exchange (B, S/seq_shards, H) shards.
     timer: a context manager around each computation (bench_theory.py measures busy time with it).
+    check_group: a gloo group of the same ranks as pp_group (train.py's grid.pp_check): the peers'
+    agreement check (_check_step) then runs on the host, so the step needs no GPU sync for it;
+    None: over pp_group, on the parameters' device (on CUDA a device→host read every step).
     Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
     from the last stage to every pp peer; sum it over dp for the global loss.
     pp_group None (or of size 1) runs the whole model locally without communication."""
@@ -357,8 +365,9 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     stage = dist.get_rank(pp_group) if pp_group is not None else 0
     n = dist.get_world_size(pp_group) if pp_group is not None else 1
     v, param = len(chunks), next(chunks[0].parameters())
-    targets = int(step_targets)
-    _check_step(microbatches, actions, targets, pp_group, stage, n, v, param.device, seq_shards)
+    denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) else max(int(step_targets), 1)
+    _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
+                param.device if check_group is None else torch.device("cpu"), seq_shards)
     rows, seq = microbatches[0]["input_ids"].shape
     act_shape = (rows, seq // seq_shards, chunks[0].config.hidden_size)  # (B, S/seq_shards, H)
     first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
@@ -429,7 +438,7 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
             x = mb["input_ids"] if first(a.chunk) else received(F, key).requires_grad_()
             with cut_embedding(c, key) if split and first(a.chunk) else contextlib.nullcontext(), timed(a):
                 if last(a.chunk):
-                    out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / max(targets, 1)
+                    out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / denominator
                     loss += out.detach()
                 else:
                     out = c(x, **kwargs)  # (B, S, H)

@@ -78,7 +78,10 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
 def normalized_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor | int) -> torch.Tensor:
     """A micro-batch's summed token loss scaled by the target count of the whole optimizer step
     (all micro-batches, all dp ranks). Backward of these pieces adds up to the gradient of the mean
-    token loss over the global batch, whatever the micro-batch and dp split."""
+    token loss over the global batch, whatever the micro-batch and dp split. A tensor count stays
+    on its device (no host sync); the quotient is the same bits as with the int."""
+    if isinstance(step_targets, torch.Tensor):
+        return loss_sum / step_targets.clamp(min=1)
     return loss_sum / max(int(step_targets), 1)
 
 

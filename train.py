@@ -29,6 +29,12 @@ Invariants
       a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
     - The device is chosen once, here: CUDA + NCCL when available, else CPU + gloo.
+    - A step that does not log waits for the device once: precision.step reads the grad norm (its
+      non-finite check decides the update). The target count stays on the device (the loss is
+      divided there), the loss is copied to host memory in stream order and read after that sync,
+      the batch is made by a thread one step ahead (pinned) and copied with non_blocking, and the
+      pipeline's peer check runs on the host over gloo. No collective runs on a group of one rank:
+      a single process runs none in its step (tests/test_step_comm.py counts both).
     - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
       by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
       peaks the last line lists per phase.
@@ -42,8 +48,10 @@ import hashlib
 import json
 import math
 import os
+import queue
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +195,7 @@ class Grid:
     embed_group: dist.ProcessGroup | None = None
     io_group: dist.ProcessGroup | None = None  # gloo, --io-timeout: checkpoint and export I/O waits
     cp_group: dist.ProcessGroup | None = None
+    pp_check: dist.ProcessGroup | None = None  # gloo, the pp group's ranks: run_pipeline's host-side check
     cp: int = 1  # context-parallel degree; `at` counts dp · cp replicas (see make_grid)
 
     @property
@@ -216,8 +225,10 @@ def setup(timeout_s: float = 600.0) -> Grid:
             store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         else:
             store, rank, world = dist.HashStore(), 0, 1
+        # device_id (CUDA): the NCCL communicator starts here, and every new_group splits it at
+        # once (make_grid) — none starts lazily at its first collective, inside a backward hook
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+                                timeout=timeout, device_id=device if cuda else None)
     return Grid(dist.get_rank(), dist.get_world_size(), device)
 
 
@@ -229,27 +240,31 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
     cp ranks hold the same parameters as dp replicas do and reduce gradients with them, so `at` —
     what ZeRO shards over and checkpoints record — counts dp·cp replicas, index dp_rank·cp + cp_rank,
     and grid.dp_group spans them all. Every rank creates every group, in the same order (new_group
-    is collective), and keeps the ones it belongs to."""
+    is collective), and keeps the ones it belongs to: all of them here, before any training (with
+    setup's device_id, each NCCL communicator is made now, by splitting the default one). Then two
+    gloo groups: checkpoint/export I/O waits (long timeout) and the pipeline's host-side check."""
     w = grid.world
     dpn = w // (tp * pp)  # dp · cp
     grid.at = CK.Layout(tp, dpn, pp, grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn))
     grid.cp = cp
 
-    def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    def mine(rank_lists: list[list[int]], backend: str | None = None) -> dist.ProcessGroup | None:
         found = None
         for ranks in rank_lists:
-            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
             found = g if grid.rank in ranks else found
         return found
 
     at = lambda p, d, t: CK.Layout(tp, dpn, pp, t, d, p).rank  # noqa: E731
     grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
     grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
-    grid.pp_group = mine([[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)])
+    pp_lists = [[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)]
+    grid.pp_group = mine(pp_lists)
     grid.cp_group = mine([[at(p, d + c, t) for c in range(cp)] for p in range(pp)
                           for d in range(0, dpn, cp) for t in range(tp)])
     grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
     grid.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=io_timeout_s))
+    grid.pp_check = mine(pp_lists, backend="gloo")
 
 
 class StageError(RuntimeError):
@@ -452,9 +467,6 @@ def validate_pipeline(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]
     if args.compile and args.schedule == "zb":
         errors.append("--compile with --schedule zb: a compiled layer's backward is one autograd node, so "
                       "the B/W split would run it twice; use --schedule interleaved (or 1f1b) with --compile")
-    if args.zero == 2 and v > 1:
-        errors.append("--zero 2 with --virtual-stages > 1: a gradient bucket may hold parameters of two chunks "
-                      "that finish backward at different times; use --zero 1 or 3")
     return errors
 
 
@@ -591,8 +603,9 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
     total = torch.zeros((), dtype=torch.float32, device=grid.device)
     for mb in micro:
         total += PP.run_pipeline(chunks, fwd, mb, grid.pp_group if args.pp > 1 else None, targets,
-                                 seq_shards=args.tp if args.sp else 1)
-    dist.all_reduce(total, group=grid.dp_group)
+                                 seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+    if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
+        dist.all_reduce(total, group=grid.dp_group)
     return total.item()
 
 
@@ -625,12 +638,13 @@ def load_sft(args: argparse.Namespace, grid: Grid) -> tuple[sft.SFTDataset, sft.
     return ds, tpl, eval_set
 
 
-def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
-              grid: Grid) -> list[dict]:
-    """This rank's rows as micro-batches of (b, S) tensors: input_ids, labels (already shifted)
+def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
+               grid: Grid) -> list[dict]:
+    """This rank's rows as micro-batches of (b, S) host tensors: input_ids, labels (already shifted)
     and, for packed SFT rows, position_ids (restarting per conversation) and `docs`, their document
     boundaries (attention.Documents: derived here, on the host, once per micro-batch, so no layer
-    builds a mask and the step never waits for a device→host copy)."""
+    builds a mask and the step never waits for a device→host copy). Pinned on CUDA, so that
+    `to_device` copies them without blocking the host."""
     items = [ds[i] for i in rows]
     if isinstance(items[0], dict):
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
@@ -642,8 +656,62 @@ def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_bat
     micro = [dict(zip(batch, parts)) for parts in zip(*(v.chunk(micro_batches) for v in batch.values()))]
     for mb in micro:
         if "position_ids" in mb:
-            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], grid.device)
-    return [{k: v.to(grid.device) for k, v in mb.items()} for mb in micro]
+            mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], "cpu")
+    if grid.device.type == "cuda":
+        micro = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro]
+    return micro
+
+
+def to_device(micro: list[dict], device: torch.device) -> list[dict]:
+    """Start each micro-batch's copy to the device and return at once (non_blocking: from pinned
+    memory the copy runs in stream order while the host goes on; on CPU the tensors themselves)."""
+    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro]
+
+
+def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
+              grid: Grid) -> list[dict]:
+    """`host_batch` on the device: what evaluation reads (training prefetches: `Prefetcher`)."""
+    return to_device(host_batch(ds, rows, micro_batches, grid), grid.device)
+
+
+class Prefetcher:
+    """The next steps' batches, made in a background thread while this step computes: the sampler's
+    rows, the memmap reads, the micro-batch split, pinned host memory on CUDA (`host_batch`).
+    `next()` hands the oldest one over with the sampler state after it — what a checkpoint of that
+    step records, the thread being ahead — and starts its copies to the device (`to_device`). At
+    most two batches wait (one queued, one made); an error in the thread is raised by next(). The
+    thread owns the sampler from start to end (its state is loaded before: resume)."""
+
+    def __init__(self, load: Callable[[list[int]], list[dict]], sampler: dp.DPSampler, steps: int,
+                 device: torch.device):
+        self.device = device
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, args=(load, sampler, steps), daemon=True,
+                                        name="attotron-prefetch")
+        self._thread.start()
+
+    def _run(self, load: Callable[[list[int]], list[dict]], sampler: dp.DPSampler, steps: int) -> None:
+        try:
+            if self.device.type == "cuda":  # pinning on this thread: this rank's GPU, not GPU 0
+                torch.cuda.set_device(self.device)
+            for _ in range(steps):
+                rows = sampler.next_batch()
+                self._queue.put((sampler.state_dict(), load(rows)))
+        except BaseException as e:  # noqa: BLE001 - the training thread raises it
+            self._queue.put(e)
+
+    def next(self) -> tuple[dict, list[dict]]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        state, micro = item
+        return state, to_device(micro, self.device)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device value copied to host memory without waiting (CUDA: into pinned memory, in stream
+    order): read it after a later host sync — the step's grad norm — and the read costs nothing."""
+    return t.detach().to("cpu", non_blocking=True)
 
 
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
@@ -853,13 +921,15 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
 
 
 def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
-         sampler: dp.DPSampler, grid: Grid, metrics: TextIO | None) -> None:
+         sampler_state: dict, grid: Grid, metrics: TextIO | None) -> None:
     """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
     durable, so a kill between the two loses no record. The ranks wait for each other in the io
-    group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only."""
+    group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only.
+    sampler_state: the sampler after this step's batch (Prefetcher.next)."""
     if metrics:
         os.fsync(metrics.fileno())
-    extra = {"sampler": sampler.state_dict(), "args": vars(args)}
+    opt.finish_gathers()  # the checkpoint sees complete parameters (ZeRO-1/2 gather into the next forward)
+    extra = {"sampler": sampler_state, "args": vars(args)}
     try:
         with stage("checkpoint save", grid):
             CK.save_checkpoint(args.save, step, opt, cfg, shards, grid.at, extra, group=grid.io_group,
@@ -925,50 +995,59 @@ def main(argv: list[str] | None = None) -> None:
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
+    prefetch = Prefetcher(lambda rows: host_batch(ds, rows, args.micro_batches, grid), sampler,
+                          max(args.steps - start, 0), grid.device)
     t_start, bad, good = time.time(), 0, 0
     for step in range(start, args.steps):
         t0 = time.time()
+        logs = log and (step % args.log_every == 0 or step == args.steps - 1)
         meter.phase("data")
-        micro = get_batch(ds, sampler.next_batch(), args.micro_batches, grid)
+        sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
         with stage("counting the step's target tokens (dp all-reduce)", grid):
+            # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
             loss = PP.run_pipeline(chunks, actions, micro, pp_group, targets, no_sync=opt.no_sync,
-                                   seq_shards=args.tp if args.sp else 1)
+                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
         with stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
-            dist.all_reduce(loss, group=grid.dp_group)
+            if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
+                dist.all_reduce(loss, group=grid.dp_group)
         meter.settle()  # nothing in flight: the one point of the step where the meter may restart
+        loss_host = host_copy(loss)  # read after the step's sync, below: free
         lr = lr_at(step, args)
         meter.phase("step")
         with stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
-            grad_norm = opt.step(lr)
+            grad_norm = opt.step(lr)  # the step's one host sync: the grad norm decides the update
         meter.phase(None)  # logging, eval: not training memory
-        if grid.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
+        loss_value = float(loss_host)
+        if logs and grid.device.type == "cuda":
+            torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
+        dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's
         tps = tokens_per_step / dt
-        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm)):
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             bad += 1
             if log:
-                print(f"warning: step {step + 1} skipped: loss {loss.item()} grad norm {grad_norm} "
+                print(f"warning: step {step + 1} skipped: loss {loss_value} grad norm {grad_norm} "
                       f"({bad} in a row, limit {args.max_bad_steps})", file=sys.stderr, flush=True)
             if bad >= args.max_bad_steps:
                 fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", grid)
             continue
         bad, good = 0, good + 1
-        if log and (step % args.log_every == 0 or step == args.steps - 1):
+        if logs:
             # steps run by this process only: a resumed run did not do the first `start`
             eta = (time.time() - t_start) / (step + 1 - start) * (args.steps - step - 1)
             mfu = f"{100 * tps * fpt / (peak * grid.world):.1f}%" if peak else "n/a"
-            print(f"step {step + 1}/{args.steps} · loss {loss.item():.4f} · lr {lr:.2e} · "
+            print(f"step {step + 1}/{args.steps} · loss {loss_value:.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
                   f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
                   f" · ETA {eta:.0f}s", flush=True)
-        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
         evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
+        if evaluate:
+            opt.finish_gathers()  # evaluation reads complete parameters
         if eval_set and evaluate:
             with stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
                 record["eval_exact_match"] = sft.evaluate(model, None, eval_set, template=tpl)
@@ -985,10 +1064,11 @@ def main(argv: list[str] | None = None) -> None:
             metrics.flush()
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             with meter.during("save"):
-                save(args, step + 1, opt, cfg, shards, sampler, grid, metrics)
+                save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics)
     if args.steps > start and not good:
         fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
              f"trained; lower --lr, check the data, or use --clip", grid)
+    opt.finish_gathers()  # the run ends with complete parameters (the last step's gathers)
     if args.export_hf:
         try:
             with stage("HF export", grid), meter.during("export"):

@@ -23,8 +23,31 @@ What it does
     owns elements [r·S, (r+1)·S), S = size/N. The fp32 master of parameter i is the piece of i in
     that range (maybe empty), so AdamW still sees one tensor per parameter: weight-decay groups
     survive, and AdamW being elementwise the update is bit-identical to the unsharded one. Updated
-    masters are cast to the compute dtype and all-gathered (stages 1-2, in the step) or written into
-    the persistent compute-dtype shard (stage 3, gathered when next used).
+    masters are cast to the compute dtype and all-gathered (stages 1-2: during the next forward,
+    below) or written into the persistent compute-dtype shard
+    (stage 3, gathered when next used).
+
+Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, overlap_param_gather)
+    step() writes each updated master piece, cast, into this rank's slice of its bucket's flat; the
+    all-gathers that complete the flats in place (NCCL detects the in-place form: no shard buffer)
+    then run in a fixed order: the order in which a forward first reads the buckets (the
+    embedding's first, the head's last; `sites`). A forward pre-hook on each site (embedding, each
+    decoder layer, the final norm for norm + head) launches them in that order up to the last
+    bucket it reads, waits for those, and keeps the next `inflight` in flight: the all-gather of
+    layer k+1 runs while layer k computes, and only the first bucket's is exposed. They start at
+    the first pre-hook, not in step(): on a GPU the host gets there long before the device is
+    through the optimizer's kernels, so nothing is lost, and no collective is left running under
+    the host's logging, checkpoint or evaluation code (nor under memory.PeakMeter's phase switch on
+    CPU: its profiler session must not close while a gloo collective started under it runs).
+    Whichever hook asks, gathers are launched in the one order, so dp ranks post the same
+    collectives in the same order and cannot deadlock. Between step() and the next forward the
+    parameters are NOT complete: `finish_gathers()` completes them (train.py calls it before a
+    checkpoint save, an evaluation, the export and at the end of the run; gathered() and export.py
+    call it too). Without a model (ZeroOptimizer(model=None)) step() completes them itself.
+    The gradient side has no such remedy: the embedding's gradient is ready last in backward, so
+    its reduction (the largest bucket: V·h) has no compute left to hide behind; the optimizer
+    cannot start before it lands (the clipping norm and the non-finite check need every
+    gradient). That cost is measured, not removed (README, "ZeRO: exposed communication").
 
     Building: on a meta-device model (`model.build`, cut by pp/tp) with `init=weights.param_reader(
     ...)`, stages 1-3 fill their buffers parameter by parameter, and stage 3 reads only the elements
@@ -43,10 +66,12 @@ largest bucket (stage 3: unit) in the reduce dtype:
     - stage 3: prefetch + 1 gathered units in forward, prefetch + 2 in backward (the unit whose
       grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
       the head's backward to the embedding's;
-    - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece),
-      AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured) and, at
-      stages 1-2, the shards of `inflight` all-gathers;
-    - on gloo (CPU) every collective in flight also stages through a buffer of its full size;
+    - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece)
+      and AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured); the
+      stage 1-2 parameter all-gathers, in flight during the next forward, are in place (nothing
+      extra on NCCL);
+    - on gloo (CPU) every collective in flight also stages through a buffer of its full size (the
+      stage 1-2 all-gathers too: `inflight` buckets in the forward);
     - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
     Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
     first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
@@ -105,6 +130,7 @@ Builds on: precision.py, dp.py
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from functools import partial
 from typing import Callable, Iterable, Iterator
@@ -157,7 +183,8 @@ class DataParallel(MixedPrecisionOptimizer):
             (real[0] if real else torch.device("cpu"))
         self.tied = next((i for i, (_, p) in enumerate(named) if p is tied), None)  # its position
         self.embed_group = embed_group
-        groups = ([group] if self.stage and self.world > 1 else []) + list(norm_groups)
+        groups = ([group] if self.stage and self.world > 1 else []) + \
+            [g for g in norm_groups if dist.get_world_size(g) > 1]  # no collective on a group of one
         super().__init__(named, cfg, dtype, groups, counted)
         self.sync = self._make_sync()
 
@@ -206,8 +233,15 @@ class DataParallel(MixedPrecisionOptimizer):
         super().zero_grad()
         self.sync.clear()
 
+    def finish_gathers(self) -> None:
+        """Complete the parameter all-gathers the last step started (stages 1-2): from here on every
+        parameter holds its full updated value. The end of a run, checkpoint save, export and
+        evaluation call it; a training forward needs not (its pre-hooks wait bucket by bucket).
+        Stage 0 has none; stage 3's parameters are shards between uses (see gathered())."""
+
     def gathered(self) -> contextlib.AbstractContextManager:
         """Full parameters inside the context (for export/eval); only stage 3 needs to gather."""
+        self.finish_gathers()
         return contextlib.nullcontext()
 
     def teardown(self) -> None:
@@ -215,13 +249,40 @@ class DataParallel(MixedPrecisionOptimizer):
 
 
 class ZeroOptimizer(DataParallel):
-    """Stages 1 and 2 through precision.py's seam: sharded masters, sharded grads, all-gather."""
+    """Stages 1 and 2 through precision.py's seam: sharded masters, sharded grads, all-gather.
+    model: the module holding the parameters (pp.split_stage's stage); given, the step's parameter
+    all-gathers overlap the next forward (see "Overlapped parameter all-gather"), else step() waits
+    for them."""
 
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group,
-                 stage: int, reduce_every_micro_batch: bool = False, **kw):
+                 stage: int, reduce_every_micro_batch: bool = False, model: nn.Module | None = None, **kw):
         self.stage = stage
         self.per_micro_batch = stage == 3 or (stage == 2 and reduce_every_micro_batch)
+        self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._gathers: collections.deque = collections.deque()  # (bucket, work) launched, not yet waited
+        self._model = model
         super().__init__(named_params, cfg, dtype, group, **kw)
+        self._launched = self._landed = len(self._order)  # in self._order; the flats are complete now
+        if model is not None and self.world > 1:
+            for s, site in enumerate(sites(model)):
+                first = model if site[0] is model.lm_head else site[0]  # lm_head is not called: see sites()
+                self.module_handles.append(first.register_forward_pre_hook(partial(self._wait_site, s)))
+
+    def _gather_order(self, model: nn.Module | None) -> tuple[list[int], list[int]]:
+        """The buckets in the order a forward first reads them, and per site the position in that
+        order through which its parameters are complete. Buckets holding a parameter outside every
+        site come first (every site waits for them); without a model: reverse bucket order (buckets
+        hold the parameters in reverse). Reversed, the order backward completes them in."""
+        if model is None:
+            return list(reversed(range(len(self.buckets)))), []
+        bucket_of = {id(self.params[i]): b for b, bk in enumerate(self.buckets) for i in bk.index}
+        need = [[bucket_of[id(p)] for mod in site for p in mod.parameters() if id(p) in bucket_of]
+                for site in sites(model)]
+        order = [b for b in range(len(self.buckets)) if not any(b in n for n in need)]
+        stray = len(order)
+        for n in need:
+            order += [b for b in dict.fromkeys(n) if b not in order]
+        return order, [max([stray - 1] + [order.index(b) for b in n]) for n in need]
 
     def _buckets(self) -> list[Bucket]:
         itemsize = (self.reduce_dtype or self.dtype).itemsize
@@ -260,9 +321,12 @@ class ZeroOptimizer(DataParallel):
         return master
 
     def _make_sync(self) -> GradSync:
+        # gradients are reduced in the order backward completes the buckets: the gathers' reversed
+        self._order, self._site_pos = self._gather_order(self._model)
         return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
                                  keep_full=self.stage == 1, per_micro_batch=self.per_micro_batch,
-                                 on_reduced=self._on_reduced, inflight=self.inflight)
+                                 on_reduced=self._on_reduced, inflight=self.inflight,
+                                 order=self._order[::-1])
 
     def _on_reduced(self, b: int) -> None:
         pass
@@ -290,16 +354,62 @@ class ZeroOptimizer(DataParallel):
                                   for i in index], [self.master[i] for i in index])
 
     def _publish(self) -> None:
-        """All-gather the updated shards into the flats, at most `inflight` buckets at a time."""
-        pending: list = []
+        """Write each updated master piece, cast to the compute dtype, into this rank's slice of its
+        bucket's flat (the padding stays zero); the all-gathers that complete the flats in place
+        are due: the next forward's pre-hooks launch and wait for them (or finish_gathers())."""
+        self.finish_gathers()  # the last step's, if a bucket was never needed since
         for b, full in enumerate(self.flat_params):
-            shard = torch.zeros(full.numel() // self.world, dtype=self.dtype, device=full.device)  # (S,)
-            self._write_shard(b, shard)  # the padding stays zero
-            pending.append((launch(dist.all_gather_single, full, shard, self.group, self.world), shard))
-            while pending and (len(pending) >= self.inflight or b == len(self.flat_params) - 1):
-                work, _ = pending.pop(0)
-                if work is not None:
-                    work.wait()
+            S = full.numel() // self.world
+            self._write_shard(b, full[self.rank * S:(self.rank + 1) * S])  # (S,) a view: in place
+        self._launched = self._landed = 0
+        if not self.module_handles:  # no forward hook would ask for them: complete them now
+            self.finish_gathers()
+
+    def _gather_through(self, k: int) -> None:
+        """Wait for the all-gathers of self._order[0..k] (launching, in order, any not yet started),
+        then keep the next ones launched, at most `inflight` in flight. The launch order is fixed,
+        whichever hook asks: every dp rank posts the same collectives in the same order (NCCL pairs
+        them by call order), so ranks whose hooks fire in different orders cannot deadlock."""
+        while self._landed <= k:
+            if self._landed == self._launched:
+                self._launch_gather()
+            _, work = self._gathers.popleft()
+            if work is not None:
+                work.wait()  # NCCL: the compute stream waits, not the host
+            self._landed += 1
+        while self._launched < min(self._landed + self.inflight, len(self._order)):
+            self._launch_gather()
+
+    def _launch_gather(self) -> None:
+        b = self._order[self._launched]
+        full = self.flat_params[b]
+        S = full.numel() // self.world
+        work = dist.all_gather_single(full, full[self.rank * S:(self.rank + 1) * S], group=self.group,
+                                      async_op=True) if self.world > 1 else None  # N = 1: complete
+        self._gathers.append((b, work))
+        self._launched += 1
+
+    def _wait_site(self, s: int, module: nn.Module, args: tuple) -> None:
+        if self._landed < len(self._order):  # else: complete (later micro-batches, recomputes)
+            self._gather_through(self._site_pos[s])
+
+    def finish_gathers(self) -> None:
+        self._gather_through(len(self._order) - 1)
+
+    def teardown(self) -> None:
+        remove_handles(self.module_handles)
+        self.finish_gathers()
+        super().teardown()
+
+
+def sites(model: nn.Module) -> list[list[nn.Module]]:
+    """The modules whose forward first reads each group of parameters, in forward order: [embedding],
+    each decoder layer, [final norm, lm_head] — whichever this pipeline stage holds. The head's site
+    starts at the norm: the loss reads lm_head.weight chunk by chunk without calling lm_head."""
+    m = model.model
+    out = ([[m.embed_tokens]] if m.embed_tokens is not None else []) + [[layer] for layer in m.layers.values()]
+    head = [mod for mod in (m.norm, model.lm_head) if mod is not None]
+    return out + ([head] if head else [])
 
 
 def _in_backward() -> bool:
@@ -330,11 +440,7 @@ class Zero3Optimizer(ZeroOptimizer):
             self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))
 
     def _buckets(self) -> list[Bucket]:
-        m = self.model.model
-        self.sites = ([[m.embed_tokens]] if m.embed_tokens is not None else []) + \
-            [[layer] for layer in m.layers.values()]
-        head = [mod for mod in (m.norm, self.model.lm_head) if mod is not None]
-        self.sites += [head] if head else []
+        self.sites = sites(self.model)
         where = {id(p): i for i, p in enumerate(self.params)}
         units: list[list[int]] = []
         owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
@@ -500,7 +606,7 @@ def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
     if stage == 0:
         return DataParallel(named, cfg, dtype, dp_group, **kw)
     if stage < 3:
-        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, **kw)
+        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, **kw)
     return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, **kw)
 
 
@@ -544,7 +650,7 @@ def peak_extras(opt: DataParallel) -> dict[str, int]:
     units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
     grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
     chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
-    gathers = k * (bucket // n) * c + gloo * k * bucket * c if opt.stage in (1, 2) else 0
+    gathers = gloo * k * bucket * c if opt.stage in (1, 2) else 0  # in place: gloo's staging only
     pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
-    return {"forward": small + units + pending, "backward": small + units + bucket * c * stage3 + grads,
-            "step": small + chunk + gathers}
+    return {"forward": small + units + pending + gathers,
+            "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk}

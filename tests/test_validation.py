@@ -251,11 +251,12 @@ def _nan_main(rank: int, world: int, argv: list[str]) -> None:
 
 
 def _fake_clock_main(rank: int, world: int, argv: list[str]) -> None:
-    """Every step takes exactly 10 s of a fake clock (the clock moves when a batch is drawn)."""
+    """Every step takes exactly 10 s of a fake clock (the clock moves when a step takes its batch;
+    the prefetch thread draws them ahead)."""
     clock = [0.0]
     train.time = type("FakeTime", (), {"time": staticmethod(lambda: clock[0])})
-    real = train.dp.DPSampler.next_batch
-    train.dp.DPSampler.next_batch = lambda self: clock.__setitem__(0, clock[0] + 10) or real(self)
+    real = train.Prefetcher.next
+    train.Prefetcher.next = lambda self: clock.__setitem__(0, clock[0] + 10) or real(self)
     train.main(argv)
 
 

@@ -409,6 +409,102 @@ def test_bad_input():
             Z.apply_zero(m, 1, None, P.OptimConfig(), tied=tied, embed_group=group)
 
 
+def _overlap(rank: int, world: int) -> dict:
+    """ZeRO-1/2 at dp=2, buckets of ~one layer: what the forward after step() finds and does."""
+    out: dict = {}
+    x, y = dataset()
+    for stage in (1, 2):
+        m = make_model()
+        opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        launched: list[int] = []
+        real = opt._launch_gather
+
+        def launch() -> None:
+            launched.append(opt._order[opt._launched])
+            real()
+        opt._launch_gather = launch
+        seen = []  # per site, after its pre-hook: (gathers waited, in flight), in forward order
+        for mod in (m.model.embed_tokens, *m.model.layers.values(), m.model.norm):
+            mod.register_forward_pre_hook(lambda *_: seen.append((opt._landed, opt._launched - opt._landed)))
+        steps = []
+        for _ in range(3):
+            seen.clear()
+            launched.clear()
+            m(x[rank::2][:2], labels=y[rank::2][:2], reduction="sum").backward()
+            after_backward = opt._landed
+            opt.step(LR)
+            steps.append(dict(seen=list(seen), after_backward=after_backward, after_step=(
+                opt._landed, opt._launched), launched=list(launched)))
+        out[stage, "steps"], out[stage, "order"] = steps, opt._order
+        out[stage, "buckets"], out[stage, "inflight"] = len(opt.buckets), opt.inflight
+        # complete parameters after finish_gathers() (no forward ran): the masters, cast
+        opt.finish_gathers()
+        pieces = [p.detach().reshape(-1)[pc.start:pc.start + pc.n] for p, pc in zip(opt.params, opt.pieces)]
+        out[stage, "finished"] = all(torch.equal(a, b.to(a.dtype)) for a, b in zip(pieces, opt.master))
+        full = [p.detach().clone() for p in opt.params]
+        copies = [torch.empty_like(t) for t in full for _ in range(2)]
+        for k, t in enumerate(full):
+            dist.all_gather(copies[2 * k:2 * k + 2], t)
+        out[stage, "same_on_ranks"] = all(torch.equal(copies[2 * k], copies[2 * k + 1]) for k in range(len(full)))
+        # hooks asked in different orders: rank 0 waits for the last site first, rank 1 the first
+        # (the launch order is fixed, so the collectives still pair up)
+        m(x[:2], labels=y[:2], reduction="sum").backward()
+        opt.step(LR)
+        sites = list(range(len(opt._site_pos)))
+        for s in (sites[::-1] if rank == 0 else sites):
+            opt._wait_site(s, None, ())
+        out[stage, "any_order"] = opt._landed == len(opt._order)
+        opt.teardown()
+    # gradient buckets: grads completing in opposite orders on the two ranks (rank 1: the embedding
+    # first) are still reduced in one order; a bucket with no gradient blocks those behind it
+    for case in ("orders", "missing"):
+        m = make_model()
+        opt = Z.apply_zero(m, 1, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        launched, real = [], opt.sync._launch
+        opt.sync._launch = lambda b: launched.append(b) or real(b)
+        for p in opt.params:
+            p.grad = torch.full_like(p, rank + 1.0)
+        positions = list(range(len(opt.params)))
+        skip = set(opt.sync.buckets[0].index) if case == "missing" else set()
+        for i in (positions if rank == 0 else positions[::-1]):
+            if i not in skip:
+                opt.sync._on_grad(opt.sync._where[i][0], i, opt.params[i])
+        try:
+            opt.finish()
+            out[case] = (launched, all(bool((p.grad.view(-1)[pc.start:pc.start + pc.n] == 3).all())
+                                       for p, pc in zip(opt.params, opt.pieces)))
+        except RuntimeError as e:
+            out[case] = (launched, str(e))
+        opt.teardown()
+    return out
+
+
+def test_zero12_parameter_gather_overlaps_the_next_forward():
+    """After step() the all-gathers are due, none launched; the next forward's site hooks launch and
+    wait for them bucket by bucket in forward order (the embedding's first), never more than
+    `inflight` in flight, all complete before the head; the launch order is the same fixed one
+    every step on every rank, so hooks asked in any order complete; finish_gathers() leaves every
+    parameter equal to its master (cast) and the same on both ranks. Gradient buckets: reduced in
+    one fixed order whatever order their gradients complete in on each rank."""
+    for out in run_ranks(_overlap, 2):
+        for stage in (1, 2):
+            n, k, order = out[stage, "buckets"], out[stage, "inflight"], out[stage, "order"]
+            assert n > 2 * k and sorted(order) == list(range(n))
+            steps = out[stage, "steps"]
+            assert all(st["after_step"] == (0, 0) and st["after_backward"] == n for st in steps)
+            assert steps[0]["seen"] == [(n, 0)] * len(steps[0]["seen"])  # the init: complete
+            for st in steps[1:]:  # the forward after a step
+                landed = [a for a, _ in st["seen"]]
+                assert landed == sorted(landed) and 1 <= landed[0] < n and landed[-1] == n, st["seen"]
+                assert all(f <= k for _, f in st["seen"]) and st["seen"][-1] == (n, 0)
+                assert st["launched"] == order  # by the forward's hooks, in the one order
+            assert out[stage, "finished"] and out[stage, "same_on_ranks"] and out[stage, "any_order"]
+        launched, summed = out["orders"]
+        assert launched == sorted(launched) and len(launched) > 2 and summed is True  # index order
+        launched, error = out["missing"]
+        assert launched == [] and "bucket 0 got no gradient" in error, error
+
+
 def _fp32_accumulation(rank: int, world: int) -> dict:
     """bf16 compute, 8 micro-batches of one row per rank: the fp32 gradient the optimizer sees
     (`_master_grads()`: whole params at stage 0, this rank's pieces at stages 1-3) vs the fp64 sum of
