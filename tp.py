@@ -73,7 +73,7 @@ Invariants
     - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
       A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
 
-Builds on: model.py
+Builds on: model.py, loss.py (the loss without (T, V) logits, block by block)
 """
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, chunk_grads, chunk_stats,
-                   global_shapes, reduce_loss, rms_norm, wanted_grads)
+from loss import IGNORE_INDEX, chunk_grads, chunk_stats, reduce_loss, wanted_grads
+from model import Llama, LlamaConfig, RMSNorm, Shard, global_shapes, rms_norm
 
 Group = dist.ProcessGroup | None
 
@@ -399,7 +399,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
                                  *, group: Group, vocab_size: int) -> torch.Tensor:
-    """`model.cross_entropy` for logits (..., n) split over the vocab, for callers that have them
+    """`loss.cross_entropy` for logits (..., n) split over the vocab, for callers that have them
     (the model's own loss never makes them: vocab_parallel_linear_cross_entropy): fp32, -100
     ignored, reduction 'sum' (training: divide by the step's target count), 'mean' or 'none'."""
     if reduction not in ("sum", "mean", "none"):
@@ -410,9 +410,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, red
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of h @ W_r.T, this rank's vocab rows W_r (n, H) of the padded head:
-    (T, H) → (T,). Each rank merges its blocks (model.chunk_stats), then three all-reduces of (T,)
+    (T, H) → (T,). Each rank merges its blocks (loss.chunk_stats), then three all-reduces of (T,)
     merge the ranks: max, sum of exps rescaled to it, target logit. Backward recomputes this rank's
-    blocks (model.chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
+    blocks (loss.chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Group,
@@ -442,7 +442,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
                                         reduction: str = "mean", *, group: Group, vocab_size: int,
                                         sequence_parallel: bool = False,
                                         chunk: int | None = None) -> torch.Tensor:
-    """`model.linear_cross_entropy` for a vocab-parallel lm_head (the model's loss seam under tp):
+    """`loss.linear_cross_entropy` for a vocab-parallel lm_head (the model's loss seam under tp):
     hidden (..., H) replicated over tp, weight this rank's (n, H) rows. The backward's partial dL/dh
     is summed over tp by copy_to_region — or, under sequence parallelism, by the reduce-scatter of
     the final norm's gather that produced `hidden`."""
