@@ -21,7 +21,7 @@ Run
     python bench_mfu.py --smoke                # CPU: the tiny preset, 2 steps per row, one compiled
                                                # row (tests/test_bench.py; test_compile.py does the rest)
 
-Builds on: bench_ctx.py, ac.py, attention.py, model.py, precision.py, train.py, weights.py, zero.py
+Builds on: bench_ctx.py, ac.py, attention.py, loss.py, model.py, precision.py, train.py, weights.py, zero.py
 """
 from __future__ import annotations
 

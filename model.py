@@ -13,9 +13,9 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py (causal attention within packed documents), ops.py (the layer's
-    elementwise ops as lean autograd Functions), loss.py (lm_head and the loss without (T, V)
-    logits: the default `loss_fn`)
+Builds on: attention.py, ops.py, loss.py — causal attention within packed documents; the layer's
+    elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits (the
+    default `loss_fn`)
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
