@@ -8,12 +8,19 @@ What it does
     to it, the target's logit), one (T, chunk) block of fp32 logits at a time; backward
     (`chunk_grads`) recomputes each block and turns it at once into dL/dlogits = (softmax − one-hot)·g,
     then into that block's share of dL/dh and its rows of dL/dW. It is model.py's default `loss_fn`.
-    `cross_entropy` is the same loss for callers that already hold logits (HF comparisons, benches).
+    Vocab-parallel (tp.py's loss_fn): a rank holding rows [start, start + n) of the padded head runs
+    the same blocks over its rows (padding rows, ids >= vocab_size, get -inf: no mass), then
+    `VocabParallelLinearCrossEntropy` merges the ranks as the blocks were merged, with three
+    all-reduces of (T,) on the group passed in: max, sum of exps rescaled to it, target logit. Its
+    backward recomputes the rank's blocks with no communication; the partial dL/dh it returns is
+    summed over tp by tp.py (copy_to_region, or sequence parallelism's reduce-scatter).
+    `cross_entropy` and `vocab_parallel_cross_entropy` are the same losses for callers that already
+    hold logits (HF comparisons, benches, tests).
 
 Why
-    The logits are the largest single tensor of a Llama step: (T, V) fp32 is 4·V bytes per token —
-    513 kB at V = 128256 (the `1b` preset), where its fp32 hidden state (H = 2048) is 8 kB — and the
-    plain loss holds them and their gradient at once. Here the peak is the fp32 (T, H) gradient of
+    (T, V) fp32 logits are the largest activation of a Llama step: 4·V bytes per token, 501 KiB at
+    V = 128256 (the `1b` preset) where its fp32 hidden state (H = 2048) is 8 KiB, and the plain
+    loss holds them and their gradient at once. Here the peak is the fp32 (T, H) gradient of
     the hidden states, the (V, H) weight gradient and three (T, chunk) fp32 blocks, a block being as
     large as the fp32 hidden states by default (tests/test_loss.py measures it under that bound, the
     plain loss above 2·4·T·V bytes); zero.py's peak bound counts one block among the activations,
@@ -21,10 +28,12 @@ Why
 
 Reference
     Milakov & Gimelshein 2018, "Online normalizer calculation for softmax" (the merge); Wijmans et
-    al. 2024, "Cut Your Losses in Large-Vocabulary Language Models" (the loss without logits).
+    al. 2024, "Cut Your Losses in Large-Vocabulary Language Models" (the loss without logits);
+    Shoeybi et al. 2019, "Megatron-LM" (the vocab-parallel cross-entropy).
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
+    torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20   # vocab-parallel
 
 Builds on: ops.py (wanted_grads)
 
@@ -41,16 +50,18 @@ Invariants
       previous stage waits for it) and W (dL/dW, later, filling the bubble): each pass recomputes
       the blocks and computes only its own gradient, so the last stage pays one more head matmul per
       micro-batch and holds no (T, V) gradient — nor any block — from B to W. Under torch.compile
-      and inside torch.autograd.grad both are computed.
+      and inside torch.autograd.grad every input that needs a gradient gets it.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ops import wanted_grads
 
 IGNORE_INDEX = -100
+Group = dist.ProcessGroup | None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -156,3 +167,84 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     H = hidden.shape[-1]
     loss = LinearCrossEntropy.apply(hidden.reshape(-1, H), weight, labels.reshape(-1), chunk or H)
     return reduce_loss(loss, labels, reduction)
+
+
+# --------------------------------------------------------------------------------- vocab-parallel
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits (T, n) → (T,). Forward all-reduces three
+    per-token numbers (row max, target logit, sum of exps); backward is softmax − one-hot on this
+    rank's slice, with no communication."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: Group,
+                vocab_size: int) -> torch.Tensor:
+        n = logits.shape[-1]
+        start = dist.get_rank(group) * n  # this rank's vocab columns: [start, start+n)
+        cols = torch.arange(start, start + n, device=logits.device)
+        x = logits.float().masked_fill(cols >= vocab_size, float("-inf"))  # (T, n) padding: no mass
+        row_max = x.max(dim=-1).values  # (T,)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x -= row_max[:, None]  # (T, n) shifted logits, all <= 0: exp cannot overflow
+        target = labels - start  # (T,) column of the target, if this rank holds it (-100 never does)
+        mine = (target >= 0) & (target < n)
+        target = target.masked_fill(~mine, 0)
+        target_logit = x.gather(1, target[:, None]).squeeze(1).masked_fill(~mine, 0.0)  # (T,)
+        dist.all_reduce(target_logit, group=group)  # only the owning rank adds a nonzero value
+        x.exp_()  # (T, n)
+        sum_exp = x.sum(dim=-1)  # (T,)
+        dist.all_reduce(sum_exp, group=group)
+        valid = labels != IGNORE_INDEX
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (T,) log Σexp − target
+        x /= sum_exp[:, None]  # (T, n) softmax slice: all backward needs
+        ctx.save_for_backward(x, target, mine, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, target, mine, valid = ctx.saved_tensors
+        g = grad_loss.float() * valid  # (T,) ignored tokens get no gradient
+        grad = softmax * g[:, None]  # (T, n)
+        grad.scatter_add_(1, target[:, None], (-g * mine)[:, None])  # − one-hot, on the owning rank
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                                 *, group: Group, vocab_size: int) -> torch.Tensor:
+    """`cross_entropy` for logits (..., n) split over the vocab, for callers that have them
+    (the model's own loss never makes them: tp.vocab_parallel_linear_cross_entropy): fp32, -100
+    ignored, reduction 'sum' (training: divide by the step's target count), 'mean' or 'none'."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), group, vocab_size)
+    return reduce_loss(loss, labels, reduction)
+
+
+class VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of h @ W_r.T, this rank's vocab rows W_r (n, H) of the padded head:
+    (T, H) → (T,). Each rank merges its blocks (chunk_stats), then three all-reduces of (T,)
+    merge the ranks: max, sum of exps rescaled to it, target logit. Backward recomputes this rank's
+    blocks (chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Group,
+                vocab_size: int, chunk: int) -> torch.Tensor:
+        start = dist.get_rank(group) * weight.shape[0]  # this rank's global vocab ids start here
+        m, s, target = chunk_stats(h, weight, labels, chunk, start, vocab_size)  # (T,) each
+        top = m.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        s *= torch.exp(m - top)  # a rank holding only padding has m = -inf: adds 0
+        dist.all_reduce(s, group=group)
+        dist.all_reduce(target, group=group)  # only the owning rank adds a nonzero value
+        lse = top + s.log()  # (T,)
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.chunk, ctx.start, ctx.vocab_size = chunk, start, vocab_size
+        return (lse - target).masked_fill(labels == IGNORE_INDEX, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple:
+        h, weight, labels, lse = ctx.saved_tensors
+        g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)
+        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, ctx.start, ctx.vocab_size,
+                             want=wanted_grads(ctx, 2))
+        return None if gh is None else gh.to(h.dtype), gw, None, None, None, None

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import ac as AC
 import model as M
-from loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy
+from loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy, vocab_parallel_cross_entropy
 import tp as T
 from dist import run_ranks
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
@@ -192,7 +192,7 @@ def _check_layers(g: dist.ProcessGroup) -> None:
                                reduction=reduction)
         want.backward(torch.ones_like(want))
         local = padded[..., r * n:(r + 1) * n].clone().requires_grad_()
-        got = T.vocab_parallel_cross_entropy(local, labels, reduction, group=g, vocab_size=V)
+        got = vocab_parallel_cross_entropy(local, labels, reduction, group=g, vocab_size=V)
         got.backward(torch.ones_like(got))
         grad = F.pad(ref.grad, (0, n * tp - V))[..., r * n:(r + 1) * n]  # padded columns: zero grad
         assert rel(got, want) <= 1e-6 and rel(local.grad, grad) <= 1e-6, reduction
