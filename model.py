@@ -2,9 +2,10 @@
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
-    lm_head, in plain PyTorch. Reads HF `config.json` (transformers 4.x and 5 spellings); weights
-    live in weights.py (`materialize` from safetensors or a seeded init, `save_hf`, `load_hf`), so
-    `save_pretrained` output loads here and ours loads in `AutoModelForCausalLM.from_pretrained`.
+    lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
+    spellings); files live in weights.py (`load_config`, `materialize` from safetensors or a seeded
+    init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and ours loads in
+    `AutoModelForCausalLM.from_pretrained`.
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
@@ -43,12 +44,9 @@ Invariants
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import weakref
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -189,23 +187,6 @@ PRESETS: dict[str, LlamaConfig] = {
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
 }
-
-
-def load_config(hf_dir: str | os.PathLike) -> LlamaConfig:
-    """config.json of an HF model dir; any problem is one ValueError naming the file and the keys."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (expected an HF model directory)")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start})") from None
-    try:
-        return LlamaConfig.from_hf(d)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -171,7 +171,7 @@ def test_config_errors_and_roundtrip(tmp_path):
     with pytest.raises(ValueError, match="hidden_act='gelu'.*rope_type='yarn'"):
         M.LlamaConfig.from_hf(bad)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        M.load_config(tmp_path)
+        W.load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(good))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         W.load_hf(tmp_path)

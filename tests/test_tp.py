@@ -448,7 +448,7 @@ class ReadLog:
 
 
 def _load_and_export(rank: int, world: int, hf_dir: str, out_dir: str, ids: torch.Tensor) -> dict:
-    model = M.build(M.load_config(hf_dir))
+    model = M.build(W.load_config(hf_dir))
     shards = T.apply_tp(model, None)
     W.safe_open = ReadLog
     try:
