@@ -73,6 +73,7 @@ import bench_speed
 import bench_theory
 import cp as CP
 from bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
+from loss import cross_entropy
 import model as M
 import pp as PP
 import precision as P
@@ -202,7 +203,7 @@ def sec_tp(ctx: Ctx) -> None:
     opt = P.MixedPrecisionOptimizer(ours.named_parameters(), ctx.ocfg, norm_groups=[group],
                                     counted=lambda n: n in shards or lead)
     peer = ctx.fresh()  # DTensor logits through loss_parallel's cross-entropy, not our chunked loss
-    peer.loss_fn = lambda h, weight, labels, reduction: M.cross_entropy(peer.lm_head(h), labels, reduction)
+    peer.loss_fn = lambda h, weight, labels, reduction: cross_entropy(peer.lm_head(h), labels, reduction)
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # loss_parallel
     for i in peer.model.layers:
@@ -281,7 +282,7 @@ def sec_pp(ctx: Ctx) -> None:
         actions = PP.SCHEDULES[name](m, r, p, v)
         stages = [PipelineStage(c, k * p + r, p * v, ctx.device, group=group) for k, c in enumerate(peer_chunks)]
         schedule = cls(stages if v > 1 else stages[0], m, scale_grads=False,
-                       loss_fn=lambda out, y: M.cross_entropy(out, y, "sum") / ctx.targets)
+                       loss_fn=lambda out, y: cross_entropy(out, y, "sum") / ctx.targets)
         update = peer_update(ctx, peer, adamw(peer, ctx.ocfg), group)
 
         def micro(i: int) -> list[dict]:

@@ -21,7 +21,7 @@ Run
     python bench_mfu.py --smoke                # CPU: the tiny preset, 2 steps per row, one compiled
                                                # row (tests/test_bench.py; test_compile.py does the rest)
 
-Builds on: bench_ctx.py, ac.py, attention.py, model.py, precision.py, train.py, weights.py, zero.py
+Builds on: bench_ctx.py, ac.py, attention.py, loss.py, model.py, precision.py, train.py, weights.py, zero.py
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac as AC
 import attention as A
+from loss import cross_entropy
 import model as M
 import precision as P
 import train
@@ -173,7 +174,7 @@ def transformers_row(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch
     def step(i: int) -> torch.Tensor:
         x = data[i % len(data)]
         logits = hf(input_ids=x[:, :-1], use_cache=False).logits
-        loss = P.normalized_loss(M.cross_entropy(logits, x[:, 1:], "sum"), tokens)
+        loss = P.normalized_loss(cross_entropy(logits, x[:, 1:], "sum"), tokens)
         loss.backward()
         opt.step(args.lr)
         return loss.detach()
@@ -194,7 +195,7 @@ def gradients_vs_transformers(cfg: M.LlamaConfig, args: argparse.Namespace, devi
     hf.to(torch.bfloat16)
     x = data[0][:1]
     ours_m(x[:, :-1], labels=x[:, 1:], reduction="sum").backward()
-    M.cross_entropy(hf(input_ids=x[:, :-1], use_cache=False).logits, x[:, 1:], "sum").backward()
+    cross_entropy(hf(input_ids=x[:, :-1], use_cache=False).logits, x[:, 1:], "sum").backward()
     hf_grads = dict(hf.named_parameters())
     pairs = [(p.grad.double(), hf_grads[n].grad.double()) for n, p in ours_m.named_parameters()]
     worst = max(float((a - b).norm() / b.norm()) for a, b in pairs)

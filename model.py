@@ -2,9 +2,10 @@
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
-    lm_head, in plain PyTorch. Reads HF `config.json` (transformers 4.x and 5 spellings); weights
-    live in weights.py (`materialize` from safetensors or a seeded init, `save_hf`, `load_hf`), so
-    `save_pretrained` output loads here and ours loads in `AutoModelForCausalLM.from_pretrained`.
+    lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
+    spellings); files live in weights.py (`load_config`, `materialize` from safetensors or a seeded
+    init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and ours loads in
+    `AutoModelForCausalLM.from_pretrained`.
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
@@ -13,8 +14,9 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py (causal attention within packed documents), ops.py (the layer's
-    elementwise ops as lean autograd Functions)
+Builds on: attention.py, ops.py, loss.py — causal attention within packed documents; the layer's
+    elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits (the
+    default `loss_fn`)
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
@@ -28,8 +30,8 @@ Invariants
       full-vocab logits to the user). A third, `Attention.attn_fn(q, k, v, docs)`, is the attention
       itself (attention.attend), for a file that swaps in another algorithm (cp.py's ring attention)
       without editing this one.
-    - The training loss never holds (T, V) logits: `linear_cross_entropy` computes lm_head and the
-      cross-entropy over vocabulary chunks with a hand-written backward (module section "loss").
+    - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
+      the cross-entropy over vocabulary chunks with a hand-written backward.
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
@@ -42,22 +44,17 @@ Invariants
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import weakref
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
-from ops import apply_rope, rms_norm, swiglu, wanted_grads  # noqa: F401 (tp.py uses rms_norm too)
-
-IGNORE_INDEX = -100
+from loss import linear_cross_entropy
+from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -190,23 +187,6 @@ PRESETS: dict[str, LlamaConfig] = {
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
 }
-
-
-def load_config(hf_dir: str | os.PathLike) -> LlamaConfig:
-    """config.json of an HF model dir; any problem is one ValueError naming the file and the keys."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (expected an HF model directory)")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start})") from None
-    try:
-        return LlamaConfig.from_hf(d)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -351,112 +331,6 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = Rotary(cfg)
-
-
-# ----------------------------------------------------------------------------------------- loss
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Token cross-entropy of given logits in fp32, ignoring -100 (for callers that have logits;
-    the model's own loss is `linear_cross_entropy`, which never makes them)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction=reduction)
-
-
-def block_logits(h: torch.Tensor, weight: torch.Tensor, v0: int, chunk: int, start: int = 0,
-                 vocab_size: int | None = None) -> torch.Tensor:
-    """fp32 logits of vocabulary rows [v0, v0 + chunk) of `weight` for tokens h (T, H): (T, c).
-    The rows hold global ids start + v0...; ids >= vocab_size are padding (tp.py): -inf, no mass."""
-    z = F.linear(h, weight[v0:v0 + chunk]).float()  # (T, c) in the compute dtype, then fp32 (as HF)
-    if vocab_size is not None and start + v0 + z.shape[1] > vocab_size:
-        z[:, max(vocab_size - start - v0, 0):] = float("-inf")
-    return z
-
-
-def chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, start: int = 0,
-                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Over this weight's vocabulary, block by block (online log-sum-exp, as flash attention): per
-    token the max logit m, the sum of exp(logit - m) s, and the target's logit (0 where the target
-    is not in this weight's rows). All fp32 (T,); one (T, chunk) block of logits lives at a time."""
-    T, c0 = h.shape[0], min(chunk, weight.shape[0])
-    m = torch.full((T,), float("-inf"), device=h.device)
-    s = torch.zeros(T, device=h.device)
-    target = torch.zeros(T, device=h.device)
-    for v0 in range(0, weight.shape[0], c0):
-        z = block_logits(h, weight, v0, c0, start, vocab_size)  # (T, c)
-        col = labels - (start + v0)  # (T,) the target's column in this block, if it is here
-        here = (col >= 0) & (col < z.shape[1])
-        target += z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1).masked_fill(~here, 0.0)
-        new = torch.maximum(m, z.max(dim=-1).values)  # (T,)
-        safe = new.nan_to_num(neginf=0.0)  # a row that met only padding so far: -inf - -inf is nan
-        s = s * torch.exp(m - safe) + z.sub_(safe[:, None]).exp_().sum(dim=-1)
-        m = new
-    return m, s, target
-
-
-def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                g: torch.Tensor, chunk: int, start: int = 0, vocab_size: int | None = None,
-                want: tuple[bool, bool] = (True, True)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward of loss_t = lse_t - logit_t(target) scaled by g (T,): per block the logits are
-    recomputed and dL/dlogits = (softmax - one-hot)·g. Returns dL/dh (T, H) summed in fp32 over the
-    blocks and dL/dweight (n, H), each block's rows one matmul over all tokens (rounded once) — each
-    only if `want`ed (ops.wanted_grads: a pipeline's B pass asks for dL/dh, its W pass for dL/dW)."""
-    c0 = min(chunk, weight.shape[0])
-    gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if want[0] else None  # (T, H)
-    gw = torch.empty_like(weight) if want[1] else None  # (n, H)
-    for v0 in range(0, weight.shape[0], c0):
-        z = block_logits(h, weight, v0, c0, start, vocab_size)  # (T, c)
-        z.sub_(lse[:, None]).exp_().mul_(g[:, None])  # softmax · g (padding: 0)
-        col = labels - (start + v0)
-        here = (col >= 0) & (col < z.shape[1])
-        z.scatter_add_(1, col.clamp(0, z.shape[1] - 1)[:, None], (-g).masked_fill(~here, 0.0)[:, None])
-        dz = z.to(h.dtype)  # (T, c)
-        if gw is not None:
-            torch.mm(dz.t(), h, out=gw[v0:v0 + z.shape[1]])  # (c, H)
-        if gh is not None:
-            gh += dz @ weight[v0:v0 + z.shape[1]]  # (T, H)
-    return gh, gw
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of h @ weight.T over the whole vocabulary, (T, H) → (T,), with
-    (T, chunk) blocks of fp32 logits only; backward recomputes each block (one more head matmul,
-    once per pass: a zero-bubble pipeline's B and W each recompute it)."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-        m, s, target = chunk_stats(h, weight, labels, chunk)
-        lse = m + s.log()  # (T,) log Σ exp(logits)
-        ctx.save_for_backward(h, weight, labels, lse)
-        ctx.chunk = chunk
-        return (lse - target).masked_fill(labels == IGNORE_INDEX, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        h, weight, labels, lse = ctx.saved_tensors
-        g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)  # (T,) ignored: no gradient
-        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, want=wanted_grads(ctx, 2))
-        return None if gh is None else gh.to(h.dtype), gw, None, None
-
-
-def reduce_loss(loss: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Per-token losses (T,) → 'none' (T,), 'sum' (training: the step divides by its target count,
-    precision.normalized_loss) or 'mean' over the targets."""
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
-    if reduction == "none":
-        return loss
-    return loss.sum() if reduction == "sum" else loss.sum() / (labels != IGNORE_INDEX).sum()
-
-
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
-    """lm_head and the token cross-entropy in fp32 (-100 ignored) without (T, V) logits: hidden
-    (..., H), weight (V, H), labels (...) aligned with hidden. The vocabulary is cut into blocks of
-    `chunk` rows (default: the hidden size, so a block of fp32 logits is as large as the fp32 hidden
-    states). Each block's weight gradient is one matmul over all tokens, rounded once as in the
-    unchunked loss; cutting the tokens instead would add up bf16 weight gradients chunk by chunk."""
-    H = hidden.shape[-1]
-    loss = LinearCrossEntropy.apply(hidden.reshape(-1, H), weight, labels.reshape(-1), chunk or H)
-    return reduce_loss(loss, labels, reduction)
 
 
 class Llama(nn.Module):

@@ -43,7 +43,7 @@ The B/W split (zb), with autograd
     nodes, `torch.autograd.backward(GradientEdge(node, k) with dY, inputs=params)`: the node runs
     again for its parameter outputs only, and each AccumulateGrad (dp/ZeRO's hook) fires once. So
     B + W cost one backward (tests count the FLOPs) — but one head matmul: the chunked loss
-    (model.linear_cross_entropy) recomputes its logits blocks in each pass, computing dL/dh in B and
+    (loss.linear_cross_entropy) recomputes its logits blocks in each pass, computing dL/dh in B and
     dL/dW in W only (ops.wanted_grads) — plus ~20 µs of engine call per group. On rank
     0 a forward hook cuts the embedding's output off as the chunk's input leaf: B stops there and
     the embedding's gradient is part of W. Held from B to W: the dY of every parameterised op, per

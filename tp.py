@@ -8,7 +8,7 @@ What it does
                                              all-reduced, then the (replicated) bias is added once
       embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
       lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
-                                             the vocab-parallel cross-entropy below
+                                             loss.py's vocab-parallel cross-entropy
     Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
     in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
@@ -25,7 +25,8 @@ What it does
       + selective AC: nothing more (row outputs come from a functional collective the policy keeps);
         full AC: 1 more, o_proj's in the recompute (the recompute stops before down_proj's)
     and per step outside the layers: forward 1 (embedding) + 3 per-token scalars of the loss (row
-    max, target logit, sum of exps); backward 1 (the head's input).
+    max, target logit, sum of exps: loss.VocabParallelLinearCrossEntropy); backward 1 (the head's
+    input).
     Attention needs no change: model.py derives head counts from weight shapes, and column-splitting
     q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
     never straddle ranks because tp divides both counts).
@@ -73,7 +74,7 @@ Invariants
     - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
       A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
 
-Builds on: model.py
+Builds on: model.py, loss.py (the vocab-parallel loss without (T, V) logits)
 """
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (IGNORE_INDEX, Llama, LlamaConfig, RMSNorm, Shard, chunk_grads, chunk_stats,
-                   global_shapes, reduce_loss, rms_norm, wanted_grads)
+from loss import VocabParallelLinearCrossEntropy, reduce_loss
+from model import Llama, LlamaConfig, RMSNorm, Shard, global_shapes, rms_norm
 
 Group = dist.ProcessGroup | None
 
@@ -358,91 +359,11 @@ def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> t
 
 
 # ------------------------------------------------------------------------------------- loss, logits
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocab-sharded logits (T, n) → (T,). Forward all-reduces three
-    per-token numbers (row max, target logit, sum of exps); backward is softmax − one-hot on this
-    rank's slice, with no communication."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: Group,
-                vocab_size: int) -> torch.Tensor:
-        n = logits.shape[-1]
-        start = dist.get_rank(group) * n  # this rank's vocab columns: [start, start+n)
-        cols = torch.arange(start, start + n, device=logits.device)
-        x = logits.float().masked_fill(cols >= vocab_size, float("-inf"))  # (T, n) padding: no mass
-        row_max = x.max(dim=-1).values  # (T,)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        x -= row_max[:, None]  # (T, n) shifted logits, all <= 0: exp cannot overflow
-        target = labels - start  # (T,) column of the target, if this rank holds it (-100 never does)
-        mine = (target >= 0) & (target < n)
-        target = target.masked_fill(~mine, 0)
-        target_logit = x.gather(1, target[:, None]).squeeze(1).masked_fill(~mine, 0.0)  # (T,)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank adds a nonzero value
-        x.exp_()  # (T, n)
-        sum_exp = x.sum(dim=-1)  # (T,)
-        dist.all_reduce(sum_exp, group=group)
-        valid = labels != IGNORE_INDEX
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (T,) log Σexp − target
-        x /= sum_exp[:, None]  # (T, n) softmax slice: all backward needs
-        ctx.save_for_backward(x, target, mine, valid)
-        ctx.dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, target, mine, valid = ctx.saved_tensors
-        g = grad_loss.float() * valid  # (T,) ignored tokens get no gradient
-        grad = softmax * g[:, None]  # (T, n)
-        grad.scatter_add_(1, target[:, None], (-g * mine)[:, None])  # − one-hot, on the owning rank
-        return grad.to(ctx.dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
-                                 *, group: Group, vocab_size: int) -> torch.Tensor:
-    """`model.cross_entropy` for logits (..., n) split over the vocab, for callers that have them
-    (the model's own loss never makes them: vocab_parallel_linear_cross_entropy): fp32, -100
-    ignored, reduction 'sum' (training: divide by the step's target count), 'mean' or 'none'."""
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
-    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), group, vocab_size)
-    return reduce_loss(loss, labels, reduction)
-
-
-class VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of h @ W_r.T, this rank's vocab rows W_r (n, H) of the padded head:
-    (T, H) → (T,). Each rank merges its blocks (model.chunk_stats), then three all-reduces of (T,)
-    merge the ranks: max, sum of exps rescaled to it, target logit. Backward recomputes this rank's
-    blocks (model.chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Group,
-                vocab_size: int, chunk: int) -> torch.Tensor:
-        start = dist.get_rank(group) * weight.shape[0]  # this rank's global vocab ids start here
-        m, s, target = chunk_stats(h, weight, labels, chunk, start, vocab_size)  # (T,) each
-        top = m.clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        s *= torch.exp(m - top)  # a rank holding only padding has m = -inf: adds 0
-        dist.all_reduce(s, group=group)
-        dist.all_reduce(target, group=group)  # only the owning rank adds a nonzero value
-        lse = top + s.log()  # (T,)
-        ctx.save_for_backward(h, weight, labels, lse)
-        ctx.chunk, ctx.start, ctx.vocab_size = chunk, start, vocab_size
-        return (lse - target).masked_fill(labels == IGNORE_INDEX, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple:
-        h, weight, labels, lse = ctx.saved_tensors
-        g = grad_loss.float().masked_fill(labels == IGNORE_INDEX, 0.0)
-        gh, gw = chunk_grads(h, weight, labels, lse, g, ctx.chunk, ctx.start, ctx.vocab_size,
-                             want=wanted_grads(ctx, 2))
-        return None if gh is None else gh.to(h.dtype), gw, None, None, None, None
-
-
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                         reduction: str = "mean", *, group: Group, vocab_size: int,
                                         sequence_parallel: bool = False,
                                         chunk: int | None = None) -> torch.Tensor:
-    """`model.linear_cross_entropy` for a vocab-parallel lm_head (the model's loss seam under tp):
+    """`loss.linear_cross_entropy` for a vocab-parallel lm_head (the model's loss seam under tp):
     hidden (..., H) replicated over tp, weight this rank's (n, H) rows. The backward's partial dL/dh
     is summed over tp by copy_to_region — or, under sequence parallelism, by the reduce-scatter of
     the final norm's gather that produced `hidden`."""

@@ -946,7 +946,7 @@ def main(argv: list[str] | None = None) -> None:
     meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
     meter.phase("data")
     try:
-        cfg = M.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
+        cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
         fail(str(e), grid)
     errors = validate(args, cfg, grid)

@@ -10,7 +10,8 @@ What it does
     from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
     the buffers alone. `save_hf` writes full tensors as an HF directory that
     `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
-    the tokenizer); `load_hf` reads one back whole. The pieces serve a streaming export too (export.py
+    the tokenizer); `load_config` reads its config.json (one error naming the file and every bad key)
+    and `load_hf` the whole model. The pieces serve a streaming export too (export.py
     writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
     file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
     `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
@@ -57,7 +58,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-from model import Llama, LlamaConfig, Shard, build, global_shapes, load_config
+from model import Llama, LlamaConfig, Shard, build, global_shapes
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -425,6 +426,23 @@ def _write_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise io_error(path, e) from e
     os.replace(tmp, path)
+
+
+def load_config(hf_dir: str | os.PathLike) -> LlamaConfig:
+    """config.json of an HF model dir; any problem is one ValueError naming the file and the keys."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected an HF model directory)")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return LlamaConfig.from_hf(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def load_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu") -> Llama:

@@ -57,7 +57,7 @@ Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, o
 Peak memory (what decides an out-of-memory error; memory.PeakMeter measures it, tests/test_memory.py
 checks it per phase at dp = 2 and 4). The table holds between steps. At its peak a rank holds the
 table, the activations (all that grows with a micro-batch's tokens, the loss's block of fp32 logits
-included: model.linear_cross_entropy never makes (T, V)) and at most these extras, B being the
+included: loss.linear_cross_entropy never makes (T, V)) and at most these extras, B being the
 largest bucket (stage 3: unit) in the reduce dtype:
     - backward: (inflight + 2)·B of gradient buffers — `inflight` (default 2, dp.py) reductions in
       flight, one bucket being packed, one being filled — and the shards they reduce into; a
@@ -434,7 +434,7 @@ class Zero3Optimizer(ZeroOptimizer):
         head = getattr(model, "lm_head", None)
         for s, site in enumerate(self.sites):
             # the head's site ends with the model's own forward: the loss reads lm_head.weight
-            # without calling lm_head (model.linear_cross_entropy), so lm_head's hook would not run
+            # without calling lm_head (loss.linear_cross_entropy), so lm_head's hook would not run
             end = model if head is not None and site[-1] is head else site[-1]
             self.module_handles.append(site[0].register_forward_pre_hook(partial(self._pre_forward, s)))
             self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))

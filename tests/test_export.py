@@ -60,7 +60,7 @@ def _export(rank: int, world: int, init: str, runs: list) -> list:
     for flags, out, max_bytes, patch in runs:
         args = train.parse_args(["--init-from", init, *flags])
         grid = train.setup()
-        cfg = M.load_config(init)
+        cfg = W.load_config(init)
         train.make_grid(grid, args.tp, args.pp)
         model, shards, reader = train.build_model(args, cfg, grid)
         opt = train.make_optimizer(args, model, shards, reader, grid)

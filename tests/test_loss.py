@@ -1,4 +1,4 @@
-"""The chunked lm_head + cross-entropy (model.linear_cross_entropy, tp.vocab_parallel_linear_
+"""The chunked lm_head + cross-entropy (loss.linear_cross_entropy, tp.vocab_parallel_linear_
 cross_entropy) against the plain one: F.linear, then F.cross_entropy on fp32 logits.
 
 Tolerances: fp32 1e-6 relative to the largest value (the blocks' log-sum-exp is merged online and
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import memory as MEM
-import model as M
+from loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy
 import tp as T
 from dist import run_ranks
 
@@ -32,21 +32,21 @@ def case(T_: int, H: int, V: int, dtype: torch.dtype, seed: int = 0):
     h = torch.randn(2, T_ // 2, H, generator=g).to(dtype)
     w = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
     labels = torch.randint(0, V, (2, T_ // 2), generator=g)
-    labels[0, :3] = M.IGNORE_INDEX  # ignored tokens: no loss, no gradient
+    labels[0, :3] = IGNORE_INDEX  # ignored tokens: no loss, no gradient
     labels[1, 0], labels[1, 1] = 0, V - 1  # the first and last vocabulary row
     return h, w, labels
 
 
 def plain(h, w, labels, reduction):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = M.cross_entropy(F.linear(h, w), labels, reduction)
+    loss = cross_entropy(F.linear(h, w), labels, reduction)
     loss.backward(torch.ones_like(loss))
     return loss.detach(), h.grad, w.grad
 
 
 def chunked(h, w, labels, reduction, chunk):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = M.linear_cross_entropy(h, w, labels, reduction, chunk)
+    loss = linear_cross_entropy(h, w, labels, reduction, chunk)
     loss.backward(torch.ones_like(loss))
     return loss.detach(), h.grad, w.grad
 
@@ -62,7 +62,7 @@ def test_equals_the_plain_loss(dtype, tol):
             assert max(errs) <= tol, (reduction, chunk, errs)
             assert got[1][0, :3].abs().max() == 0  # ignored tokens get no gradient
     with pytest.raises(ValueError, match="reduction must be"):
-        M.linear_cross_entropy(h, w, labels, "avg")
+        linear_cross_entropy(h, w, labels, "avg")
 
 
 def test_memory_is_one_chunk_not_the_vocabulary():

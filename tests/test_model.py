@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import attention as A
 import model as M
+from loss import cross_entropy
 import weights as W
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -170,7 +171,7 @@ def test_config_errors_and_roundtrip(tmp_path):
     with pytest.raises(ValueError, match="hidden_act='gelu'.*rope_type='yarn'"):
         M.LlamaConfig.from_hf(bad)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        M.load_config(tmp_path)
+        W.load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(good))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         W.load_hf(tmp_path)
@@ -238,7 +239,7 @@ def test_packed_attention_equals_dense_mask_and_transformers(pair):
         model.zero_grad(set_to_none=True)
         out = model(ids, position_ids=pos, **kw)
         logits = out.logits if hasattr(out, "logits") else out
-        loss = M.cross_entropy(logits, labels, "sum")  # one loss on both sides: no HF label shift
+        loss = cross_entropy(logits, labels, "sum")  # one loss on both sides: no HF label shift
         loss.backward()
         return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

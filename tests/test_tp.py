@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import ac as AC
 import model as M
+from loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy, vocab_parallel_cross_entropy
 import tp as T
 from dist import run_ranks
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
@@ -76,12 +77,12 @@ def make_batch(cfg: M.LlamaConfig, B: int = 2, S: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     ids[0, 0] = cfg.vocab_size - 1  # the last real id: in the last (padded) vocab slice
-    labels = torch.full((B, S), M.IGNORE_INDEX)
+    labels = torch.full((B, S), IGNORE_INDEX)
     labels[:, :-1] = ids[:, 1:]
-    labels[torch.rand(B, S, generator=g) < 0.25] = M.IGNORE_INDEX
+    labels[torch.rand(B, S, generator=g) < 0.25] = IGNORE_INDEX
     cut = S // 3
     pos = torch.cat([torch.arange(cut), torch.arange(S - cut)]).expand(B, S)
-    labels[:, cut - 1] = M.IGNORE_INDEX  # no target across the document boundary
+    labels[:, cut - 1] = IGNORE_INDEX  # no target across the document boundary
     return ids, labels, pos
 
 
@@ -182,16 +183,16 @@ def _check_layers(g: dist.ProcessGroup) -> None:
     # hold a huge logit, so any mass leaking to them would show
     L = torch.randn(3, 6, V, generator=gen) * 3
     labels = torch.randint(0, V, (3, 6), generator=gen)
-    labels[0, :4] = M.IGNORE_INDEX
+    labels[0, :4] = IGNORE_INDEX
     labels[1, 0], labels[1, 1], labels[2, 0] = V - 1, 0, n - 1
     padded = torch.cat([L, torch.full((3, 6, n * tp - V), 50.0)], -1)  # (3, 6, n*tp)
     for reduction in ("sum", "mean", "none"):
         ref = L.clone().requires_grad_()
-        want = F.cross_entropy(ref.flatten(0, 1), labels.flatten(), ignore_index=M.IGNORE_INDEX,
+        want = F.cross_entropy(ref.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction=reduction)
         want.backward(torch.ones_like(want))
         local = padded[..., r * n:(r + 1) * n].clone().requires_grad_()
-        got = T.vocab_parallel_cross_entropy(local, labels, reduction, group=g, vocab_size=V)
+        got = vocab_parallel_cross_entropy(local, labels, reduction, group=g, vocab_size=V)
         got.backward(torch.ones_like(got))
         grad = F.pad(ref.grad, (0, n * tp - V))[..., r * n:(r + 1) * n]  # padded columns: zero grad
         assert rel(got, want) <= 1e-6 and rel(local.grad, grad) <= 1e-6, reduction
@@ -214,7 +215,7 @@ def _no_full_vocab(g: dist.ProcessGroup) -> tuple[int, int, int]:
     with MaxShape() as rec:
         model(ids, labels=labels, reduction="sum").backward()
     with MaxShape() as control:  # the recorder can see a full-vocab tensor when there is one
-        M.cross_entropy(model(ids).detach(), labels, "sum")
+        cross_entropy(model(ids).detach(), labels, "sum")
     return rec.dim, rec.numel, control.dim
 
 
@@ -251,7 +252,7 @@ def _errors_and_tp1(g1: dist.ProcessGroup, g2: dist.ProcessGroup, g4: dist.Proce
     model = M.build(CFG_A)
     before = dict(model.named_modules())
     assert T.apply_tp(model, g1) == {} and dict(model.named_modules()) == before
-    assert model.loss_fn is M.linear_cross_entropy
+    assert model.loss_fn is linear_cross_entropy
     x = torch.randn(3, 4)
     for op in (T.copy_to_region, T.reduce_from_region, T.gather_from_region, T.scatter_to_region):
         assert op(x, g1) is x
@@ -447,7 +448,7 @@ class ReadLog:
 
 
 def _load_and_export(rank: int, world: int, hf_dir: str, out_dir: str, ids: torch.Tensor) -> dict:
-    model = M.build(M.load_config(hf_dir))
+    model = M.build(W.load_config(hf_dir))
     shards = T.apply_tp(model, None)
     W.safe_open = ReadLog
     try:

@@ -19,6 +19,7 @@ import data
 import model as M
 import sft
 import train
+import weights as W
 from dist import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,10 +157,10 @@ def test_config_json_problems_name_the_file_and_key(tmp_path):
     ]:
         path.write_text(content)
         with pytest.raises(ValueError, match=text) as e:
-            M.load_config(tmp_path)
+            W.load_config(tmp_path)
         assert str(path) in str(e.value)
     path.write_text(json.dumps(good))
-    assert M.load_config(tmp_path) == CFG
+    assert W.load_config(tmp_path) == CFG
 
 
 def test_sft_file_messages(tmp_path):
