@@ -15,7 +15,7 @@ What it does
                                    per layer call; for tests and custom masks, never for training
 
 Run
-    torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: train.get_batch builds Documents)
+    torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: feed.get_batch builds Documents)
 
 Reference
     Dao 2023 (FlashAttention-2, variable-length batches via cu_seqlens); Krell et al. 2021 ("Efficient

@@ -72,13 +72,13 @@ import bench_mfu
 import bench_speed
 import bench_theory
 import cp as CP
+import grid as G
 from bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
 from loss import cross_entropy
 import model as M
 import pp as PP
 import precision as P
 import tp as TP
-import train
 import weights as W
 import zero as Z
 
@@ -324,7 +324,7 @@ def sec_ac(ctx: Ctx) -> None:
 
 
 def sec_sft(ctx: Ctx) -> None:
-    """Random FFD rows (document-aware attention: attention.Documents, built here as train.get_batch
+    """Random FFD rows (document-aware attention: attention.Documents, built here as feed.get_batch
     does) vs the same conversations padded to the batch's longest (plain causal), forward + backward
     on one model: the loss sums must agree. Also timed: the same FFD rows under the dense
     block-diagonal mask (what packing used before). Saved attention bytes: one layer's attention
@@ -424,11 +424,11 @@ def report(ctx: Ctx, argv: list[str] | None, load: float) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the chosen sections; rank 0 prints and writes the markdown. Returns {"rows", "markdown"}
-    (rows complete on rank 0). Uses an existing process group (tests), else train.setup()."""
+    (rows complete on rank 0). Uses an existing process group (tests), else grid.setup()."""
     args, load = parse_args(argv), os.getloadavg()[0]
     own = not dist.is_initialized()
     if own:
-        g = train.setup()
+        g = G.setup()
         rank, world, device = g.rank, g.world, g.device
     else:
         rank, world = dist.get_rank(), dist.get_world_size()

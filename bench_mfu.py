@@ -6,7 +6,7 @@ What it does
       layers  eager | --compile (model.compile_layers)      AC  none | selective | full
     then the same steps through transformers' LlamaForCausalLM (sdpa) with the same weights, batches
     and optimizer. Each row: median step time after warm-up (CUDA-synchronized), tokens/s, MFU =
-    tokens/s × train.flops_per_token / the GPU's dense bf16 peak (train.GPU_PEAK_TFLOPS or
+    tokens/s × cli.flops_per_token / the GPU's dense bf16 peak (cli.GPU_PEAK_TFLOPS or
     --peak-tflops), the allocator's peak allocated and reserved bytes of the steps (stats reset
     after setup), and the first step's loss beside the eager model's (same weights, same batch: the
     rows compute the same thing, to bf16 rounding). Also which SDPA kernel ran, read from the aten
@@ -21,7 +21,7 @@ Run
     python bench_mfu.py --smoke                # CPU: the tiny preset, 2 steps per row, one compiled
                                                # row (tests/test_bench.py; test_compile.py does the rest)
 
-Builds on: bench_ctx.py, ac.py, attention.py, loss.py, model.py, precision.py, train.py, weights.py, zero.py
+Builds on: bench_ctx.py, ac.py, attention.py, cli.py, loss.py, model.py, precision.py, weights.py, zero.py
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac as AC
 import attention as A
+import cli
 from loss import cross_entropy
 import model as M
 import precision as P
-import train
 import weights as W
 import zero as Z
 from bench_ctx import Ctx, md_row
@@ -91,7 +91,7 @@ class AttentionOps(TorchDispatchMode):
 
 def sdpa_kernels(cfg: M.LlamaConfig, device: torch.device, seq: int) -> dict[str, str]:
     """Which attention op ran for one bf16 layer with gradients: plain causal rows, and packed rows
-    (four documents per row, boundaries from the position ids as train.get_batch builds them)."""
+    (four documents per row, boundaries from the position ids as feed.get_batch builds them)."""
     model = W.materialize(M.build(dataclasses.replace(cfg, num_hidden_layers=1)), device)
     model.to(torch.bfloat16)
     x = torch.randn(1, seq, cfg.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -216,8 +216,8 @@ def check(args: argparse.Namespace, device: torch.device, say: Callable[[str], N
     """Every row; returns {"rows": [...], "kernels": {...}, "markdown": str}."""
     cfg = M.PRESETS["tiny" if args.smoke else "1b"]
     data = batches(cfg, args, device)
-    peak = train.peak_flops(argparse.Namespace(peak_tflops=args.peak_tflops, dtype="bf16"), device)
-    fpt = train.flops_per_token(cfg, args.seq_len)
+    peak = cli.peak_flops(argparse.Namespace(peak_tflops=args.peak_tflops, dtype="bf16"), device)
+    fpt = cli.flops_per_token(cfg, args.seq_len)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     kernels = sdpa_kernels(cfg, device, args.seq_len)
     say(f"[mfu] SDPA kernels: {kernels}")
@@ -245,7 +245,7 @@ def check(args: argparse.Namespace, device: torch.device, say: Callable[[str], N
     lines = [f"{name}, torch {torch.__version__}; `1b` preset ({cfg.num_params() / 1e9:.2f}B params)"
              if not args.smoke else f"{name}, torch {torch.__version__}; smoke run: `tiny` preset",
              f"bf16, batch {args.batch} x {args.seq_len}, {args.warmup} warm-up + {args.steps} timed steps per row; "
-             f"FLOPs/token {fpt / 1e9:.2f} G (train.flops_per_token); peak "
+             f"FLOPs/token {fpt / 1e9:.2f} G (cli.flops_per_token); peak "
              + (f"{peak / 1e12:.0f} TFLOP/s" if peak else "unknown (MFU n/a)"), "",
              md_row(["layers", "AC", "ms/step", "tokens/s", "MFU", "peak allocated GiB", "peak reserved GiB",
                      "step-1 loss", f"same as eager (bf16, {TOL:.0e})"]), "|---" * 9 + "|"]

@@ -23,7 +23,7 @@ Shifted labels and packing (the invariants)
     labels[t] = ids[t+1] if ids[t+1] is a target else -100, aligned with the logits (model.py's
     convention). A conversation costs L-1 positions in a row; its last input position predicts its own
     final end token, so no label ever refers to the next conversation's tokens.
-    position_ids restart at 0 per conversation; train.get_batch turns them into document boundaries
+    position_ids restart at 0 per conversation; feed.get_batch turns them into document boundaries
     (attention.Documents), so attention stays inside each conversation without an S×S mask.
     The padded tail gets pad_id, label -100 and positions restarting at 0: it is one more "document"
     that sees only itself (never a real conversation), and real tokens never see it (it comes later).

@@ -390,18 +390,20 @@ def test_is_prepared_follows_the_source(tmp_path):
 
 def test_stale_prepared_corpus_is_prepared_again_by_the_trainer(tmp_path):
     """--data c.txt after c.txt changed: the trainer prepares again instead of reusing the old rows."""
-    import train
+    import cli
+    import feed
+    import grid as G
     src = tmp_path / "c.txt"
     src.write_text("0123456789" * 10, encoding="utf-8")
-    args = train.parse_args(["--data", str(src), "--seq-len", "8"])
-    grid = train.Grid(rank=0, world=1, device=torch.device("cpu"))
-    assert train.load_data(args, grid)[0].tolist() == utf8("012345678")
+    args = cli.parse_args(["--data", str(src), "--seq-len", "8"])
+    grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
+    assert feed.load_data(args, grid)[0].tolist() == utf8("012345678")
     src.write_text("abcdefghij" * 10, encoding="utf-8")  # same size
-    assert train.load_data(args, grid)[0].tolist() == utf8("abcdefghi")
+    assert feed.load_data(args, grid)[0].tolist() == utf8("abcdefghi")
     # a prepared folder is used as is, but not with another tokenizer than it was made with
-    bad = train.parse_args(["--data", str(tmp_path / "c.txt.attotron"), "--tokenizer", str(tmp_path)])
+    bad = cli.parse_args(["--data", str(tmp_path / "c.txt.attotron"), "--tokenizer", str(tmp_path)])
     with pytest.raises(ValueError, match=r"was prepared with the tokenizer bytes, not --tokenizer"):
-        train.load_data(bad, grid)
+        feed.load_data(bad, grid)
 
 
 def test_full_disk_says_so_and_removes_the_partial_files(tmp_path):

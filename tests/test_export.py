@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+import cli
 import data
 import dp
 import export as EX
+import grid as G
 import model as M
 import sft
 import train
@@ -58,10 +60,10 @@ def _export(rank: int, world: int, init: str, runs: list) -> list:
         setattr(dist, name, _no_pickle)
     results = []
     for flags, out, max_bytes, patch in runs:
-        args = train.parse_args(["--init-from", init, *flags])
-        grid = train.setup()
+        args = cli.parse_args(["--init-from", init, *flags])
+        grid = G.setup()
         cfg = W.load_config(init)
-        train.make_grid(grid, args.tp, args.pp)
+        G.make_grid(grid, args.tp, args.pp)
         model, shards, reader = train.build_model(args, cfg, grid)
         opt = train.make_optimizer(args, model, shards, reader, grid)
         gathered, real = [0], EX._stage_tensors
@@ -175,8 +177,8 @@ def test_export_owns_its_folder(dirs, tmp_path):
     with pytest.raises(ValueError, match=r"holds notes.txt, which an export .* would delete"):
         W.save_hf(state, CFG, out)
     assert W.export_problem(out / "config.json").endswith("is a file, not a folder")
-    grid = train.Grid(rank=0, world=1, device=torch.device("cpu"))
-    errors = train.validate(train.parse_args(["--export-hf", str(out)]), CFG, grid)
+    grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
+    errors = cli.validate(cli.parse_args(["--export-hf", str(out)]), CFG, grid)
     assert any("--export-hf: " in e and "notes.txt" in e for e in errors)  # before any training
     assert W.export_problem(tmp_path / "new") is None
 

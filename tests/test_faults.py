@@ -4,7 +4,7 @@ crash while the metrics log is rewritten, resuming with other flags, a full disk
 corrupt file only one rank reads, and checkpoint waits longer than --timeout.
 
 References: the straight run of the same flags (same layout: resumed curves are bit-identical), the
-files on disk, and the exit status and the one message of every rank (train.fail)."""
+files on disk, and the exit status and the one message of every rank (grid.fail)."""
 import json
 import os
 import time
@@ -39,7 +39,7 @@ def argv(d: Path, *extra: str, metrics: str = "m.jsonl") -> list[str]:
 
 
 def _run(rank: int, world: int, argv: list[str], patch=None) -> int:
-    """train.main's exit status on this rank (0, or train.fail's 2); `patch(rank)` runs first."""
+    """train.main's exit status on this rank (0, or grid.fail's 2); `patch(rank)` runs first."""
     if patch is not None:
         patch(rank)
     try:

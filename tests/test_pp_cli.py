@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import data
+import grid as G
 import model as M
-import train
 import weights as W
 from dist import run_ranks
 from test_train import _main, assert_curve, losses
@@ -103,8 +104,8 @@ def test_interleaved_checkpoint_is_layout_free(dirs, reference):
 
 
 def validate(argv: list[str], world: int) -> str:
-    grid = train.Grid(rank=0, world=world, device=torch.device("cpu"))
-    return "\n".join(train.validate(train.parse_args(["--seq-len", "32", *argv]), CFG, grid))
+    grid = G.Grid(rank=0, world=world, device=torch.device("cpu"))
+    return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), CFG, grid))
 
 
 def test_pipeline_flags():
@@ -123,9 +124,9 @@ def test_pipeline_flags():
     assert "--schedule zb with --ac" in validate(["--pp", "2", "--schedule", "zb", "--ac"], 2)
     assert validate(["--pp", "2", "--schedule", "interleaved", "--zero", "2"], 4) == ""  # (see LAYOUTS)
     # the default micro-batches: 4·pp (1f1b) or 2·pp (interleaved, zb), a divisor of the dp rank's rows
-    args = lambda *a: train.parse_args(["--batch-size", "16", *a])  # noqa: E731
-    assert train.micro_batches(args("--pp", "2"), 2) == 8 and train.micro_batches(args("--pp", "4"), 4) == 16
-    assert train.micro_batches(args("--pp", "4", "--schedule", "zb"), 8) == 8  # dp=2: 8 rows each
-    assert train.micro_batches(args("--pp", "2", "--schedule", "zb"), 12) == 2  # dp=6: 16 // 6 = 2 rows
+    args = lambda *a: cli.parse_args(["--batch-size", "16", *a])  # noqa: E731
+    assert cli.micro_batches(args("--pp", "2"), 2) == 8 and cli.micro_batches(args("--pp", "4"), 4) == 16
+    assert cli.micro_batches(args("--pp", "4", "--schedule", "zb"), 8) == 8  # dp=2: 8 rows each
+    assert cli.micro_batches(args("--pp", "2", "--schedule", "zb"), 12) == 2  # dp=6: 16 // 6 = 2 rows
     assert "--batch-size 16 is not divisible by dp size 6" in validate(["--batch-size", "16", "--pp", "2"], 12)
-    assert train.micro_batches(args(), 1) == 1 and train.micro_batches(args("--micro-batches", "2"), 1) == 2
+    assert cli.micro_batches(args(), 1) == 1 and cli.micro_batches(args("--micro-batches", "2"), 1) == 2

@@ -438,9 +438,10 @@ def test_prepare_sft_tokenizes_once_and_remakes_on_change(tmp_path, capsys):
 
 
 def _prepare_on_ranks(rank: int, world: int, out: str, fail: bool) -> object:
-    """train.load_sft's pattern: rank 0 prepares (train.prepared_once) while the others wait, then
+    """feed.load_sft's pattern: rank 0 prepares (feed.prepared_once) while the others wait, then
     every rank maps the cache."""
-    import train
+    import feed
+    import grid as G
 
     def load():
         assert rank == 0  # only rank 0 ever reads and tokenizes
@@ -453,7 +454,7 @@ def _prepare_on_ranks(rank: int, world: int, out: str, fail: bool) -> object:
         sft.prepare_sft(out, lambda: "k", load, sft.chat_template(TOK))
         return Path(out)
     try:
-        t = sft.read_cache(train.prepared_once(prepare, train.Grid(rank, world, torch.device("cpu"))))
+        t = sft.read_cache(feed.prepared_once(prepare, G.Grid(rank, world, torch.device("cpu"))))
     except ValueError as e:
         return str(e)
     return t.inputs.tolist(), t.labels.tolist(), t.lengths.tolist()

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import feed
 import memory as MEM
 import model as M
 import train
@@ -47,7 +48,7 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all
                "batch_isend_irecv", "gather", "scatter")  # (isend/irecv: P2POp checks their identity)
 CONVERSIONS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 # call sites whose tensor lives in host memory on CUDA too (so reading it waits for nothing)
-HOST = {("train.py", "main", "__float__"): "train.host_copy: the loss copied in stream order, read "
+HOST = {("train.py", "main", "__float__"): "feed.host_copy: the loss copied in stream order, read "
                                            "after the step's sync",
         ("pp.py", "_check_step", "tolist"): "the pp check's header: host values gathered over gloo",
         ("optimizer.py", "_get_value", "item"): "torch's AdamW step counter, a CPU tensor unless fused "
@@ -104,7 +105,7 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
             return fn(t, *args, **kwargs)
         return run
 
-    real_next, real_zero = train.Prefetcher.next, Z.apply_zero
+    real_next, real_zero = feed.Prefetcher.next, Z.apply_zero
 
     def marked(self):
         events.append(("step",))
@@ -120,7 +121,7 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
     dist.new_group = lambda *a, **k: events.append(("group",)) or new_group(*a, **k)
     for name in CONVERSIONS + ("to", "cpu", "cuda"):
         setattr(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name)))
-    train.Prefetcher.next, Z.apply_zero = marked, capture
+    feed.Prefetcher.next, Z.apply_zero = marked, capture
     # the CPU peak meter (profiler sessions per phase) is CPU-only instrumentation, no part of the
     # step on CUDA (there it reads allocator counters); off, it also leaves gloo's threads alone
     MEM.PeakMeter._open = lambda self: None

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import data
+import grid as G
 import model as M
 import sft
 import train
@@ -186,8 +188,8 @@ def test_default_command_runs(tmp_path):
 
 
 def validate(argv: list[str], world: int, cfg: M.LlamaConfig = CFG) -> str:
-    grid = train.Grid(rank=0, world=world, device=torch.device("cpu"))
-    return "\n".join(train.validate(train.parse_args(["--seq-len", "32", *argv]), cfg, grid))
+    grid = G.Grid(rank=0, world=world, device=torch.device("cpu"))
+    return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), cfg, grid))
 
 
 def test_validation_messages():
@@ -302,7 +304,7 @@ def test_killed_rank_restarts_from_last_checkpoint(setup_dirs, reference):
     import time
     d = setup_dirs
     ck = d / "ck_fault"
-    # torchrun keeps its store across restarts; train.setup namespaces each attempt in it
+    # torchrun keeps its store across restarts; grid.setup namespaces each attempt in it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "--max-restarts", "1", "train.py",
            *args_for(d, "--steps", "40", "--save", str(ck), "--save-every", "3", "--resume", "auto",

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+import cli
 import data
+import feed
+import grid as G
 import model as M
 import train
 import weights as W
@@ -97,8 +100,8 @@ def test_eval_needs_a_held_out_split(setup_dirs):
     with pytest.raises(RuntimeError, match=r"SystemExit: 2"):
         run_ranks(_main, 1, ["--data", str(d / "one.txt"), "--seq-len", "16", "--eval-every", "2",
                              "--steps", "2", "--batch-size", "2"])
-    grid = train.Grid(rank=0, world=1, device=torch.device("cpu"))
-    args = train.parse_args(["--data", str(d / "one.txt"), "--seq-len", "16", "--eval-every", "2"])
+    grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
+    args = cli.parse_args(["--data", str(d / "one.txt"), "--seq-len", "16", "--eval-every", "2"])
     with pytest.raises(ValueError, match=r"--eval-every 2: .*one.txt.attotron has no held-out split: "
                                          r"1 documents × val_fraction 0.01 < 1 \(a .txt file is one"):
-        train.load_val(args, train.load_data(args, grid), grid)
+        feed.load_val(args, feed.load_data(args, grid), grid)

@@ -1,7 +1,7 @@
 """Bad input gets one clear message before any heavy work (issue 16: items 6, 7, 8 and the messages).
 
 Flags: a user's 0 is kept (no `x or default`), and 0 / negative / NaN values that would be taken
-silently or crash late are reported by train.validate together with every unwritable output path.
+silently or crash late are reported by cli.validate together with every unwritable output path.
 Files: config.json, SFT JSONL and tokenizer folders name the file (and key or line) at fault, and a
 tokenizer folder that asks to run its own code is refused without running it. Runtime: OOM is
 reported as OOM, a run whose every step was skipped fails, the ETA of a resumed run counts only its
@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import data
+import feed
+import grid as G
 import model as M
 import sft
 import train
@@ -27,17 +30,17 @@ CFG = M.PRESETS["tiny"]
 
 
 def validate(*argv: str, world: int = 1) -> str:
-    grid = train.Grid(rank=0, world=world, device=torch.device("cpu"))
-    return "\n".join(train.validate(train.parse_args(["--seq-len", "32", *argv]), CFG, grid))
+    grid = G.Grid(rank=0, world=world, device=torch.device("cpu"))
+    return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), CFG, grid))
 
 
 # ----------------------------------------------------------------------------------------- flags
 def test_zero_is_kept_not_replaced_by_the_default():
-    args = train.parse_args(["--seq-len", "0", "--lr", "0"])
+    args = cli.parse_args(["--seq-len", "0", "--lr", "0"])
     assert (args.seq_len, args.lr, args.min_lr) == (0, 0.0, 0.0)
     assert "--seq-len must be positive, got 0" in validate("--seq-len", "0")
     assert validate("--lr", "0") == ""  # a run that changes nothing is a legitimate dry run
-    args = train.parse_args([])
+    args = cli.parse_args([])
     assert (args.seq_len, args.lr) == (256, 1e-3)
 
 
@@ -77,12 +80,12 @@ def test_context_parallel_layouts():
 def test_device_defaults_and_peak_flops():
     """--dtype auto: fp32 on CPU (bf16 on CUDA: not testable here); MFU's peak from the GPU's name
     (the first table key found in it), --peak-tflops over it, none on CPU."""
-    args = train.parse_args([])
+    args = cli.parse_args([])
     assert (args.dtype, args.reduce_dtype) == ("auto", "fp32")
-    assert train.device_defaults(args, torch.device("cpu")) == "fp32" and args.dtype == "fp32"
-    assert train.peak_flops(args, torch.device("cpu")) is None
-    assert train.peak_flops(train.parse_args(["--peak-tflops", "312"]), torch.device("cpu")) == 312e12
-    found = lambda name: next(v for k, v in train.GPU_PEAK_TFLOPS.items() if k.lower() in name.lower())  # noqa: E731
+    assert cli.device_defaults(args, torch.device("cpu")) == "fp32" and args.dtype == "fp32"
+    assert cli.peak_flops(args, torch.device("cpu")) is None
+    assert cli.peak_flops(cli.parse_args(["--peak-tflops", "312"]), torch.device("cpu")) == 312e12
+    found = lambda name: next(v for k, v in cli.GPU_PEAK_TFLOPS.items() if k.lower() in name.lower())  # noqa: E731
     assert found("NVIDIA H100 80GB HBM3") == (989, 495) and found("NVIDIA H100 PCIe") == (756, 378)
     assert found("NVIDIA A100-SXM4-80GB") == (312, 156) and found("NVIDIA GH200 480GB") == (989, 495)
     assert found("NVIDIA H200") == (989, 495) and found("NVIDIA L40S") == (362, 183)
@@ -90,8 +93,8 @@ def test_device_defaults_and_peak_flops():
     tied = M.PRESETS["1b"]
     untied = M.LlamaConfig(**{**tied.__dict__, "tie_word_embeddings": False})
     attn = 12 * 16 * 32 * 64 * 2048
-    assert train.flops_per_token(tied, 2048) == 6 * tied.num_params() + attn
-    assert train.flops_per_token(untied, 2048) == train.flops_per_token(tied, 2048)
+    assert cli.flops_per_token(tied, 2048) == 6 * tied.num_params() + attn
+    assert cli.flops_per_token(untied, 2048) == cli.flops_per_token(tied, 2048)
     assert "--compile with --schedule zb" in validate("--compile", "--pp", "2", "--schedule", "zb", world=2)
     assert validate("--compile", "--pp", "2", "--schedule", "interleaved", world=2) == ""
 
@@ -118,7 +121,7 @@ def test_output_paths_are_checked_up_front(tmp_path):
 
 def test_help_shows_defaults_of_zero(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        cli.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--save-every SAVE_EVERY save every N steps (0: only after the last step) (default: 0)",
                  "--seed SEED init and data-order seed (default: 0)",
@@ -233,8 +236,8 @@ def test_non_tokenizer_folder_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------------------- runtime
 def test_out_of_memory_is_reported_as_such():
-    grid = train.Grid(rank=3, world=4, device=torch.device("cpu"))
-    with pytest.raises(train.StageError) as e, train.stage("forward/backward", grid):
+    grid = G.Grid(rank=3, world=4, device=torch.device("cpu"))
+    with pytest.raises(G.StageError) as e, G.stage("forward/backward", grid):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     text = str(e.value)
     assert text.startswith("rank 3: out of memory during forward/backward: peak resident memory ")
@@ -256,8 +259,8 @@ def _fake_clock_main(rank: int, world: int, argv: list[str]) -> None:
     the prefetch thread draws them ahead)."""
     clock = [0.0]
     train.time = type("FakeTime", (), {"time": staticmethod(lambda: clock[0])})
-    real = train.Prefetcher.next
-    train.Prefetcher.next = lambda self: clock.__setitem__(0, clock[0] + 10) or real(self)
+    real = feed.Prefetcher.next
+    feed.Prefetcher.next = lambda self: clock.__setitem__(0, clock[0] + 10) or real(self)
     train.main(argv)
 
 
@@ -297,11 +300,11 @@ def _data_wait_main(rank: int, world: int, port: int, tmp: str) -> list[str]:
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=3))
-    grid = train.Grid(rank=rank, world=world, device=torch.device("cpu"))
+    grid = G.Grid(rank=rank, world=world, device=torch.device("cpu"))
     slow = data.prepare
     data.prepare = lambda *a, **k: time.sleep(6) or slow(*a, **k)
-    args = train.parse_args(["--data", f"{tmp}/c.jsonl", "--seq-len", "8"])
-    got = [str(train.load_data(args, grid)[0].tolist())]
+    args = cli.parse_args(["--data", f"{tmp}/c.jsonl", "--seq-len", "8"])
+    got = [str(feed.load_data(args, grid)[0].tolist())]
     data.prepare = slow
     if rank == 1:  # a node that does not see the prepared folder
         read = Path.read_text
@@ -309,7 +312,7 @@ def _data_wait_main(rank: int, world: int, port: int, tmp: str) -> list[str]:
                                                 (_ for _ in ()).throw(FileNotFoundError(f"{self} not found")))
     for argv in (["--data", f"{tmp}/c.jsonl"], ["--data", f"{tmp}/missing.txt"]):
         try:
-            train.load_data(train.parse_args([*argv, "--seq-len", "8"]), grid)
+            feed.load_data(cli.parse_args([*argv, "--seq-len", "8"]), grid)
         except ValueError as e:
             got.append(str(e))
     return got

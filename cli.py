@@ -1,0 +1,386 @@
+"""attotron's trainer flags: parsed, given their layout-dependent defaults, and checked against the
+config and the world size before any heavy work; and the numbers the flags imply.
+
+What it does
+    parse_args       every flag of train.py; defaults that depend on another flag (--seq-len, --lr
+                     with --sft) are filled in with `is None`, so a user's 0 reaches validate
+    validate         every check that needs no heavy work (no data, no model, no group but the
+                     default one), all reported at once as a list of messages — the layout against
+                     the world size (tp, cp, pp, micro-batches), tp/cp/pipeline rules, flag ranges,
+                     NaNs, and every output path (a run must not train for hours, then fail to write)
+    virtual_stages, micro_batches, layer_ranges
+                     the pipeline's shape as the flags give it (defaults: pp.default_microbatches,
+                     pp.partition with the head's cost)
+    lr_at            the schedule: linear warm-up to --lr, cosine decay to --min-lr
+    device_defaults  --dtype auto per device (bf16 on CUDA, fp32 on CPU; TF32 for fp32 on CUDA)
+    flops_per_token, peak_flops, GPU_PEAK_TFLOPS
+                     the logged MFU's FLOPs per token (PaLM's convention) and the device's dense peak
+
+How train.py uses it
+    main: parse_args, grid.setup (validate needs the world size), device_defaults, validate — its
+    messages go to grid.fail together — then virtual_stages and micro_batches are stored back into
+    args; layer_ranges splits the model (pp.split_stage, pp.stage_chunks); lr_at gives each step's
+    lr and lets plan_resume compare a checkpoint's schedule with this run's.
+
+Run
+    python train.py --help                              # every flag, with its default
+    torchrun --nproc_per_node 4 train.py --pp 3         # refused at once: 4 is not divisible by 3
+
+Invariants
+    - Nothing here reads data, builds a model or runs a collective: every rank runs the same cheap
+      checks first, and a bad command line costs seconds, not a data preparation.
+    - validate returns messages and raises nothing: the user sees every problem of a command at once.
+    - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
+
+Builds on: grid.py (validate reads the world size from a Grid), model.py, pp.py, sft.py, tp.py, weights.py
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+
+import grid as G
+import model as M
+import pp as PP
+import sft
+import tp as TP
+import weights as W
+
+
+# ------------------------------------------------------------------------------------------ flags
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Show a flag's default in --help when it has a meaningful one (not None / off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # `is`, not `in`: 0 == False, and a default of 0 is meaningful (--save-every 0, --clip 0)
+        off = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not off and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+# what --help says first: train.py's docstring's first line (the program --help describes is train.py)
+DESCRIPTION = "attotron's trainer: flags, process grid, composition in a fixed order, loop, logging."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=HelpWithDefaults)
+    a = p.add_argument
+    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init")
+    a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
+    a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
+                                   "default: the Python stdlib sources, byte-tokenized")
+    a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
+    a("--val-fraction", type=float, default=0.01,
+      help="share of the documents held out (whole documents, spread over the corpus) when --data "
+           "is prepared: the split of the validation loss")
+    a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
+    a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
+    a("--micro-batches", type=int, default=None,
+      help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
+           "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
+    a("--steps", type=int, default=50, help="optimizer steps")
+    a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
+                                              "post-training wants a lower rate than pretraining)")
+    a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
+    a("--warmup", type=int, default=10, help="linear warm-up steps")
+    a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
+    a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    a("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+      help="compute dtype, masters stay fp32 (auto: bf16 on CUDA, fp32 on CPU; fp32 on CUDA uses TF32)")
+    a("--seed", type=int, default=0, help="init and data-order seed")
+    a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
+    a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
+    a("--save", default=None, help="checkpoint dir (step_XXXXXXXX/ folders: safetensors + JSON)")
+    a("--save-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    a("--resume", default=None, help="a checkpoint folder, or 'auto' = the newest complete one in --save "
+                                     "(any layout can resume any other)")
+    a("--keep", type=int, default=3, help="complete checkpoints kept in --save")
+    a("--skip-checksums", action="store_true", help="resume without the crc32 check of the checkpoint's "
+                                                    "files (one more read of them; sizes are still checked)")
+    a("--log-every", type=int, default=1, help="print a log line every N steps")
+    a("--eval-every", type=int, default=0,
+      help="evaluate every N steps and after the last (0: only after the last): the validation loss "
+           "on the held-out split; with --sft, exact-match accuracy on the built-in held-out chats")
+    a("--eval-batches", type=int, default=None,
+      help="global batches of the held-out split per validation loss (default 10, fewer when the "
+           "split is smaller)")
+    # supervised fine-tuning
+    a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
+    a("--packing", default="ffd", choices=["ffd", "none"],
+      help="--sft: FFD-pack conversations or one per row")
+    a("--overlong", default="truncate", choices=["truncate", "drop"],
+      help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
+    a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
+    a("--reply-end", default=None, help="--sft: the token that ends an assistant reply (default: detected "
+                                        "from the chat template, e.g. <|eot_id|>; the built-in one: eos)")
+    a("--timeout", type=float, default=600.0,
+      help="seconds a collective may wait before the run stops with a message naming the stage")
+    a("--io-timeout", type=float, default=3600.0,
+      help="seconds ranks wait for each other around checkpoint and export I/O (a gloo group of its "
+           "own: writing 12 bytes/param per rank can outlast --timeout)")
+    a("--max-bad-steps", type=int, default=3,
+      help="abort after this many consecutive steps with a non-finite loss or grad norm (each skipped)")
+    # parallelism: world = tp · dp · pp, dp is what is left
+    a("--tp", type=int, default=1, help="tensor-parallel degree (innermost in the grid)")
+    a("--cp", type=int, default=1, help="context-parallel degree: each rank holds seq-len/cp tokens of "
+                                        "every row, attention runs as a ring (cp.py)")
+    a("--sp", action="store_true", help="sequence parallelism with --tp: norms and residuals hold "
+                                        "seq-len/tp tokens per rank (Megatron)")
+    a("--pp", type=int, default=1, help="pipeline stages")
+    a("--pp-layers", default=None, help="layers per (virtual) stage, e.g. 3,3,2 (default: balanced, the "
+                                        "last stage's lm_head + loss counted as layers by their FLOPs)")
+    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--virtual-stages", type=int, default=None,
+      help="model chunks per pp rank for interleaved / zb (default: 2 for interleaved, else 1)")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
+    a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
+    a("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+      help="dtype of gradient accumulation over micro-batches and of dp/ZeRO reductions; bf16 halves "
+           "their bytes but loses precision (README: measured error)")
+    a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
+    a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
+    a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
+    a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
+    a("--compile", action="store_true", help="torch.compile each decoder layer (hooks, pipeline "
+                                             "executor, embedding and head stay eager)")
+    a("--peak-tflops", type=float, default=None,
+      help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
+    args = p.parse_args(argv)
+    # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
+    if args.seq_len is None:
+        args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft else 256
+    if args.lr is None:
+        args.lr = 2e-4 if args.sft else 1e-3
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    return args
+
+
+# ------------------------------------------------------------------------------------------ checks
+def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list[str]:
+    """Every check that needs no heavy work, all reported at once."""
+    errors = []
+    for flag in ("seq_len", "batch_size", "micro_batches", "steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
+            errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.seq_len > cfg.max_position_embeddings:
+        errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
+    if args.tp < 1 or args.pp < 1 or args.cp < 1 or grid.world % (args.tp * args.cp * args.pp):
+        errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --cp {args.cp} × "
+                      f"--pp {args.pp}")
+        return errors
+    dp_size = grid.world // (args.tp * args.cp * args.pp)
+    errors += validate_cp(args)
+    try:
+        TP.tp_validate(cfg, args.tp, seq_len=args.seq_len if args.sp else None)
+    except ValueError as e:
+        errors.append(str(e))
+    errors += validate_pipeline(args, cfg)
+    micro = micro_batches(args, grid.world)
+    if micro >= 1 and args.batch_size % (dp_size * micro):
+        errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
+                      f"--micro-batches {micro}")
+    if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
+        errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
+    if args.sft and (args.pp > 1 or args.sp) and not args.data:
+        errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
+                      "and no --sp with --sft (or give --data, which has no eval set)")
+    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad
+            or args.reply_end is not None) and not args.sft:
+        errors.append("--packing / --overlong / --skip-bad / --reply-end go with --sft")
+    if args.sft and args.eval_batches is not None:
+        errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
+                      "exact-match accuracy on its built-in held-out chats")
+    if args.resume == "auto" and not args.save:
+        errors.append("--resume auto needs --save DIR (where to look)")
+    if args.save_every < 0 or args.keep < 1:
+        errors.append(f"need --save-every >= 0 and --keep >= 1, got {args.save_every} and {args.keep}")
+    if args.io_timeout <= 0:
+        errors.append(f"--io-timeout must be > 0 seconds, got {args.io_timeout}")
+    if args.export_hf and (problem := W.export_problem(args.export_hf)):
+        errors.append(f"--export-hf: {problem}")
+    if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
+        errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
+    if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        errors.append(f"need 0 <= --min-lr <= --lr and --warmup >= 0 (got lr {args.lr}, "
+                      f"min-lr {args.min_lr}, warmup {args.warmup})")
+    return errors + validate_more(args)
+
+
+def validate_more(args: argparse.Namespace) -> list[str]:
+    """The flags whose 0, negative or NaN value would otherwise be taken silently or crash late,
+    and every output path (a run must not train for hours, then fail to write its result)."""
+    errors = []
+    floats = ("lr", "min_lr", "weight_decay", "clip", "bucket_mb", "timeout", "io_timeout", "val_fraction")
+    nan = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in floats
+           if not math.isfinite(getattr(args, f))]
+    if nan:
+        errors.append(f"need finite numbers, got {', '.join(nan)}")
+    if args.weight_decay < 0 or args.clip < 0:
+        errors.append(f"--weight-decay and --clip must be >= 0 (--clip 0 turns clipping off), got "
+                      f"{args.weight_decay} and {args.clip}")
+    if not args.timeout > 0:
+        errors.append(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.log_every < 1 or args.eval_every < 0 or (args.eval_batches is not None and args.eval_batches < 1):
+        errors.append(f"need --log-every >= 1, --eval-every >= 0 and --eval-batches >= 1, got "
+                      f"{args.log_every}, {args.eval_every} and {args.eval_batches}")
+    if not 0 <= args.val_fraction < 1:
+        errors.append(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.sp and args.tp < 2:
+        errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
+    return errors + check_outputs(args)
+
+
+def check_outputs(args: argparse.Namespace) -> list[str]:
+    """--save and --export-hf are folders (created as needed), --metrics a file in an existing
+    folder: each must be creatable and writable, and no two may be the same."""
+    errors, seen = [], {}
+    for flag, path, folder in (("--save", args.save, True), ("--export-hf", args.export_hf, True),
+                               ("--metrics", args.metrics, False)):
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if p in seen:
+            errors.append(f"{flag} and {seen[p]} are the same path {path}")
+        seen[p] = flag
+        if folder:
+            nearest = next(q for q in (p, *p.parents) if q.exists())  # the root always exists
+            if p.exists() and not p.is_dir():
+                errors.append(f"{flag} {path} is a file; it must be a folder (or not exist yet)")
+            elif not nearest.is_dir():
+                errors.append(f"{flag} {path} cannot be created: {nearest} is a file")
+            elif not os.access(nearest, os.W_OK):
+                errors.append(f"{flag} {path}: {nearest} is not writable")
+        elif p.is_dir():
+            errors.append(f"{flag} {path} is a folder; it must be a file")
+        elif not p.parent.is_dir():
+            errors.append(f"{flag} {path}: its folder {p.parent} does not exist")
+        elif not os.access(p.parent, os.W_OK) or p.exists() and not os.access(p, os.W_OK):
+            errors.append(f"{flag} {path}: it or its folder is not writable")  # replaced by rename
+    return errors
+
+
+def virtual_stages(args: argparse.Namespace) -> int:
+    if args.virtual_stages is not None:  # (not `or`: 0 is an error to report, not a default)
+        return args.virtual_stages
+    return 2 if args.schedule == "interleaved" else 1
+
+
+def micro_batches(args: argparse.Namespace, world: int) -> int:
+    """--micro-batches, or pp.default_microbatches for this layout (a divisor of the dp rank's rows)."""
+    if args.micro_batches is not None:
+        return args.micro_batches
+    dp_size = max(world // max(args.tp * args.cp * args.pp, 1), 1)
+    rows = args.batch_size // dp_size if args.batch_size >= dp_size else 1
+    return PP.default_microbatches(args.schedule, max(args.pp, 1), max(rows, 1))
+
+
+def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
+    """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
+    return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
+                        head=PP.head_cost(cfg, args.seq_len))
+
+
+def validate_cp(args: argparse.Namespace) -> list[str]:
+    """Context parallelism: zigzag chunks of equal length, and no packed documents."""
+    errors = []
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        errors.append(f"--cp {args.cp}: --seq-len {args.seq_len} must be a multiple of 2·cp = {2 * args.cp} "
+                      f"(each rank holds two of 2·cp equal chunks)")
+    if args.cp > 1 and args.sp and args.seq_len // args.cp % args.tp:
+        errors.append(f"--cp {args.cp} with --sp: each rank's seq-len/cp = {args.seq_len // args.cp} tokens "
+                      f"must split into --tp {args.tp} equal shards")
+    if args.cp > 1 and args.sft:
+        errors.append("--cp with --sft: SFT rows are packed documents (and the eval generates whole "
+                      "sequences), which context parallelism does not support; use --cp 1")
+    return errors
+
+
+def validate_pipeline(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
+    """Schedule, virtual stages and layer split (the pipeline part of validate)."""
+    errors, v = [], virtual_stages(args)
+    if v < 1 or (v > 1 and (args.schedule not in ("interleaved", "zb") or args.pp < 2)):
+        errors.append(f"--virtual-stages {v} needs >= 1, and more than 1 goes with --schedule interleaved "
+                      f"or zb and --pp >= 2")
+    elif args.schedule == "interleaved" and v < 2:  # (v = 1 would silently be 1f1b)
+        errors.append("--schedule interleaved needs --virtual-stages >= 2 (1 is --schedule 1f1b)")
+    else:
+        try:
+            layer_ranges(args, cfg)
+        except ValueError as e:
+            errors.append(str(e))
+    if args.schedule == "zb" and (args.ac or args.ac_mode):
+        errors.append("--schedule zb with --ac: each W would recompute the checkpointed layers again; use "
+                      "--schedule interleaved (or 1f1b) with --ac")
+    if args.compile and args.schedule == "zb":
+        errors.append("--compile with --schedule zb: a compiled layer's backward is one autograd node, so "
+                      "the B/W split would run it twice; use --schedule interleaved (or 1f1b) with --compile")
+    return errors
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layers {text!r}: expected comma-separated integers like 3,3,2") from None
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(args.steps - args.warmup, 1)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+# ------------------------------------------------------------------------------------------ device
+def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan):
+    6N for the matmuls of forward + backward, N = every parameter a matmul reads — all but the input
+    embedding when untied (a lookup, no FLOPs); tied, the shared matrix counts once, as lm_head —
+    plus 12·L·H·Q·T for attention's two matmuls (H heads of Q dims over T tokens), counted over the
+    full T×T (the causally masked half too), as those references do, so MFUs compare."""
+    n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+
+
+# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it;
+# the first key found in the name wins (so "H100 PCIe" before "H100", "GH200" before "H200").
+GPU_PEAK_TFLOPS = {
+    "A100": (312, 156), "A800": (312, 156), "H100 PCIe": (756, 378), "H100 NVL": (835, 418),
+    "H100": (989, 495), "H800": (989, 495), "GH200": (989, 495), "H200 NVL": (835, 418),
+    "H200": (989, 495), "B200": (2250, 1100), "L40S": (362, 183), "L4": (121, 60), "MI300X": (1307, 654),
+}
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
+    """--peak-tflops, or the GPU's dense peak for the compute dtype (bf16, or tf32 for fp32 on CUDA);
+    None where unknown (CPU, a GPU not in GPU_PEAK_TFLOPS): the log then shows no MFU."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    found = next((v for k, v in GPU_PEAK_TFLOPS.items() if k.lower() in name.lower()), None)
+    return None if found is None else found[args.dtype != "bf16"] * 1e12
+
+
+def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
+    """--dtype auto becomes bf16 on CUDA, fp32 on CPU; fp32 on CUDA turns TF32 matmuls on (10-bit
+    mantissa inputs, fp32 accumulation: ~8x the fp32 rate). Returns what to say in the log."""
+    if args.dtype == "auto":
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    if device.type == "cuda" and args.dtype == "fp32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.fp32_precision = "tf32"
+        return "fp32 with TF32 matmuls"
+    return args.dtype
