@@ -204,22 +204,14 @@ def test_corrupt_file_read_by_one_rank_stops_every_rank(dirs, capfd):
 
 def _slow_io(rank: int) -> None:
     """Rank 1 writes its first file 5 s late; rank 0 prunes 5 s late: both beyond --timeout 3."""
-    if rank == 1:
-        real_write = CK.write_safetensors
+    name = "write_safetensors" if rank == 1 else "prune"
+    real = getattr(CK, name)
 
-        def write(*a, **k):
-            CK.write_safetensors = real_write
-            time.sleep(5)
-            return real_write(*a, **k)
-        CK.write_safetensors = write
-    else:
-        real_prune = CK.prune
-
-        def prune(*a, **k):
-            CK.prune = real_prune
-            time.sleep(5)
-            return real_prune(*a, **k)
-        CK.prune = prune
+    def late_once(*a, **k):
+        setattr(CK, name, real)
+        time.sleep(5)
+        return real(*a, **k)
+    setattr(CK, name, late_once)
 
 
 def test_checkpoint_waits_outlast_the_collective_timeout(dirs):
