@@ -70,14 +70,20 @@ def test_math_block_equals_fused_block():
 
 
 # ------------------------------------------------------------------------------------ the ring
-def _ring(rank: int, world: int) -> dict:
-    """Ring attention on cp = 2 (two groups) and cp = 4 against SDPA on the full sequence."""
-    groups = {1: None, 2: None, 4: None}
+def _groups(rank: int, world: int) -> dict[int, dist.ProcessGroup]:
+    """This rank's group of each size 1, 2, 4 (consecutive ranks; every rank makes every group)."""
+    groups = {}
     for size in (1, 2, 4):
         for start in range(0, world, size):
             g = dist.new_group(list(range(start, start + size)))
             if start <= rank < start + size:
                 groups[size] = g
+    return groups
+
+
+def _ring(rank: int, world: int) -> dict:
+    """Ring attention on cp = 2 (two groups) and cp = 4 against SDPA on the full sequence."""
+    groups = _groups(rank, world)
     errors = {}
     for heads, kv_heads in ((4, 2), (4, 4)):
         gen = torch.Generator().manual_seed(heads + kv_heads)
@@ -134,12 +140,7 @@ def _saved_per_layer(rank: int, world: int) -> dict[int, int]:
     cfg = M.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=256)
-    groups = {}
-    for size in (1, 2, 4):
-        for start in range(0, world, size):
-            g = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                groups[size] = g
+    groups = _groups(rank, world)
     saved = {}
     for cp, group in groups.items():
         model = M.build(cfg)
