@@ -36,7 +36,7 @@ import memory as MEM
 import model as M
 import train
 import weights as W
-import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
             return fn(t, *args, **kwargs)
         return run
 
-    real_next, real_zero = train.Prefetcher.next, Z.apply_zero
+    real_next, real_zero = train.Prefetcher.next, Z3.apply_zero
 
     def marked(self):
         events.append(("step",))
@@ -120,7 +120,7 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
     dist.new_group = lambda *a, **k: events.append(("group",)) or new_group(*a, **k)
     for name in CONVERSIONS + ("to", "cpu", "cuda"):
         setattr(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name)))
-    train.Prefetcher.next, Z.apply_zero = marked, capture
+    train.Prefetcher.next, Z3.apply_zero = marked, capture
     # the CPU peak meter (profiler sessions per phase) is CPU-only instrumentation, no part of the
     # step on CUDA (there it reads allocator counters); off, it also leaves gloo's threads alone
     MEM.PeakMeter._open = lambda self: None
