@@ -42,7 +42,7 @@ Invariants
       stops as soon as it has rebuilt the last tensor backward needs); selective mode reruns the cheap
       modules' `forward` only (no hooks). Tensor-parallel comm ops (autograd Functions) run again
       under full AC; under selective AC only what a cheap module holds runs again (tp.py's
-      sequence-parallel norm: its all-gather, as Megatron regathers in backward). ZeRO-3 (zero.py)
+      sequence-parallel norm: its all-gather, as Megatron regathers in backward). ZeRO-3 (zero3.py)
       re-gathers a layer's unit from a hook on the layer's output gradient — before the layer's
       backward, so before any recompute, which reads the gathered parameters. Under full AC autograd
       holds no reference to a layer's parameters between forward and backward (the meter's

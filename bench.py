@@ -81,6 +81,7 @@ import precision as P
 import tp as TP
 import weights as W
 import zero as Z
+import zero3 as Z3
 
 SECTIONS = ("dp", "zero", "tp", "cp", "pp", "ac", "compile", "optim", "accum", "memory", "sft", "mfu")
 
@@ -121,7 +122,7 @@ def sec_dp(ctx: Ctx, stages: tuple[int, ...]) -> None:
     peers = ["DDP", "DDP + ZeroRedundancyOptimizer", "FSDP2 reshard_after_forward=False", "FSDP2 fully_shard"]
     for stage in stages:
         ours, peer = ctx.fresh(), ctx.fresh()
-        opt = Z.apply_zero(ours, stage, None, ctx.ocfg)
+        opt = Z3.apply_zero(ours, stage, None, ctx.ocfg)
         if stage < 2:  # DDP's bucket is 25 MB as ours; buffers are equal by construction: no sync
             peer = DDP(peer, forward_sync_buffers=False)
         else:  # our stage-3 units: embedding, each layer, [norm, lm_head]

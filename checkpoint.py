@@ -256,7 +256,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
                     shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
                     group: dist.ProcessGroup | None = None, keep: int | None = None) -> Path:
     """Write `<ckpt_dir>/step_<step>` atomically; every rank of `group` (default: all) calls it.
-    opt: precision.MixedPrecisionOptimizer or a zero.py optimizer (any stage); shards: apply_tp's
+    opt: precision.MixedPrecisionOptimizer or a zero.py/zero3.py optimizer (any stage); shards: apply_tp's
     map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank; group: the
     ranks' coordination (see `exchange`: give it a long timeout); keep: the lead then prunes to the
     newest `keep` checkpoints up to this step, while the others wait in `group`, not in a compute

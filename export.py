@@ -27,7 +27,7 @@ Invariants
     - The export owns its folder (weights.begin_export / commit_export): no file of an older
       export survives, and a crash leaves the older one whole.
 
-Builds on: model.py, checkpoint.py, tp.py, weights.py (and a ZeRO-3 optimizer's `each_unit_gathered`)
+Builds on: model.py, checkpoint.py, tp.py, weights.py (and zero3.Zero3Optimizer's `each_unit_gathered`)
 """
 from __future__ import annotations
 

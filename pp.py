@@ -207,7 +207,7 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     """Sum the two tied copies' gradients (first and last stage) so both take the same step; a no-op
     on other stages. Summing is linear, so it may run before or after a dp all-reduce, but it needs
     the FULL .grad: call it after run_pipeline (and plain dp's finish()), before the step. ZeRO 1-3
-    keep only a shard of it: there, `zero.apply_zero(..., tied=tied_copy(model), embed_group=...)`
+    keep only a shard of it: there, `zero3.apply_zero(..., tied=tied_copy(model), embed_group=...)`
     sums the owned pieces inside its step instead (and does so for plain dp too)."""
     w = tied_copy(model)
     if w is None:

@@ -20,7 +20,7 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
        model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
-    8. zero.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
+    8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model
     9. checkpoint.load_checkpoint (--resume): masters, moments and sampler position, any layout
@@ -72,6 +72,7 @@ import sft
 import tp as TP
 import weights as W
 import zero as Z
+import zero3 as Z3
 
 
 
@@ -123,11 +124,11 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
     counted = lambda n: pp_counted(n) and (n in shards or grid.at.tp_rank == 0)  # noqa: E731
-    return Z.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
-                        reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                        norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                        tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                        init=init, device=grid.device)
+    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                         init=init, device=grid.device)
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):

@@ -1,15 +1,13 @@
-"""ZeRO stages 0-3: shard the optimizer state, then the gradients, then the parameters over dp.
+"""ZeRO stages 0-2: shard the optimizer state, then the gradients over dp (zero3.py: the parameters too).
 
 What it does
     `apply_zero(model, stage, dp_group, optim_cfg, dtype)` returns the training step object for one
-    of four memory layouts (bytes per parameter, bf16 params/grads, fp32 master + Adam m, v; N = dp):
+    of these memory layouts (bytes per parameter, bf16 params/grads, fp32 master + Adam m, v; N = dp):
       stage 0  plain DP: everything replicated, grads all-reduced (dp.GradSync)    16Ψ
       stage 1  fp32 master + Adam state sharded; grads reduce-scattered           2Ψ + 2Ψ + 12Ψ/N
       stage 2  + gradients: each bucket is reduce-scattered the moment its grads
                are ready and the full-size grads are dropped right there           2Ψ + 14Ψ/N
-      stage 3  + parameters: each decoder layer (and embedding, final norm+head)
-               is one flat unit, all-gathered before its forward and again before
-               its backward and freed after each                                   16Ψ/N
+      stage 3  + parameters, one flat unit per decoder layer (zero3.py)            16Ψ/N
     All stages share one call shape, so the trainer has one code path:
         opt = apply_zero(model, stage, dp_group, cfg, torch.bfloat16)
         for k, micro in enumerate(micro_batches):
@@ -17,15 +15,18 @@ What it does
                 normalized_loss(model(x, labels=y, reduction="sum"), step_targets).backward()
         grad_norm = opt.step(lr)  # finish(), sum a tied copy (pp), clip, AdamW, publish, zero_grad
         ...; opt.teardown()       # removes every hook (see "Invariants")
+    Stage 3 lives in zero3.py, which builds on this file (its Zero3Optimizer is a ZeroOptimizer
+    whose buckets are per-layer units, gathered and freed by module hooks). This apply_zero builds
+    stages 0-2; zero3.apply_zero takes the same arguments plus `prefetch` and builds all four (0-2
+    through this one). A trainer offering every stage calls that one (train.py); ZeRO-1/2 alone
+    needs this file only (with dp.py and precision.py).
 
-    Sharding is 1-D: the parameters of a bucket (stages 1-2: ~bucket_mb MB in reverse order, as in
-    dp.py) or unit (stage 3) lie back to back in one flat buffer padded to a multiple of N; dp rank r
+    Sharding is 1-D: the parameters of a bucket (~bucket_mb MB in reverse order, as in dp.py;
+    stage 3: a unit) lie back to back in one flat buffer padded to a multiple of N; dp rank r
     owns elements [r·S, (r+1)·S), S = size/N. The fp32 master of parameter i is the piece of i in
     that range (maybe empty), so AdamW still sees one tensor per parameter: weight-decay groups
     survive, and AdamW being elementwise the update is bit-identical to the unsharded one. Updated
-    masters are cast to the compute dtype and all-gathered (stages 1-2: during the next forward,
-    below) or written into the persistent compute-dtype shard
-    (stage 3, gathered when next used).
+    masters are cast to the compute dtype and all-gathered during the next forward (below).
 
 Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, overlap_param_gather)
     step() writes each updated master piece, cast, into this rank's slice of its bucket's flat; the
@@ -50,22 +51,21 @@ Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, o
     gradient). That cost is measured, not removed (README, "ZeRO: exposed communication").
 
     Building: on a meta-device model (`model.build`, cut by pp/tp) with `init=weights.param_reader(
-    ...)`, stages 1-3 fill their buffers parameter by parameter, and stage 3 reads only the elements
-    of its own shard (from safetensors only the rows that hold them): no rank ever holds the model in
-    full. A built model is accepted too (init=None: the values are read from the parameters).
+    ...)`, stages 1-2 fill their flats and masters parameter by parameter, never holding more than
+    one parameter in fp32 (zero3.py reads only the elements of its own shard: no rank ever holds
+    the model in full). A built model is accepted too (init=None: the values are read from the
+    parameters).
 
 Peak memory (what decides an out-of-memory error; memory.PeakMeter measures it, tests/test_memory.py
 checks it per phase at dp = 2 and 4). The table holds between steps. At its peak a rank holds the
 table, the activations (all that grows with a micro-batch's tokens, the loss's block of fp32 logits
 included: loss.linear_cross_entropy never makes (T, V)) and at most these extras, B being the
-largest bucket (stage 3: unit) in the reduce dtype:
+largest bucket (stage 3: unit) in the reduce dtype (zero3.peak_extras, in bytes, for every stage):
     - backward: (inflight + 2)·B of gradient buffers — `inflight` (default 2, dp.py) reductions in
       flight, one bucket being packed, one being filled — and the shards they reduce into; a
       bucket's full-size flat is freed as soon as its reduction lands, only this rank's shard stays
       (when every micro-batch reduces, the last `inflight` ones land during the next forward);
-    - stage 3: prefetch + 1 gathered units in forward, prefetch + 2 in backward (the unit whose
-      grads are being reduced, this one, the ones prefetched); a tied embedding stays gathered from
-      the head's backward to the embedding's;
+    - stage 3: its gathered units (zero3.py, "Peak memory");
     - the step: one chunk of fp32 gradients (precision.STEP_CHUNK_BYTES, at least one master piece)
       and AdamW's temporaries (torch's per-parameter loop: up to three of one piece, measured); the
       stage 1-2 parameter all-gathers, in flight during the next forward, are in place (nothing
@@ -73,10 +73,7 @@ largest bucket (stage 3: unit) in the reduce dtype:
     - on gloo (CPU) every collective in flight also stages through a buffer of its full size (the
       stage 1-2 all-gathers too: `inflight` buckets in the forward);
     - Adam's step counters and a few scalars (the table leaves them out: 8 bytes a parameter).
-    Setup (from `init`): stage 3 holds 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the
-    first step) plus one parameter in fp32 (a seeded init draws the whole tensor) or, for an
-    instant, one unit's flat in the compute dtype; stages 1-2 their flats and masters plus one
-    parameter.
+    Setup (from `init`): stages 1-2 hold their flats and masters plus one parameter (zero3.py: 6Ψ/N).
     Micro-batches. Stage 1 accumulates in the full .grad and reduces once per step (no_sync). Stage 2
     reduces once per step too (the default): under no_sync its full-size .grad accumulates — 2Ψ,
     stage 1's backward peak — and the last backward reduce-scatters it bucket by bucket and drops it,
@@ -84,13 +81,10 @@ largest bucket (stage 3: unit) in the reduce dtype:
     micro-batches (m ≥ 2p) reducing each one would multiply the dp traffic by m, on links the
     pipeline's own sends already use. `reduce_every_micro_batch=True` reduce-scatters every
     micro-batch instead (DeepSpeed's ZeRO-2): m reduce-scatters per step, and the peak is one
-    micro-batch's, 2Ψ + 14Ψ/N plus the extras above. Stage 3 always reduces every micro-batch: its
-    parameters are gathered only while a micro-batch uses them, and a full-size gradient kept
-    between micro-batches would cost the 2Ψ that stage 3 exists to avoid.
+    micro-batch's, 2Ψ + 14Ψ/N plus the extras above (stage 3 always does: zero3.py).
 
 Reference
-    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models";
-    Zhao et al. 2023, "PyTorch FSDP" (flat units, storage freeing, pre-backward gathers, prefetch).
+    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
 
 Run
     torchrun --nproc_per_node 4 train.py --model tiny --zero 2 --steps 20
@@ -100,10 +94,10 @@ Invariants
     - The grad norm sums squares over each rank's owned pieces, all-reduced over dp (plus the caller's
       tp/pp `norm_groups`, with `counted(name)` for replicas); at N = 1 the pieces are the whole
       parameters in the same order, so every stage is bit-identical to MixedPrecisionOptimizer.
-    - vs stage 0 at dp=2 (fp32) stages 1-3 are bit-identical unless clipping is active (the norm is
+    - vs stage 0 at dp=2 (fp32) stages 1-2 are bit-identical unless clipping is active (the norm is
       summed in another order: last-bit different coefficient) or the grad shards accumulate
-      micro-batches (stage 3, stage 2 with reduce_every_micro_batch: (a1+b1)+(a2+b2) vs
-      (a1+a2)+(b1+b2)). At 4+ ranks gloo's sums depend on the buffer layout.
+      micro-batches (stage 2 with reduce_every_micro_batch: (a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2)).
+      At 4+ ranks gloo's sums depend on the buffer layout.
     - Stage 1 keeps the full .grad as accumulation buffer and honours no_sync; after finish() only
       the owned slice of each .grad holds the dp sum (the rest is this rank's local sum). Stage 2
       honours no_sync as well unless reduce_every_micro_batch; then, like stage 3, it reduce-scatters
@@ -112,17 +106,12 @@ Invariants
       reduce once per step accumulate in fp32 too: dp.GradSync's full-size fp32 main buffers (4Ψ
       instead of the 2Ψ bf16 .grad, as Megatron's main_grad); stage 0 also lands the rounded sum in
       .grad (2Ψ until zero_grad), stages 1-2 keep only their reduce-scattered fp32 shard.
-    - Every hook handle (post-accumulate-grad, module forward, output-grad) is kept and `teardown()`
-      removes them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot
-      see (the seed's leak). After teardown a stage-3 model's parameters are released (unusable).
-    - Stage 3 with several micro-batches in flight (pipelining): each forward frees its units and
-      each backward re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks
-      run inside backward (a checkpoint recompute) gather but never free. A tied embedding stays
-      gathered from the head's backward to the embedding's. The head's unit is freed by a hook on
-      the model itself: the loss reads lm_head.weight chunk by chunk without calling lm_head.
+    - Every hook handle (post-accumulate-grad, module forward) is kept and `teardown()` removes
+      them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot see (the
+      seed's leak).
     - Tied embeddings with pp > 1 (`tied=pp.tied_copy(model)`, Megatron's embedding group): the
-      first stage's embedding and the last stage's copy each lie ALONE in a bucket (stages 1-2) or
-      unit (stage 3) of the same size and padding, so dp rank r owns the same elements of both.
+      first stage's embedding and the last stage's copy each lie ALONE in a bucket (zero3.py: a
+      unit) of the same size and padding, so dp rank r owns the same elements of both.
       step() all-reduces that dp-summed piece (stage 0: the whole .grad) over the 2-rank embedding
       group: both copies take bit-identical steps.
 
@@ -133,14 +122,13 @@ from __future__ import annotations
 import collections
 import contextlib
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dp import Bucket, GradSync, Group, Piece, ReduceScatterSync, launch, layout, make_buckets, remove_handles
-import precision as P
+from dp import Bucket, GradSync, Group, Piece, ReduceScatterSync, layout, make_buckets, remove_handles
 from precision import MixedPrecisionOptimizer, OptimConfig
 
 Named = Iterable[tuple[str, nn.Parameter]]
@@ -412,245 +400,43 @@ def sites(model: nn.Module) -> list[list[nn.Module]]:
     return out + ([head] if head else [])
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class Zero3Optimizer(ZeroOptimizer):
-    """Stage 3: units = [embedding], each decoder layer, [final norm, lm_head] (whichever exist — a
-    pipeline stage may hold only some). A unit holding nothing but this rank's shard is "free"; it is
-    gathered by the forward pre-hook of its site and freed by the forward post-hook, gathered again
-    by a hook on the site's output gradient and freed once all its grads are reduce-scattered.
-    `prefetch` = how many sites ahead (forward) / behind (backward) are gathered asynchronously."""
-
-    def __init__(self, model: nn.Module, named_params: Named, cfg: OptimConfig, dtype: torch.dtype,
-                 group: Group, prefetch: int = 1, **kw):
-        self.model, self.prefetch = model, prefetch
-        self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._inflight: dict[int, object] = {}  # unit → pending all-gather work
-        self._pinned = False  # inside gathered(): forwards keep everything gathered
-        super().__init__(named_params, cfg, dtype, group, stage=3, **kw)
-        head = getattr(model, "lm_head", None)
-        for s, site in enumerate(self.sites):
-            # the head's site ends with the model's own forward: the loss reads lm_head.weight
-            # without calling lm_head (loss.linear_cross_entropy), so lm_head's hook would not run
-            end = model if head is not None and site[-1] is head else site[-1]
-            self.module_handles.append(site[0].register_forward_pre_hook(partial(self._pre_forward, s)))
-            self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))
-
-    def _buckets(self) -> list[Bucket]:
-        self.sites = sites(self.model)
-        where = {id(p): i for i, p in enumerate(self.params)}
-        units: list[list[int]] = []
-        owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
-        self.site_units: list[list[int]] = []
-        for site in self.sites:
-            mine = [where[id(p)] for mod in site for p in mod.parameters() if id(p) in where]
-            new = [i for i in dict.fromkeys(mine) if i not in owner]
-            for unit in ([i for i in new if i != self.tied], [i for i in new if i == self.tied]):
-                if unit:  # the tied copy is a unit of its own
-                    owner.update({i: len(units) for i in unit})
-                    units.append(unit)
-            self.site_units.append(sorted({owner[i] for i in mine}))
-        stray = [n for i, n in enumerate(self.names) if i not in owner]
-        if stray:
-            raise ValueError(f"ZeRO-3 units cover embed_tokens, layers, norm and lm_head only; "
-                             f"parameters outside them: {stray[:5]}")
-        self._full = [False] * len(units)
-        return [layout(u, self.params, pad_to=self.world) for u in units]
-
-    def _make_master(self) -> list[torch.Tensor]:
-        """Shard by shard: for each unit, this rank's compute-dtype shard and fp32 master pieces are
-        filled from only the elements it owns; the parameters become views of the unit's flat,
-        which holds no memory until gathered. Never more than one parameter (fp32) in full."""
-        self.buckets = self._buckets()
-        self.pieces = [None] * len(self.params)  # type: ignore[list-item]
-        self.flat_params, self.param_shards = [], []
-        master: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        for b, bucket in enumerate(self.buckets):
-            full = torch.empty(bucket.size, dtype=self.dtype, device=self.device)  # (size,)
-            views = [full[off:off + self.params[i].numel()].view_as(self.params[i])
-                     for i, off in zip(bucket.index, bucket.offsets)]
-            full.untyped_storage().resize_(0)  # the parameters' views hold no memory until gathered
-            shard = torch.zeros(bucket.size // self.world, dtype=self.dtype, device=self.device)  # (S,)
-            for k, (i, view) in enumerate(zip(bucket.index, views)):
-                pc = self.pieces[i] = self._piece(b, k)
-                master[i] = self._values(i, pc.start, pc.start + pc.n).clone() if pc.n else \
-                    torch.zeros(0, device=self.device)  # (pc.n,): only the elements it owns are read
-                shard[pc.shard_start:pc.shard_start + pc.n].copy_(master[i])
-                _place(self.params[i], view)
-            self.flat_params.append(full)
-            self.param_shards.append(shard)
-        return master
-
-    # ---- gather / free -------------------------------------------------------------------------
-    def _gather(self, u: int, wait: bool = True) -> None:
-        if not self._full[u]:
-            full, shard = self.flat_params[u], self.param_shards[u]
-            full.untyped_storage().resize_(full.nbytes)
-            self._inflight[u] = launch(dist.all_gather_single, full, shard, self.group, self.world)
-            self._full[u] = True
-        if wait:
-            self._wait(u)
-
-    def _wait(self, u: int) -> None:
-        work = self._inflight.pop(u, None)
-        if work is not None:
-            work.wait()
-
-    def _free(self, u: int) -> None:
-        self._wait(u)  # never free under an in-flight gather
-        self.flat_params[u].untyped_storage().resize_(0)
-        self._full[u] = False
-
-    def _units(self, sites: Iterable[int]) -> list[int]:
-        return [u for s in sites if 0 <= s < len(self.sites) for u in self.site_units[s]]
-
-    def _pre_forward(self, s: int, module: nn.Module, args: tuple) -> None:
-        for u in self.site_units[s]:
-            self._gather(u)
-        if not _in_backward():  # an activation-checkpoint recompute needs no prefetch
-            for u in self._units(range(s + 1, s + 1 + self.prefetch)):
-                self._gather(u, wait=False)
-
-    def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
-        if _in_backward() or self._pinned:
-            return  # a recompute inside backward (backward frees the unit), or inside gathered()
-        ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
-        for u in self.site_units[s]:
-            if u not in ahead:
-                self._free(u)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            self.grad_handles.append(out.register_hook(partial(self._pre_backward, s)))
-
-    def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
-        for u in self.site_units[s]:
-            self._gather(u)
-        for u in self._units(range(s - 1, s - 1 - self.prefetch, -1)):
-            self._gather(u, wait=False)
-
-    def _on_reduced(self, u: int) -> None:
-        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
-
-    # ---- the seam ----------------------------------------------------------------------------------
-    def _publish(self) -> None:
-        for u in [u for u, full in enumerate(self._full) if full]:
-            self._free(u)  # a gathered copy would be stale
-        for u, shard in enumerate(self.param_shards):
-            self._write_shard(u, shard)
-
-    def finish(self) -> None:
-        super().finish()
-        remove_handles(self.grad_handles)
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        for u in range(len(self.buckets)):
-            self._gather(u)
-        self._pinned = True
-        try:
-            yield
-        finally:
-            self._pinned = False
-            for u in range(len(self.buckets)):
-                self._free(u)
-
-    def each_unit_gathered(self) -> Iterator[list[str]]:
-        """One unit gathered at a time (a dp collective each): yields its parameter names while they
-        hold full values, frees it before the next (a streaming export holds one unit, not the model)."""
-        for u in range(len(self.buckets)):
-            self._gather(u)
-            try:
-                yield [self.names[i] for i in self.buckets[u].index]
-            finally:
-                self._free(u)
-
-    def teardown(self) -> None:
-        remove_handles(self.module_handles)
-        remove_handles(self.grad_handles)
-        for u in list(self._inflight):
-            self._wait(u)
-        super().teardown()
-
-
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
                dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-               reduce_dtype: torch.dtype | None = None, prefetch: int = 1, inflight: int = 2,
+               reduce_dtype: torch.dtype | None = None, inflight: int = 2,
                reduce_every_micro_batch: bool = False,
                norm_groups: Iterable[dist.ProcessGroup] = (),
                counted: Callable[[str], bool] = lambda name: True,
                tied: nn.Parameter | None = None, embed_group: Group = None,
                init: Init | None = None, device: torch.device | str | None = None) -> DataParallel:
-    """The step object for ZeRO `stage` (0 = plain DP) over `dp_group`, built on a model whose
+    """The step object for ZeRO `stage` 0-2 (0 = plain DP) over `dp_group`, built on a model whose
     parameters hold their fp32 values (after materialize, tp, ac) — or on a meta-device model with
     `init` (weights.param_reader: fp32 elements [start, stop) of a parameter's flattened local values)
-    and `device`, which every stage fills one parameter at a time (stage 3: only its own shard).
+    and `device`, which every stage fills one parameter at a time. Stage 3: zero3.apply_zero, the
+    same call for every stage.
     norm_groups/counted: the tp/pp groups and replica predicate of the grad norm (the dp group is
-    added when grads are sharded). bucket_mb: gradient bucket size (stages 0-2); inflight: gradient
-    reductions (and stage 1-2 all-gathers) in flight at once; prefetch: units gathered ahead (stage
-    3); reduce_every_micro_batch: stage 2 reduce-scatters each micro-batch instead of once per step.
+    added when grads are sharded). bucket_mb: gradient bucket size; inflight: gradient reductions
+    (and stage 1-2 all-gathers) in flight at once; reduce_every_micro_batch: stage 2 reduce-scatters
+    each micro-batch instead of once per step.
     tied: this pipeline stage's copy of an embedding tied across the first and last stage (None
     elsewhere; pp.tied_copy(model) gives it): step() sums its gradient over `embed_group`."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if bucket_mb <= 0 or prefetch < 0 or inflight < 1:
-        raise ValueError(f"bucket_mb must be > 0, prefetch >= 0 and inflight >= 1, got {bucket_mb}, "
-                         f"{prefetch} and {inflight}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
-        raise ValueError("tied must be a trainable parameter of the model and comes with the "
-                         "embedding group of the first and last stage (pp.tied_embedding_ranks)")
+    if stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage must be 0, 1 or 2 here (stage 3: zero3.apply_zero), got {stage}")
+    named = trainable(model, bucket_mb, inflight, tied, embed_group)
     kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
               tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device)
     if stage == 0:
         return DataParallel(named, cfg, dtype, dp_group, **kw)
-    if stage < 3:
-        return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, **kw)
-    return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, **kw)
+    return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, **kw)
 
 
-def persistent_bytes(opt: DataParallel) -> dict[str, int]:
-    """Bytes this rank holds for params, grads, fp32 master, Adam m and v, from the tensors: each
-    storage once, in the first category holding it (an fp32 master that IS the param counts as
-    params); a freed stage-3 unit counts 0. Call between finish() and step() to see the grads."""
-    seen: set[int] = set()
-
-    def total(tensors: Iterable[torch.Tensor | None]) -> int:
-        storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors if t is not None)}
-        new = {ptr: n for ptr, n in storages.items() if n and ptr not in seen}
-        seen.update(new)
-        return sum(new.values())
-
-    state = [opt.optimizer.state.get(m, {}) for m in opt.master]
-    return {"params": total([*opt.params, *getattr(opt, "param_shards", [])]),
-            "grads": total([p.grad for p in opt.params] + getattr(opt.sync, "grad_shards", [])
-                           + opt.sync.main),
-            "master": total(opt.master),
-            "adam_m": total(s.get("exp_avg") for s in state),
-            "adam_v": total(s.get("exp_avg_sq") for s in state)}
-
-
-def formula_bytes(stage: int, psi: int, n: int) -> float:
-    """The table of the module docstring: bytes per rank between steps for Ψ parameters over N = n
-    ranks, bf16 params and grads, fp32 master + Adam m, v."""
-    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-
-
-def peak_extras(opt: DataParallel) -> dict[str, int]:
-    """The module docstring's extras, in bytes, from this rank's own buckets (or units) and master
-    pieces: the most a phase ("forward", "backward", "step") may hold beyond the table's state and
-    the activations. What a test or benchmark checks a measured peak against."""
-    c, r = opt.dtype.itemsize, (opt.reduce_dtype or opt.dtype).itemsize
-    k, n, stage3 = opt.inflight, opt.world, isinstance(opt, Zero3Optimizer)
-    bucket = max((b.size for b in opt.sync.buckets), default=0)  # elements; a unit at stage 3
-    piece = max((m.numel() for m in opt.master), default=0)
-    gloo = opt.device.type == "cpu"  # gloo stages every collective through a full-size buffer
-    small = 8 * len(opt.master) + 1024  # Adam's step counters, scalars
-    units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
-    grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
-    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
-    gathers = gloo * k * bucket * c if opt.stage in (1, 2) else 0  # in place: gloo's staging only
-    pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
-    return {"forward": small + units + pending + gathers,
-            "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk}
+def trainable(model: nn.Module, bucket_mb: float, inflight: int, tied: nn.Parameter | None,
+              embed_group: Group) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable parameters, once the arguments every stage's apply_zero shares are
+    checked (zero3.apply_zero's too)."""
+    if bucket_mb <= 0 or inflight < 1:
+        raise ValueError(f"bucket_mb must be > 0 and inflight >= 1, got {bucket_mb} and {inflight}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
+        raise ValueError("tied must be a trainable parameter of the model and comes with the "
+                         "embedding group of the first and last stage (pp.tied_embedding_ranks)")
+    return named

@@ -32,7 +32,7 @@ import model as M
 import precision as P
 import tp as T
 import weights as W
-import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 from pp import norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy
 
@@ -71,8 +71,8 @@ def make(cfg: M.LlamaConfig, lay: C.Layout, g: dict, zero: int, dtype: torch.dty
     tied = norm_counted(m)
     counted = lambda n: (n in shards or lay.tp_rank == 0) and tied(n)  # noqa: E731
     norm_groups = [g[k] for k, size in (("tp", lay.tp), ("pp", lay.pp)) if size > 1]
-    opt = Z.apply_zero(m, zero, g.get("dp"), OPT, dtype, bucket_mb=0.01, norm_groups=norm_groups,
-                       counted=counted, tied=tied_copy(m), embed_group=g.get("emb"))
+    opt = Z3.apply_zero(m, zero, g.get("dp"), OPT, dtype, bucket_mb=0.01, norm_groups=norm_groups,
+                        counted=counted, tied=tied_copy(m), embed_group=g.get("emb"))
     return m, shards, opt
 
 

@@ -27,7 +27,7 @@ import model as M
 import precision as P
 import tp as T
 import weights as W
-import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 
 CFG = dataclasses.replace(M.PRESETS["tiny"], num_hidden_layers=2)
@@ -61,7 +61,7 @@ def _zero3(compiled: bool, rank: int, world: int) -> tuple[list[torch.Tensor], l
     AC.apply_ac(model, "selective")
     if compiled:
         M.compile_layers(model)
-    opt = Z.apply_zero(model, 3, dist.group.WORLD, P.OptimConfig(lr=1e-2))
+    opt = Z3.apply_zero(model, 3, dist.group.WORLD, P.OptimConfig(lr=1e-2))
     shards, losses, norms = [], [], []
     for step in range(STEPS):
         x, y = _batch(step)

@@ -22,7 +22,7 @@ import model as M
 import sft
 import train
 import weights as W
-import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def _export(rank: int, world: int, init: str, runs: list) -> list:
 
         def watched(model, opt, *a):
             for t in real(model, opt, *a):
-                if isinstance(opt, Z.Zero3Optimizer):
+                if isinstance(opt, Z3.Zero3Optimizer):
                     full = sum(f.untyped_storage().nbytes() > 0 for f in opt.flat_params)
                     gathered[0] = max(gathered[0], full)
                 yield t

@@ -1,5 +1,6 @@
-"""memory.py's meter, and the peak memory of zero.py, precision.py and the chunked loss against the
-ZeRO formulas. All byte counts are integers read from c10's allocator: the assertions are exact.
+"""memory.py's meter, and the peak memory of zero.py, zero3.py, precision.py and the chunked loss
+against the ZeRO formulas. All byte counts are integers read from c10's allocator: the assertions
+are exact.
 
 What is compared with what:
 - The meter against allocations made here: exact to the byte, including frees that happen on gloo's
@@ -8,10 +9,10 @@ What is compared with what:
 - Every ZeRO stage at dp=2 and dp=4 (bf16 compute, fp32 masters; the `tiny` preset with 10 kB
   buckets and a 16 kB step chunk, so that buckets, units and chunks are small against the model):
   per phase (forward, backward, step of the second step, Adam's state allocated), the measured peak
-  minus the activations is at most the formula plus the extras zero.py states. Activations are what
-  grows with the micro-batch: 2·peak(b) − peak(2b) is the fixed part of the peak (it lies between
-  the fixed parts at the program points where the two peaks occur), the loss chunk included. A
-  control shows the bound can fail: the full fp32 gradient copy of the old step exceeds it.
+  minus the activations is at most the formula plus the stated extras (zero3.peak_extras). Activations
+  are what grows with the micro-batch: 2·peak(b) − peak(2b) is the fixed part of the peak (it lies
+  between the fixed parts at the program points where the two peaks occur), the loss chunk included.
+  A control shows the bound can fail: the full fp32 gradient copy of the old step exceeds it.
 - ZeRO-3 setup from a meta-device model: at most 6Ψ/N (fp32 master, compute shard) plus the one
   parameter being read (fp32, its rows) — materializing the model first exceeds it; from safetensors
   each rank reads exactly the rows that hold its shard.
@@ -38,6 +39,7 @@ import model as M
 import precision as P
 import weights as W
 import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 
 CFG = M.PRESETS["tiny"]
@@ -67,8 +69,8 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
     meter.phase(None)
     meter.settle()
     m, init = meta_model()
-    opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=1e-3), BF16, bucket_mb=BUCKET_MB,
-                       init=init, device="cpu", **kw)
+    opt = Z3.apply_zero(m, stage, group, P.OptimConfig(lr=1e-3), BF16, bucket_mb=BUCKET_MB,
+                        init=init, device="cpu", **kw)
     meter.watch(m)
     x, y = tokens(rows * micro, dist.get_rank())
     base = meter.peaks["base"].allocated
@@ -82,7 +84,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
         opt.step(1e-3)
         meter.phase(None)
         meter.settle()
-    extras = Z.peak_extras(opt)  # zero.py's stated extras, from this rank's buckets and pieces
+    extras = Z3.peak_extras(opt)  # the stated extras, from this rank's buckets and pieces
     peaks = {name: p.allocated - base for name, p in meter.peaks.items()}
     meter.close()
     opt.teardown()
@@ -114,16 +116,16 @@ def check_layouts(results: list[dict], n: int) -> None:
         for stage in range(4):
             for phase in MEM.TRAINING:
                 got = fixed(out[stage], phase)
-                want = Z.formula_bytes(stage, psi, n) + out["extras", stage][phase]
+                want = Z3.formula_bytes(stage, psi, n) + out["extras", stage][phase]
                 assert got <= want, (n, stage, phase, got, want)
-            assert fixed(out[stage], "step") >= Z.formula_bytes(stage, psi, n)  # all the state counted
+            assert fixed(out[stage], "step") >= Z3.formula_bytes(stage, psi, n)  # all the state counted
         # two micro-batches at ZeRO-2: once per step holds the full-size gradient in backward
         # (ZeRO-1's 2Ψ + 2Ψ), every micro-batch keeps ZeRO-2's bound
         once, every = (fixed(out["m2"][mode], "backward") for mode in (False, True))
-        assert every <= Z.formula_bytes(2, psi, n) + out["extras", 2]["backward"] < once, (once, every)
-        assert once >= Z.formula_bytes(1, psi, n) - 2 * psi / n
+        assert every <= Z3.formula_bytes(2, psi, n) + out["extras", 2]["backward"] < once, (once, every)
+        assert once >= Z3.formula_bytes(1, psi, n) - 2 * psi / n
         # control: an unchunked bf16 step (a full fp32 gradient copy) breaks the step bound
-        assert fixed(out["control"], "step") > Z.formula_bytes(0, psi, n) + out["extras", 0]["step"]
+        assert fixed(out["control"], "step") > Z3.formula_bytes(0, psi, n) + out["extras", 0]["step"]
 
 
 def test_zero_peaks_dp2():
@@ -211,11 +213,11 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
             m, init = meta_model()
         else:
             m, init = W.materialize(M.build(CFG), "cpu", seed=0), None
-        opt = Z.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
+        opt = Z3.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
         meter.phase(None)
         meter.settle()
         out[name] = (meter.peaks["setup"].allocated - meter.peaks["base"].allocated,
-                     sum(Z.persistent_bytes(opt).values()),
+                     sum(Z3.persistent_bytes(opt).values()),
                      max(opt.params[i].numel() for i in range(len(opt.params))))
         meter.close()
         if name == "meta":  # the pieces equal the same elements of the full seeded init
@@ -255,7 +257,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     W.materialize_buffers(m, "cpu")
     W.safe_open = Logged
     try:
-        opt = Z.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
+        opt = Z3.apply_zero(m, 3, group, P.OptimConfig(), BF16, init=init, device="cpu")
     finally:
         W.safe_open = real
     want = []  # the whole rows covering each piece
@@ -273,9 +275,9 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
             counting.calls.clear()
             peaks, sizes = train_peaks(stage, 1, group, micro=2, reduce_every_micro_batch=every)
             out["comm", stage, every] = (counting.calls["reduce_scatter_single"] // 2)  # per step
-            out["buckets", stage] = len(Z.apply_zero(meta_model()[0], stage, group, P.OptimConfig(),
-                                                     BF16, bucket_mb=BUCKET_MB, init=meta_model()[1],
-                                                     device="cpu").buckets)
+            out["buckets", stage] = len(Z3.apply_zero(meta_model()[0], stage, group, P.OptimConfig(),
+                                                      BF16, bucket_mb=BUCKET_MB, init=meta_model()[1],
+                                                      device="cpu").buckets)
     finally:
         DP.dist = dist
     # frees on gloo's worker thread: counted with c10's accounting, missed by the profiler alone

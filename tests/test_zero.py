@@ -1,4 +1,4 @@
-"""zero.py: every ZeRO stage against plain DP and the single process, memory, hooks, composition.
+"""zero.py, zero3.py: every ZeRO stage against plain DP and the single process, memory, hooks, composition.
 
 Tolerances (fp32 unless stated), and why:
 - dp=1 (a group of one rank): every stage bit-identical to MixedPrecisionOptimizer, clipping and
@@ -33,6 +33,7 @@ import precision as P
 import tp as TP
 import weights as W
 import zero as Z
+import zero3 as Z3
 from dist import run_ranks
 from pp import (norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy,
                 tied_embedding_ranks)
@@ -46,7 +47,7 @@ def run(stage: int, group, *, clip: float = 0.0, micro: int = 1, dtype=FP32, tie
         steps: int = 5, bucket_mb: float = 0.01, model=None, **kw):
     """Train `steps` steps under `stage`; returns (losses, grad norms, full fp32 params)."""
     m = model if model is not None else make_model(tie_word_embeddings=tie)
-    opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=LR, clip=clip), dtype, bucket_mb=bucket_mb, **kw)
+    opt = Z3.apply_zero(m, stage, group, P.OptimConfig(lr=LR, clip=clip), dtype, bucket_mb=bucket_mb, **kw)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     losses, norms = train(m, opt, dp.DPSampler(N_ROWS, G, rank, size, seed=7), micro, group,
                           opt.no_sync, opt.finish, steps)
@@ -79,7 +80,7 @@ def gathered_counts(rank: int) -> dict:
     out = {}
     for prefetch in (0, 1, 2):
         m = make_model()
-        opt = Z.apply_zero(m, 3, dist.group.WORLD, P.OptimConfig(lr=LR), prefetch=prefetch)
+        opt = Z3.apply_zero(m, 3, dist.group.WORLD, P.OptimConfig(lr=LR), prefetch=prefetch)
         fwd, bwd = [], []
         def on_output(mod, args, out) -> None:
             out.register_hook(lambda g: bwd.append(sum(opt._full)))
@@ -112,7 +113,7 @@ def pipeline_like(rank: int, stage: int, interleave: bool, ac: bool) -> tuple:
     m = make_model()
     m.model.embed_tokens = None
     del m.model.layers["0"]
-    opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.001)
+    opt = Z3.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.001)
     if ac:  # checkpoint the hooked layer: its forward hooks run again inside backward
         m.model.layers["1"] = Checkpointed(m.model.layers["1"])
     g = torch.Generator().manual_seed(rank)
@@ -208,14 +209,14 @@ def _dp4(rank: int, world: int) -> dict:
     for dtype in (BF16, FP32):
         for stage in range(4):
             m = make_model()
-            opt = Z.apply_zero(m, stage, WORLD, P.OptimConfig(lr=LR), dtype, bucket_mb=0.002)
+            opt = Z3.apply_zero(m, stage, WORLD, P.OptimConfig(lr=LR), dtype, bucket_mb=0.002)
             x, y = dataset()
             for k in range(2):
                 m(x[:2], labels=y[:2], reduction="sum").backward()
                 opt.finish()
                 if k == 0:
                     opt.step(LR)
-            out["bytes"][dtype, stage] = (Z.persistent_bytes(opt), len(opt.buckets) if stage else 0)
+            out["bytes"][dtype, stage] = (Z3.persistent_bytes(opt), len(opt.buckets) if stage else 0)
             opt.teardown()
     out["tpdp"] = tp_dp(rank, tp_groups[rank // 2], dp_groups[rank % 2])
     return out
@@ -299,9 +300,9 @@ def _pp2_tied(rank: int, world: int, tp: int, runs: list[tuple[int, bool, int]])
         shards = TP.apply_tp(m, tp_g)
         W.materialize(m, "cpu", seed=3, shards=shards)
         pp_counted = norm_counted(m)
-        opt = Z.apply_zero(m, stage, dp_g, PP_OPT, bucket_mb=0.001, norm_groups=[tp_g, pp_g],
-                           counted=lambda n: pp_counted(n) and (n in shards or tp_rank == 0),
-                           tied=tied_copy(m) if tie else None, embed_group=emb)
+        opt = Z3.apply_zero(m, stage, dp_g, PP_OPT, bucket_mb=0.001, norm_groups=[tp_g, pp_g],
+                            counted=lambda n: pp_counted(n) and (n in shards or tp_rank == 0),
+                            tied=tied_copy(m) if tie else None, embed_group=emb)
         losses, norms, equal = [], [], []
         for i in range(steps):
             glob = batches(6, seed=300 + i)  # uneven masks: micro-batch i drops ~15·i % of its labels
@@ -366,7 +367,7 @@ def _leak(rank: int, world: int) -> dict:
 
     def cycle(stage: int, teardown: bool = True):
         m = make_model()
-        opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        opt = Z3.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
         m(x[:2], labels=y[:2], reduction="sum").backward()
         opt.step(LR)
         m(x[:2], labels=y[:2], reduction="sum")  # a forward whose graph is dropped unused
@@ -402,7 +403,9 @@ def test_zero_teardown_leaves_nothing_alive():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
-        Z.apply_zero(make_model(), 4, None, P.OptimConfig())
+        Z3.apply_zero(make_model(), 4, None, P.OptimConfig())
+    with pytest.raises(ValueError, match=r"0, 1 or 2 here \(stage 3: zero3.apply_zero\), got 3"):
+        Z.apply_zero(make_model(), 3, None, P.OptimConfig())  # zero.py alone builds stages 0-2
     m = make_model()  # no embedding group; a parameter of another model (the group is never used)
     for tied, group in ((m.lm_head.weight, None), (torch.nn.Parameter(torch.zeros(1)), object())):
         with pytest.raises(ValueError, match="tied must be a trainable parameter .* embedding group"):
@@ -530,8 +533,8 @@ def _fp32_accumulation(rank: int, world: int) -> dict:
         for reduce_dtype in (FP32, None):
             for stage in range(4):
                 m = make_model()
-                opt = Z.apply_zero(m, stage, group, P.OptimConfig(lr=LR), BF16, bucket_mb=0.01,
-                                   reduce_dtype=reduce_dtype)
+                opt = Z3.apply_zero(m, stage, group, P.OptimConfig(lr=LR), BF16, bucket_mb=0.01,
+                                    reduce_dtype=reduce_dtype)
                 for k, i in enumerate(mine):
                     with opt.no_sync() if k < micro - 1 else contextlib.nullcontext():
                         P.normalized_loss(m(x[i:i + 1], labels=y[i:i + 1], reduction="sum"),
