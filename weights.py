@@ -6,7 +6,7 @@ What it does
     with `model.safetensors.index.json`), reading only this rank's slice of each tensor, or from the
     parameter's own named generator. `param_reader` gives the same values piece by piece without
     allocating the model — `read(name, start, stop)`, elements [start, stop) of a parameter's
-    flattened local values — so zero.apply_zero(init=...) builds sharded state directly (reading
+    flattened local values — so zero3.apply_zero(init=...) builds sharded state directly (reading
     from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
     the buffers alone. `save_hf` writes full tensors as an HF directory that
     `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
@@ -153,7 +153,7 @@ def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
 @torch.no_grad()
 def materialize_buffers(model: Llama, device: torch.device | str) -> Llama:
     """Allocate only the buffers (RoPE's inv_freq, recomputed): the parameters stay on the meta
-    device for zero.apply_zero(init=param_reader(...)) to build sharded."""
+    device for zero3.apply_zero(init=param_reader(...)) to build sharded."""
     rotary = model.model.rotary_emb
     rotary.to_empty(device=device)
     rotary.reset_buffers()
