@@ -56,6 +56,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import memory  # noqa: F401  (before torch's pipelining, which allocates a tensor at import: its free
+# at exit, with c10's block accounting on, would print a warning about a block of unknown size)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
