@@ -194,17 +194,19 @@ class GradSync:
 
     reduce_dtype: the dtype of the flat buffers (None: the grads' dtype; torch.float32 with bf16
     grads accumulates the micro-steps and sums over dp in fp32: `main_grad(i)` holds the fp32 sum,
-    `.grad` that sum rounded once). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
+    and with round_into_grad `.grad` that sum rounded once, for an optimizer that reads `.grad`; off,
+    `.grad` stays None — zero.py's step reads the fp32 sums, and the bf16 copy would cost 2Ψ and a
+    kernel per parameter every step). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
-                 inflight: int = 2, order: Sequence[int] | None = None):
+                 inflight: int = 2, order: Sequence[int] | None = None, round_into_grad: bool = True):
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
         self.params = list(params)
         self.group, self.inflight = group, inflight
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype, self.round_into_grad = reduce_dtype, round_into_grad
         if buckets is None:
             itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
             buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
@@ -303,7 +305,8 @@ class GradSync:
         for i, off in zip(bucket.index, bucket.offsets):
             p = self.params[i]
             if self.wide:  # the fp32 sum stays in main; .grad gets it rounded once (for any optimizer)
-                p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
+                if self.round_into_grad:
+                    p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
             elif p.grad.data_ptr() != flat.data_ptr():  # else reduced in place
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
 

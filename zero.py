@@ -104,8 +104,9 @@ Invariants
       at every backward (no_sync is a no-op) and accumulates in the grad shard, in fp32 with
       reduce_dtype=torch.float32. With bf16 compute and reduce_dtype=torch.float32 the stages that
       reduce once per step accumulate in fp32 too: dp.GradSync's full-size fp32 main buffers (4Ψ
-      instead of the 2Ψ bf16 .grad, as Megatron's main_grad); stage 0 also lands the rounded sum in
-      .grad (2Ψ until zero_grad), stages 1-2 keep only their reduce-scattered fp32 shard.
+      instead of the 2Ψ bf16 .grad, as Megatron's main_grad); stage 0 steps from those fp32 sums
+      (its .grad stays None: no rounded bf16 copy), stages 1-2 keep only their reduce-scattered
+      fp32 shard.
     - Every hook handle (post-accumulate-grad, module forward) is kept and `teardown()` removes
       them: hook closure → this object → params → hook (held in C++) is a cycle gc cannot see (the
       seed's leak).
@@ -190,7 +191,9 @@ class DataParallel(MixedPrecisionOptimizer):
         return super()._make_master()
 
     def _make_sync(self) -> GradSync:
-        return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype, inflight=self.inflight)
+        # with fp32 main grads the step reads them (_master_grads): no bf16 .grad copy of the sums
+        return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype, inflight=self.inflight,
+                        round_into_grad=False)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Wrap every accumulation micro-step's backward except the last."""

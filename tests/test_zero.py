@@ -540,6 +540,7 @@ def _fp32_accumulation(rank: int, world: int) -> dict:
                         P.normalized_loss(m(x[i:i + 1], labels=y[i:i + 1], reduction="sum"),
                                           targets).backward()
                 opt.finish()
+                out[label, reduce_dtype, stage, "bf16 grads"] = sum(p.grad is not None for p in m.parameters())
                 err = 0.0  # largest |seen - exact| relative to the parameter's largest exact grad
                 pc = getattr(opt, "pieces", None)  # stages 1-3: this rank's piece of each parameter
                 for i, g in enumerate(opt._master_grads()):
@@ -557,13 +558,16 @@ def test_fp32_accumulation_of_bf16_grads():
     dp in fp32: the optimizer's grads equal the exactly rounded fp32 sum to ~fp32 precision
     (measured <= 4e-8, an fp32 ulp or so of the largest grad; bound 1e-6). With
     reduce_dtype=None the sum rounds to 8 mantissa bits at each add (measured 7e-3 - 9e-3; must be > 1e-4).
-    At dp=1 stage 0 hooks only when fp32 accumulation is asked for."""
+    At dp=1 stage 0 hooks only when fp32 accumulation is asked for. With fp32 reductions no stage
+    leaves a bf16 .grad behind after finish(): the step reads the fp32 sums (stage 0 used to round
+    them into .grad too: 2Ψ and a kernel per parameter that nothing read)."""
     for out in run_ranks(_fp32_accumulation, 2):
         for label in ("dp2", "dp1"):
             for stage in range(4):
                 wide, hooks = out[label, FP32, stage]
                 narrow, hooks_bf16 = out[label, None, stage]
                 assert wide <= 1e-6 and narrow > 1e-4, (label, stage, wide, narrow)
+                assert out[label, FP32, stage, "bf16 grads"] == 0, (label, stage)  # the fp32 sums only
                 assert out[label, FP32, stage, "handles"] == out[label, None, stage, "handles"] == 0
                 if label == "dp1" and stage == 0:
                     assert hooks > 0 and hooks_bf16 == 0  # dp=1 bf16 accumulation stays hook-free
