@@ -9,7 +9,7 @@ What it does
 Run
     python bench_ckpt.py --hidden 1024 --layers 8 --repeat 3
 
-Builds on: checkpoint.py, model.py, precision.py, weights.py
+Builds on: checkpoint.py, checkpoint_load.py, model.py, precision.py, weights.py
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import checkpoint as CK
+import checkpoint_load as CL
 import model as M
 import precision as P
 import weights as W
@@ -58,7 +59,7 @@ def main() -> None:
         path = CK.save_checkpoint(root, 1, opt, cfg, {}, CK.Layout())
         save_s = time.perf_counter() - t
         gb = sum(f.stat().st_size for f in path.iterdir()) / 1e9
-        CK.load_checkpoint(path, opt, cfg, {}, CK.Layout())  # warm-up: allocations, imports
+        CL.load_checkpoint(path, opt, cfg, {}, CK.Layout())  # warm-up: allocations, imports
         times: dict[tuple[str, bool], float] = {}
         for _ in range(args.repeat):  # alternating, best of `repeat`: this machine is shared
             for cache in ("warm", "cold"):
@@ -66,7 +67,7 @@ def main() -> None:
                     if cache == "cold":
                         evict(path)
                     t = time.perf_counter()
-                    CK.load_checkpoint(path, opt, cfg, {}, CK.Layout(), verify=verify)
+                    CL.load_checkpoint(path, opt, cfg, {}, CK.Layout(), verify=verify)
                     dt = time.perf_counter() - t
                     times[cache, verify] = min(times.get((cache, verify), dt), dt)
     print(f"{cfg.num_params() / 1e6:.0f}M params, checkpoint {gb:.2f} GB, save {save_s:.2f} s "

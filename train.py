@@ -23,7 +23,7 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model
-    9. checkpoint.load_checkpoint (--resume): masters, moments and sampler position, any layout
+    9. checkpoint_load.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 import ac as AC
 import checkpoint as CK
+import checkpoint_load as CL
 import cli
 import cp as CP
 import data
@@ -229,7 +230,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
     if path is None:
         return 0
     try:
-        got = CK.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
+        got = CL.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
                                  verify=not args.skip_checksums)
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:

@@ -1,9 +1,10 @@
-"""checkpoint.py: resume in the same layout and across layouts, atomic saves, damaged checkpoints.
+"""checkpoint.py + checkpoint_load.py: resume in the same layout and across layouts, atomic saves,
+damaged checkpoints.
 
 References: the straight run (the same steps without a save/load in between) in the same layout,
 and the single-process straight run; for the moved state, the masters and AdamW moments gathered
 from the saving layout by an independent path (pieces zero-padded and all-reduced over dp, then
-tp.gather_full), never through checkpoint.py.
+tp.gather_full), never through checkpoint.py or checkpoint_load.py.
 
 Tolerances, and why:
 - same layout: bit-identical losses, parameters, masters and moments (torch.equal): a resume puts
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint as C
+import checkpoint_load as CL
 import dp
 import model as M
 import precision as P
@@ -168,7 +170,7 @@ def test_single_process_resume_rng_and_files(tmp_path, dtype):
 
     torch.manual_seed(0)
     m, shards, opt = make(CFG, SINGLE, {}, 0, dtype)
-    got = C.load_checkpoint(path, opt, CFG, shards, SINGLE)
+    got = CL.load_checkpoint(path, opt, CFG, shards, SINGLE)
     assert got.step == 2 and got.rng_restored and torch.equal(torch.rand(5), draws)
     s = sampler(SINGLE)
     s.load_state_dict(got.extra["sampler"])
@@ -203,7 +205,7 @@ def _same_layout(rank: int, world: int, root: str) -> dict:
 
         torch.manual_seed(0)
         m, shards, opt = make(CFG, lay, g, zero)
-        got = C.load_checkpoint(path, opt, CFG, shards, lay)
+        got = CL.load_checkpoint(path, opt, CFG, shards, lay)
         rng = got.rng_restored and torch.equal(torch.rand(3), draws)
         s = sampler(lay)
         s.load_state_dict(got.extra["sampler"])
@@ -250,7 +252,7 @@ def _cross(rank: int, world: int, root: str) -> dict:
     lay4 = C.Layout(dp=4, dp_rank=rank)
     g4 = {"dp": dist.group.WORLD}
     m, shards, opt = make(TIED, lay4, g4, 3)
-    got = C.load_checkpoint(Path(root) / "a" / "step_00000002", opt, TIED, shards, lay4)
+    got = CL.load_checkpoint(Path(root) / "a" / "step_00000002", opt, TIED, shards, lay4)
     out["dp4_rng"] = got.rng_restored
     out["dp4_loaded"] = full_state(opt, shards, TIED, lay4, g4)
     s = sampler(lay4)
@@ -261,17 +263,17 @@ def _cross(rank: int, world: int, root: str) -> dict:
     lay_pp = C.Layout(tp=2, pp=2, tp_rank=rank % 2, pp_rank=rank // 2)
     g_pp = {"tp": tp_g, "pp": pair, "emb": pair, "dp": single}
     m, shards, opt = make(TIED, lay_pp, g_pp, 1)
-    reads, real = [], C._Index.tensor
+    reads, real = [], CL._Index.tensor
 
     def counted(index, file, key, n, read=True):
         if read:
             reads.append((file.name, key.split("/")[0]))
         return real(index, file, key, n, read)
-    C._Index.tensor = counted
-    got = C.load_checkpoint(Path(root) / "a" / "step_00000002", opt, TIED, shards, lay_pp)
-    C._Index.tensor = real
+    CL._Index.tensor = counted
+    got = CL.load_checkpoint(Path(root) / "a" / "step_00000002", opt, TIED, shards, lay_pp)
+    CL._Index.tensor = real
     # a tp-sharded tensor is read only from the savers with the same tp rank (ranks t and t + 2)
-    sharded = {C.EMBED if n == "lm_head.weight" else n for n in shards}
+    sharded = {CL.EMBED if n == "lm_head.weight" else n for n in shards}
     t = lay_pp.tp_rank
     out[f"pp_reads_{rank}"] = {f for f, k in reads if k in sharded} == {f"rank0000{t}.safetensors",
                                                                         f"rank0000{t + 2}.safetensors"}
@@ -304,7 +306,7 @@ def test_cross_layout_resume(tmp_path):
     assert rel(r0["dp4"], straight[2:4]) <= TOL and rel(r0["pp"], straight[2:4]) <= TOL, (r0["dp4"], r0["pp"])
 
     m, shards, opt = make(TIED, SINGLE, {}, 0)
-    got = C.load_checkpoint(tmp_path / "a" / "step_00000002", opt, TIED, shards, SINGLE)
+    got = CL.load_checkpoint(tmp_path / "a" / "step_00000002", opt, TIED, shards, SINGLE)
     assert not got.rng_restored and got.saved_layout == {"tp": 2, "dp": 2, "pp": 1, "zero": 2}
     assert equal_states(full_state(opt, shards, TIED, SINGLE, {}), saved)
     s = sampler(SINGLE)
@@ -321,7 +323,7 @@ def test_cross_layout_resume(tmp_path):
     files = [f"rank0000{r}.{ext}" for r in range(4) for ext in ("json", "safetensors")]
     assert r0["pp_files"] == ["meta.json"] + files
     m, shards, opt = make(TIED, SINGLE, {}, 0)
-    got = C.load_checkpoint(tmp_path / "b" / "step_00000004", opt, TIED, shards, SINGLE)
+    got = CL.load_checkpoint(tmp_path / "b" / "step_00000004", opt, TIED, shards, SINGLE)
     assert equal_states(full_state(opt, shards, TIED, SINGLE, {}), pp_saved)
     s = sampler(SINGLE)
     s.load_state_dict(got.extra["sampler"])
@@ -359,7 +361,7 @@ def _resume_after_crash(rank: int, world: int, root: str) -> tuple:
     ref = local_state(m, opt)
     opt.teardown()
     m, shards, opt = make(CFG, lay, g, 1)
-    got = C.load_checkpoint(C.latest_checkpoint(root), opt, CFG, shards, lay)
+    got = CL.load_checkpoint(C.latest_checkpoint(root), opt, CFG, shards, lay)
     s = sampler(lay)
     s.load_state_dict(got.extra["sampler"])
     losses = []
@@ -398,7 +400,7 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     init = C.save_checkpoint(tmp_path / "init", 0, opt, CFG, shards, SINGLE, {})  # no moments yet
     steps(m, opt, sampler(SINGLE), SINGLE, {}, 1)
     good = C.save_checkpoint(tmp_path / "good", 1, opt, CFG, shards, SINGLE, {})
-    C.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to the initial weights, no AdamW state
+    CL.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to the initial weights, no AdamW state
     assert not opt.optimizer.state
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), make(CFG, SINGLE, {}, 0)[0].parameters()))
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
@@ -469,27 +471,27 @@ def test_damaged_checkpoints_are_named(tmp_path, monkeypatch):
     ]
     for path, exc, msg in cases:
         with pytest.raises(exc, match=msg):
-            C.load_checkpoint(path, opt, CFG, shards, SINGLE)
+            CL.load_checkpoint(path, opt, CFG, shards, SINGLE)
 
     def format_1(path: Path) -> None:  # sizes only, as checkpoints were written before the crc32
         meta = json.loads((path / "meta.json").read_text())
         meta["format"] = "attotron-checkpoint-1"
         meta["files"] = {f: info["bytes"] for f, info in meta["files"].items()}
         (path / "meta.json").write_text(json.dumps(meta))
-    C.load_checkpoint(damaged("format1", format_1), opt, CFG, shards, SINGLE)  # still loads
+    CL.load_checkpoint(damaged("format1", format_1), opt, CFG, shards, SINGLE)  # still loads
     m1, shards1, opt1 = make(CFG, SINGLE, {}, 0)
-    C.load_checkpoint(good, opt1, CFG, shards1, SINGLE)
+    CL.load_checkpoint(good, opt1, CFG, shards1, SINGLE)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m1.parameters()))
-    C.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to where the damaged cases left it
+    CL.load_checkpoint(init, opt, CFG, shards, SINGLE)  # back to where the damaged cases left it
     other = replace(CFG, intermediate_size=96)  # shape mismatch against the config
     m2, shards2, opt2 = make(other, SINGLE, {}, 0)
     msg = r"good/step_00000001/meta.json: .*mlp.gate_proj.weight: saved \[64, 32\], config \[96, 32\]"
     with pytest.raises(ValueError, match=msg) as got:
-        C.load_checkpoint(good, opt2, other, shards2, SINGLE)
+        CL.load_checkpoint(good, opt2, other, shards2, SINGLE)
     # gate, up, down of 2 layers: three named and a count, not the whole list
     assert "6 of 21 tensors differ" in str(got.value) and str(got.value).endswith("... (3 more)")
     with pytest.raises(ValueError, match=r"lm_head.weight: saved \[97, 32\], config None"):
-        C.load_checkpoint(good, make(TIED, SINGLE, {}, 0)[2], TIED, {}, SINGLE)
+        CL.load_checkpoint(good, make(TIED, SINGLE, {}, 0)[2], TIED, {}, SINGLE)
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))  # nothing was copied
     with pytest.raises(TypeError):  # extra must be JSON: checked before anything is written
         C.save_checkpoint(tmp_path / "x", 1, opt, CFG, shards, SINGLE, {"t": torch.zeros(1)})
