@@ -46,6 +46,10 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = p.parse_args()
     h = args.hidden
+    if h < 128 or h % 128:
+        p.error(f"--hidden must be a positive multiple of 128 (heads of 64, two per kv head), got {h}")
+    if args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     cfg = M.LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
                         num_hidden_layers=args.layers, num_attention_heads=h // 64,
                         num_key_value_heads=h // 128, head_dim=64)
