@@ -58,7 +58,6 @@ import math
 import os
 import re
 import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from model import LlamaConfig, Shard, global_shapes
-from weights import fsync_path, io_error, write_safetensors
+from weights import fsync_path, io_error, write_bytes, write_safetensors
 
 FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
@@ -131,15 +130,7 @@ def _check_local(name: str, local: tuple[int, ...], full: tuple[int, ...], shard
 # ------------------------------------------------------------------------------------- files
 def _write_json(path: Path, obj: Any) -> dict[str, int]:
     """Write, fsync; return {"bytes", "crc32"} of what was written (as write_safetensors does)."""
-    data = json.dumps(obj).encode()
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise io_error(path, e) from e
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+    return write_bytes(path, json.dumps(obj).encode())
 
 
 # ------------------------------------------------------------------------------------- coordination

@@ -415,16 +415,27 @@ def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.
         raise
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def write_bytes(path: Path, data: bytes) -> dict[str, int]:
+    """Write and fsync `data`; return {"bytes", "crc32"} of it (what checkpoint.py records per file).
+    A failure (a full disk) raises io_error naming `path`."""
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(path, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise io_error(path, e) from e
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace `path` atomically: a temporary file written in full, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write_bytes(tmp, text.encode())
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
