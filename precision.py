@@ -164,18 +164,23 @@ class MixedPrecisionOptimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             for chunk in self._chunks(grads):  # AdamW steps only the masters that have a .grad
-                chunk = [i for i in chunk if grads[i] is not None]
-                gs = [grads[i].float() for i in chunk]  # a copy only if not fp32
-                if coef is not None:
-                    torch._foreach_mul_(gs, coef)
-                for i, g in zip(chunk, gs):
-                    self.master[i].grad = g
-                self.optimizer.step()
-                for i in chunk:
-                    self.master[i].grad = None
+                self._step_chunk([i for i in chunk if grads[i] is not None], grads, coef)
             self._publish()
         self.zero_grad()
         return value
+
+    def _step_chunk(self, chunk: list[int], grads: list[torch.Tensor | None], coef: torch.Tensor | None) -> None:
+        """AdamW on the masters of one chunk. Its fp32 gradient copies are locals of this call, so they
+        are freed on return, before the next chunk's are made (a loop variable would keep one
+        chunk's copies alive beside the next: two chunks at the step's peak, measured)."""
+        gs = [grads[i].float() for i in chunk]  # a copy only if not fp32
+        if coef is not None:
+            torch._foreach_mul_(gs, coef)
+        for i, g in zip(chunk, gs):
+            self.master[i].grad = g
+        self.optimizer.step()
+        for i in chunk:
+            self.master[i].grad = None
 
     def zero_grad(self) -> None:
         for p in self.params:
