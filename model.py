@@ -131,6 +131,11 @@ class LlamaConfig:
                 "torch_dtype": "float32", **d}
 
     def validate(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        bad = [f"{k}={getattr(self, k)}" for k in sizes if not getattr(self, k) >= 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: must be at least 1")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")

@@ -170,6 +170,8 @@ def test_config_errors_and_roundtrip(tmp_path):
     bad = dict(good, hidden_act="gelu", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})
     with pytest.raises(ValueError, match="hidden_act='gelu'.*rope_type='yarn'"):
         M.LlamaConfig.from_hf(bad)
+    with pytest.raises(ValueError, match="num_key_value_heads=0, head_dim=-2: must be at least 1"):
+        M.build(M.LlamaConfig(num_key_value_heads=0, head_dim=-2))  # not a ZeroDivisionError
     with pytest.raises(FileNotFoundError, match="config.json"):
         W.load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(good))

@@ -381,7 +381,7 @@ def _reference(cfg_name: str) -> dict:
 
 @pytest.mark.parametrize("cfg_name,tp", [("A", 2), ("B", 2), ("B", 4)])
 def test_model_matches_single_process(cfg_name, tp):
-    cfg, ref = CONFIGS[cfg_name], _reference(cfg_name)
+    ref = _reference(cfg_name)
     results = from_numpy(run_ranks(_tp_rank, tp, cfg_name))
     r0 = results[0]
     # init: each rank holds exactly its slice of the seeded full init, zero padding past the vocab
