@@ -71,7 +71,8 @@ DESCRIPTION = "attotron's trainer: flags, process grid, composition in a fixed o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=HelpWithDefaults)
     a = p.add_argument
-    a("--model", default="tiny", choices=sorted(M.PRESETS), help="preset for random init")
+    a("--model", default=None, choices=sorted(M.PRESETS),
+      help="preset for random init (default: tiny; not with --init-from, whose config.json is the model)")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
@@ -157,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft else 256
     if args.lr is None:
         args.lr = 2e-4 if args.sft else 1e-3
+    if args.model is None and args.init_from is None:
+        args.model = "tiny"
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     return args
 
@@ -165,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list[str]:
     """Every check that needs no heavy work, all reported at once."""
     errors = []
+    if args.model is not None and args.init_from is not None:
+        errors.append(f"--model {args.model} with --init-from: the model is --init-from's config.json; drop --model")
     for flag in ("seq_len", "batch_size", "micro_batches", "steps"):
         if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")

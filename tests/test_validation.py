@@ -63,6 +63,7 @@ def test_zero_is_kept_not_replaced_by_the_default():
     (["--cp", "0"], "--cp 0"),
     (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
     (["--peak-tflops", "nan"], "--peak-tflops must be a positive number, got nan"),
+    (["--model", "small", "--init-from", "hf"], "--model small with --init-from: the model is --init-from's"),
 ])
 def test_flag_holes_are_reported(argv, text):
     assert text in validate(*argv)
