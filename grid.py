@@ -139,10 +139,12 @@ class StageError(RuntimeError):
 
 
 @contextlib.contextmanager
-def stage(name: str, grid: Grid):
+def stage(name: str, grid: Grid, collectives: bool = True):
     """Name the training stage in which a collective failed or timed out (a peer died, hung, or
     disagreed) — a bare gloo/NCCL timeout does not say where the run was. Out of memory is reported
-    as such, with the memory numbers (it is a RuntimeError too, but no peer is to blame)."""
+    as such, with the memory numbers (it is a RuntimeError too, but no peer is to blame).
+    collectives=False (building the model): only out of memory is reported; other errors pass as
+    they are (they are not a peer's)."""
     try:
         yield
     except torch.OutOfMemoryError as e:
@@ -150,6 +152,8 @@ def stage(name: str, grid: Grid):
                          f"Lower the memory per rank: more --micro-batches (smaller micro-batches), "
                          f"--ac, --zero 2/3, a larger --tp or --pp. ({str(e).splitlines()[0]})") from e
     except (RuntimeError, dist.DistError) as e:
+        if not collectives:
+            raise
         raise StageError(f"rank {grid.rank}: distributed operation failed during {name}: {e}") from e
 
 

@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         G.fail(str(e), grid)
     meter.phase("setup")
     try:
-        model, shards, init = build_model(args, cfg, grid)
-        opt = make_optimizer(args, model, shards, init, grid)
+        with G.stage("building the model and the optimizer state", grid, collectives=False):
+            model, shards, init = build_model(args, cfg, grid)
+            opt = make_optimizer(args, model, shards, init, grid)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         G.fail(str(e), grid)
     start = resume(ckpt, args, opt, cfg, shards, sampler, grid)

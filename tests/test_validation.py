@@ -243,6 +243,11 @@ def test_out_of_memory_is_reported_as_such():
     text = str(e.value)
     assert text.startswith("rank 3: out of memory during forward/backward: peak resident memory ")
     assert "Tried to allocate 2.00 GiB" in text and "distributed operation" not in text
+    with pytest.raises(G.StageError, match="rank 3: out of memory during building"), \
+            G.stage("building", grid, collectives=False):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(RuntimeError, match="^a shape mismatch$"), G.stage("building", grid, collectives=False):
+        raise RuntimeError("a shape mismatch")  # not a peer's: passes as it is
 
 
 def _main(rank: int, world: int, argv: list[str]) -> None:
@@ -263,6 +268,20 @@ def _fake_clock_main(rank: int, world: int, argv: list[str]) -> None:
     real = feed.Prefetcher.next
     feed.Prefetcher.next = lambda self: clock.__setitem__(0, clock[0] + 10) or real(self)
     train.main(argv)
+
+
+def _oom_build_main(rank: int, world: int, argv: list[str]) -> None:
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+    train.make_optimizer = oom
+    train.main(argv)
+
+
+def test_out_of_memory_while_building_is_reported_as_such(tmp_path):
+    argv = ["--data", str(_corpus(tmp_path)), "--seq-len", "16", "--batch-size", "2", "--steps", "1"]
+    with pytest.raises(RuntimeError, match="rank 0: out of memory during building the model and the "
+                                           "optimizer state: .*Tried to allocate 9.00 GiB"):
+        run_ranks(_oom_build_main, 1, argv)
 
 
 def _corpus(tmp_path: Path) -> Path:
