@@ -31,6 +31,8 @@ What it does
 Peak memory (adds to zero.py's "Peak memory", B being the largest unit): prefetch + 1 gathered
 units in forward, prefetch + 2 in backward (the unit whose grads are being reduced, this one, the
 ones prefetched); a tied embedding stays gathered from the head's backward to the embedding's.
+The embedding's own unit is not gathered for backward: a lookup's backward reads only the ids, so
+an untied embedding (or pipeline stage 0's copy) costs no all-gather of V·h per micro-batch there.
 Setup (from `init`): 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the first step) plus
 one parameter in fp32 (a seeded init draws the whole tensor) or, for an instant, one unit's flat in
 the compute dtype. Stage 3 always reduces every micro-batch: its parameters are gathered only while
@@ -87,7 +89,8 @@ class Zero3Optimizer(ZeroOptimizer):
     """Stage 3: units = [embedding], each decoder layer, [final norm, lm_head] (whichever exist — a
     pipeline stage may hold only some). A unit holding nothing but this rank's shard is "free"; it is
     gathered by the forward pre-hook of its site and freed by the forward post-hook, gathered again
-    by a hook on the site's output gradient and freed once all its grads are reduce-scattered.
+    by a hook on the site's output gradient (not the embedding's: its backward reads only the ids)
+    and freed once all its grads are reduce-scattered.
     `prefetch` = how many sites ahead (forward) / behind (backward) are gathered asynchronously."""
 
     def __init__(self, model: nn.Module, named_params: Named, cfg: OptimConfig, dtype: torch.dtype,
@@ -120,6 +123,10 @@ class Zero3Optimizer(ZeroOptimizer):
                     owner.update({i: len(units) for i in unit})
                     units.append(unit)
             self.site_units.append(sorted({owner[i] for i in mine}))
+        # what each site's backward reads: the embedding's backward reads only the ids (a lookup's
+        # gradient is scattered by index), so its unit is not gathered again for backward
+        lookup = [getattr(self.model.model, "embed_tokens", None)]
+        self.backward_units = [[] if site == lookup else units for site, units in zip(self.sites, self.site_units)]
         stray = [n for i, n in enumerate(self.names) if i not in owner]
         if stray:
             raise ValueError(f"ZeRO-3 units cover embed_tokens, layers, norm and lm_head only; "
@@ -192,10 +199,11 @@ class Zero3Optimizer(ZeroOptimizer):
             self.grad_handles.append(out.register_hook(partial(self._pre_backward, s)))
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
-        for u in self.site_units[s]:
+        for u in self.backward_units[s]:
             self._gather(u)
-        for u in self._units(range(s - 1, s - 1 - self.prefetch, -1)):
-            self._gather(u, wait=False)
+        for t in range(s - 1, max(s - 1 - self.prefetch, -1), -1):
+            for u in self.backward_units[t]:
+                self._gather(u, wait=False)
 
     def _on_reduced(self, u: int) -> None:
         self._free(u)  # all of the unit's grads are in: backward needs its parameters no more

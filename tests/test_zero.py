@@ -76,12 +76,19 @@ def plain(clip: float, micro: int, dtype) -> tuple:
 
 
 def gathered_counts(rank: int) -> dict:
-    """ZeRO-3 at dp=2: how many units are gathered at each layer's forward and backward."""
+    """ZeRO-3 at dp=2: how many units are gathered at each layer's forward and backward, and which
+    units backward gathers (untied and tied embeddings)."""
     out = {}
-    for prefetch in (0, 1, 2):
-        m = make_model()
+    for prefetch, tie in ((0, False), (1, False), (2, False), (1, True)):
+        m = make_model(tie_word_embeddings=tie)
         opt = Z3.apply_zero(m, 3, dist.group.WORLD, P.OptimConfig(lr=LR), prefetch=prefetch)
-        fwd, bwd = [], []
+        fwd, bwd, launched, real = [], [], [], opt._gather
+
+        def counted(u: int, wait: bool = True) -> None:
+            if not opt._full[u] and torch._C._current_graph_task_id() != -1:
+                launched.append(u)  # an all-gather launched in backward
+            real(u, wait)
+        opt._gather = counted
         def on_output(mod, args, out) -> None:
             out.register_hook(lambda g: bwd.append(sum(opt._full)))
 
@@ -92,8 +99,8 @@ def gathered_counts(rank: int) -> dict:
         loss = m(x[:2], labels=y[:2], reduction="sum")
         after_forward = sum(opt._full)
         loss.backward()
-        out[prefetch] = (max(fwd), after_forward, bwd, sum(opt._full),
-                         all(p.grad is None for p in m.parameters()))
+        out[prefetch, tie] = (max(fwd), after_forward, bwd, sum(opt._full),
+                              all(p.grad is None for p in m.parameters()), launched, len(opt.flat_params))
         opt.teardown()
     return out
 
@@ -187,10 +194,18 @@ def test_zero_dp2_exactness_and_stage3_mechanics():
         assert all(d <= 1e-6 for _, d in out["accum"] + out["clip"]), (out["accum"], out["clip"])
         assert out["tied"] == [True, True]
         assert out["zero2_grads_none"]
-        for prefetch, (fwd_max, after_fwd, bwd, after_bwd, no_grads) in out["gathered"].items():
-            assert fwd_max == 1 + prefetch, (prefetch, fwd_max)  # this layer + the ones fetched ahead
+        for (prefetch, tie), got in out["gathered"].items():
+            fwd_max, after_fwd, bwd, after_bwd, no_grads, launched, units = got
+            # this layer + the ones fetched ahead (tied: the head's site fetches the embedding too)
+            assert fwd_max == 1 + prefetch + tie, (prefetch, tie, fwd_max)
             assert after_fwd == 0 and after_bwd == 0 and no_grads  # everything freed after use
-            assert max(bwd) == 1 + prefetch, (prefetch, bwd)  # the unit above was freed once reduced
+            # at each layer's output-grad hook (2 layers, top first): this layer and the layers below
+            # it fetched ahead — never the embedding (its backward reads only the ids); tied, the
+            # embedding the head's backward read stays until its gradient is in (the lookup adds
+            # its part last; a pipeline's deferred W may still unpack the head's saved view of it)
+            assert bwd == [1 + min(prefetch, 1) + tie, 1 + tie], (prefetch, tie, bwd)
+            # backward gathers every unit once but the embedding's (unit 0); tied, the head reads it
+            assert sorted(launched) == list(range(0 if tie else 1, units)), (tie, launched)
         assert out["pp_interleaved_exact"] and out["pp_ac_exact"]
         assert out["pp_vs_dp"] <= 1e-6
 
