@@ -169,7 +169,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     """Every check that needs no heavy work, all reported at once."""
     errors = []
     if args.model is not None and args.init_from is not None:
-        errors.append(f"--model {args.model} with --init-from: the model is --init-from's config.json; drop --model")
+        errors.append(f"--model {args.model} with --init-from: the model is --init-from's config.json; "
+                      f"drop --model")
     for flag in ("seq_len", "batch_size", "micro_batches", "steps"):
         if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
