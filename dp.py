@@ -15,8 +15,9 @@ What it does
     backward completes them in); one complete before its turn waits for those before it (as DDP),
     so ranks whose hooks fire in different orders still post the same collectives in the same
     order — NCCL pairs them by call order. At most `inflight` (default 2) reductions are in
-    flight: launching one more first lands the oldest (waits, copies its sums back into `.grad`, drops its flat buffer), so the extra
-    memory of a backward is at most `inflight` buckets, never a second copy of all gradients. Two,
+    flight: launching one more first lands the oldest (waits, copies its sums back into `.grad`,
+    drops its flat buffer), so the extra memory of a backward is at most `inflight` buckets, never
+    a second copy of all gradients. Two,
     not one: the next bucket is queued while the previous is still on the wire, so the link never
     idles between buckets (on NCCL the wait blocks the compute stream, not the host).
     `finish()` lands the rest before the optimizer step.
