@@ -17,9 +17,8 @@ What it does
     order — NCCL pairs them by call order. At most `inflight` (default 2) reductions are in
     flight: launching one more first lands the oldest (waits, copies its sums back into `.grad`,
     drops its flat buffer), so the extra memory of a backward is at most `inflight` buckets, never
-    a second copy of all gradients. Two,
-    not one: the next bucket is queued while the previous is still on the wire, so the link never
-    idles between buckets (on NCCL the wait blocks the compute stream, not the host).
+    a second copy of all gradients. Two, not one: the next bucket is queued while the previous is
+    still on the wire, so the link never idles between buckets (on NCCL the wait blocks the compute stream, not the host).
     `finish()` lands the rest before the optimizer step.
     With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
     adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
