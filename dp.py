@@ -18,8 +18,8 @@ What it does
     flight: launching one more first lands the oldest (waits, copies its sums back into `.grad`,
     drops its flat buffer), so the extra memory of a backward is at most `inflight` buckets, never
     a second copy of all gradients. Two, not one: the next bucket is queued while the previous is
-    still on the wire, so the link never idles between buckets (on NCCL the wait blocks the compute stream, not the host).
-    `finish()` lands the rest before the optimizer step.
+    still on the wire, so the link never idles between buckets (on NCCL the wait blocks the compute
+    stream, not the host). `finish()` lands the rest before the optimizer step.
     With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
     adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
     accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
