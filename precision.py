@@ -169,7 +169,8 @@ class MixedPrecisionOptimizer:
         self.zero_grad()
         return value
 
-    def _step_chunk(self, chunk: list[int], grads: list[torch.Tensor | None], coef: torch.Tensor | None) -> None:
+    def _step_chunk(self, chunk: list[int], grads: list[torch.Tensor | None],
+                    coef: torch.Tensor | None) -> None:
         """AdamW on the masters of one chunk. Its fp32 gradient copies are locals of this call, so they
         are freed on return, before the next chunk's are made (a loop variable would keep one
         chunk's copies alive beside the next: two chunks at the step's peak, measured)."""

@@ -12,7 +12,7 @@ What it does
       - the forward post-hook of its last module frees it (unless a prefetched site shares it)
         and hooks the output's gradient;
       - that gradient hook (the site's backward comes next) gathers it again and starts the
-        previous `prefetch` sites';
+        previous `prefetch` sites' — except the embedding's: a lookup's backward reads only the ids;
       - once all its gradients are reduce-scattered (dp.ReduceScatterSync's on_reduced) it is freed.
     step() writes the updated masters, cast, into the persistent shards (gathered when next used).
     gathered() holds every unit full (evaluation); each_unit_gathered() one at a time (export.py).
