@@ -122,7 +122,7 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
     for name in CONVERSIONS + ("to", "cpu", "cuda"):
         setattr(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name)))
     feed.Prefetcher.next, Z3.apply_zero = marked, capture
-    # the CPU peak meter (profiler sessions per phase) is CPU-only instrumentation, no part of the
+    # the CPU peak meter (a profiler session, phase markers) is CPU-only instrumentation, no part of the
     # step on CUDA (there it reads allocator counters); off, it also leaves gloo's threads alone
     MEM.exact_cpu_accounting = lambda: False  # the meter is then unavailable: no profiler session
     train.main(argv)
