@@ -24,7 +24,7 @@ TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persiste
 
 
 def _bench(rank: int, world: int, out: str) -> dict:
-    import bench
+    from bench import bench
     return bench.main(["--quick", "--out", out])
 
 
@@ -52,7 +52,7 @@ def test_quick_every_row_same_result(tmp_path):
 
 
 def _smoke(rank: int, world: int, out: str) -> dict:
-    import bench_mfu
+    from bench import bench_mfu
     return bench_mfu.main(["--smoke", "--out", out])
 
 
