@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
     a("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
       help="dtype of gradient accumulation over micro-batches and of dp/ZeRO reductions; bf16 halves "
-           "their bytes but loses precision (README: measured error)")
+           "their bytes but loses precision (docs/benchmarks.md: measured error)")
     a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
