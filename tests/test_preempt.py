@@ -18,44 +18,19 @@ from pathlib import Path
 import pytest
 
 import checkpoint as CK
-import data
 import feed
-import model as M
 import preempt as PR
-import train
-import weights as W
 from dist import run_ranks
+from test_faults import _run, dirs  # noqa: F401 - train.main's exit status on a rank; the tiny model, data
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("preempt")
-    W.save_hf(dict(W.materialize(M.build(CFG), "cpu", seed=5).named_parameters()), CFG, d / "init")
-    (d / "corpus.txt").write_text("".join(p.read_text() for p in sorted(ROOT.glob("*.py")))[:30_000])
-    data.prepare(d / "corpus.txt", d / "data")
-    return d
 
 
 def argv(d: Path, metrics: str, *extra: str) -> list[str]:
     return ["--init-from", str(d / "init"), "--data", str(d / "data"), "--steps", str(STEPS), "--seq-len",
             "32", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1", "--metrics", str(d / metrics),
             "--log-every", "100", *extra]
-
-
-def _run(rank: int, world: int, argv: list[str], patch=None) -> int:
-    """train.main's exit status on this rank; `patch(rank)` runs first."""
-    if patch is not None:
-        patch(rank)
-    try:
-        train.main(argv)
-        return 0
-    except SystemExit as e:
-        return e.code
 
 
 def losses(path: Path) -> list[tuple[int, float]]:
@@ -218,7 +193,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def test_torchrun_restart_forwarding_and_a_refused_second_launch(dirs):
+def test_torchrun_restart_forwarding_and_a_refused_second_launch(dirs, capfd):
     """A real `torchrun --nproc_per_node 2 --max-restarts 1` (gloo) trains with --save-every 1
     --resume auto. A second launch on its folder is refused, naming torchrun's rank 0, and leaves
     the lock and the checkpoints as they were; the first keeps training. SIGTERM to worker 1 alone:
@@ -237,11 +212,10 @@ def test_torchrun_restart_forwarding_and_a_refused_second_launch(dirs):
         _wait_for(lambda: count() >= 2, "two steps of the first run")
         lock = (ck / "LOCK.json").read_bytes()
         done = {p.name: (p / "meta.json").read_bytes() for _, p in CK.complete_checkpoints(ck)}
-        second = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv(dirs, "second.jsonl", "--save",
-                                 str(ck), "--resume", "auto")], env=env, capture_output=True, text=True)
-        assert second.returncode == 2
+        capfd.readouterr()
+        assert run_ranks(_run, 1, argv(dirs, "second.jsonl", "--save", str(ck), "--resume", "auto")) == [2]
         holder = json.loads(lock)
-        assert f"in use by another run (host {holder['host']} pid {holder['pid']}" in second.stderr
+        assert f"in use by another run (host {holder['host']} pid {holder['pid']}" in capfd.readouterr().err
         assert (ck / "LOCK.json").read_bytes() == lock and not (dirs / "second.jsonl").exists()
         for name, meta in done.items():  # the first run may prune them (--keep 2), nobody else
             assert not (ck / name).exists() or (ck / name / "meta.json").read_bytes() == meta
@@ -252,15 +226,15 @@ def test_torchrun_restart_forwarding_and_a_refused_second_launch(dirs):
         os.kill(workers[1], signal.SIGTERM)
         _wait_for(lambda: not set(workers) & set(_children(run.pid)) and len(_children(run.pid)) == 2,
                   "torchrun to restart its workers")
-        first = newest(ck)[-1]
-        _wait_for(lambda: count() > int(first[5:]), "the restarted workers to train")
+        seen = newest(ck)[-1]
+        _wait_for(lambda: newest(ck)[-1] > seen, "the restarted workers to train and save")
         run.send_signal(signal.SIGTERM)
         out, _ = run.communicate(timeout=60)
     finally:
         run.kill()
-    assert f"stopped by SIGTERM after step {int(first[5:])}" in out
+    first = re.search(r"stopped by SIGTERM after step (\d+)", out).group(1)
     assert re.search(r"failed \(exitcode: 143\) local_rank: [01]", out)  # torchrun's log of the restart
-    assert f"resumed from {ck / first}" in out
+    assert f"resumed from {ck}/step_{int(first):08d} at step {first}" in out
     steps = [s for s, _ in losses(m)]
     assert steps == list(range(1, len(steps) + 1))  # the resumed run redid nothing, lost nothing
     assert newest(ck)[-1] == f"step_{steps[-1]:08d}"  # the step reached is saved
