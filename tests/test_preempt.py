@@ -182,6 +182,32 @@ def test_lock_stale_takeover_refusal_and_reading_a_locked_folder(dirs, tmp_path,
     assert (ck / "LOCK.json").read_bytes() == live and newest(tmp_path / "other") == ["step_00000003"]
 
 
+def test_heartbeat_and_a_lost_lock_stops_the_save(dirs, tmp_path, capfd, monkeypatch):
+    """The thread refreshes the heartbeat; a run whose lock was taken from it (here: overwritten
+    after step 1) refuses its next save on every rank and leaves the other holder's lock alone."""
+    monkeypatch.setattr(PR, "BEAT_S", 0.05)
+    lock = PR.SaveLock(tmp_path / "beat")
+    lock.acquire()
+    first = json.loads(lock.path.read_text())["heartbeat"]
+    _wait_for(lambda: json.loads(lock.path.read_text())["heartbeat"] > first, "a heartbeat", timeout=10)
+    lock.release()
+    assert not lock.path.exists()
+
+    ck = tmp_path / "ck"
+
+    def steal(rank):
+        real = feed.Prefetcher.next
+
+        def next_(self):
+            if (ck / "step_00000001").exists():
+                _lock(ck, token="thief")
+            return real(self)
+        feed.Prefetcher.next = next_
+    assert run_ranks(_run, 2, argv(dirs, "lost.jsonl", "--save", str(ck), "--save-every", "1"), steal) == [2, 2]
+    assert "this run no longer holds the save folder's lock" in capfd.readouterr().err
+    assert newest(ck) == ["step_00000001"] and json.loads((ck / "LOCK.json").read_text())["token"] == "thief"
+
+
 def _wait_for(cond, what: str, timeout: float = 60.0) -> None:
     end = time.time() + timeout
     while not cond():
