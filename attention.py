@@ -156,16 +156,32 @@ class Documents:
         return self._plans[device]
 
 
+# --- the kernel decisions: one small predicate each, so that tests/cuda_contract.py can point them
+# at the meta device and run the CUDA branches (with their autograd) on a CPU-only machine
+def use_varlen(q: torch.Tensor) -> bool:
+    """Packed documents through varlen_attn (flash: CUDA, fp16/bf16 only)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def expand_kv(q: torch.Tensor) -> bool:
+    """GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half precision
+    only, and the memory-efficient kernel (fp32) rejects enable_gqa in torch's sdp_utils.cpp up to
+    2.13 (check_batch_size_and_num_heads_dense<supports_gqa=false>): SDPA would fall back to its
+    math backend, which saves (B, nh, S, S) fp32 probabilities per layer. Expanded, the efficient
+    kernel runs: 2·(nh − nkv)·hd more bytes per token saved, nothing S²-sized."""
+    return q.is_cuda and q.dtype == torch.float32
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on (b, s, heads, hd) tensors (views, no copies): causal, or under a boolean mask."""
+    gqa = q.shape[2] != k.shape[2]
+    if gqa and expand_kv(q):
+        k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))  # (b, s, nh, hd)
+        gqa = False
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, is_causal=mask is None,
-                                       enable_gqa=q.shape[2] != k.shape[2])  # (b, nh, s, hd)
+                                       enable_gqa=gqa)  # (b, nh, s, hd)
     return y.transpose(1, 2)  # (b, s, nh, hd)
-
-
-def _varlen_ok(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,7 +192,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if docs is None or isinstance(docs, torch.Tensor):
         return _sdpa(q, k, v, docs)
     B, S, nh, hd = q.shape
-    if _varlen_ok(q):
+    if use_varlen(q):
         cu = docs.cu_seqlens
         y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
                         docs.max_len, window_size=(-1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)

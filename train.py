@@ -110,8 +110,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    if args.compile:
-        M.compile_layers(model)
+    if args.compile:  # the layers left eager: named in the log line
+        args.eager_layers = M.compile_layers(model, packed=args.sft and args.packing == "ffd")
     return model, shards, init
 
 
@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
               f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
+              + (f" ({len(args.eager_layers)} checkpointed run eagerly: their attention, packed rows or "
+                 f"the cp ring, would break the graph inside the checkpoint)" if getattr(args, "eager_layers", None)
+                 else "")
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
