@@ -249,3 +249,15 @@ def test_cpu_accounting_only_for_a_cpu_meter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=str(__import__("pathlib").Path(__file__).parents[1])).stdout.split()
     assert out == ["False", "False", "[True]"]
+
+
+def test_bench_gpu_smoke(tmp_path):
+    """bench_gpu.py's plumbing on CPU (tiny sizes, CPU kernels): every check runs and passes, the
+    results file is written; without --smoke and without a GPU it refuses."""
+    import json
+    import bench_gpu
+    out = tmp_path / "bench_gpu.json"
+    assert bench_gpu.main(["--smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["all_ok"] and len(report["results"]) == 6
+    assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
