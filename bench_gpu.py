@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cpu") if args.smoke else torch.device("cuda")
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references exact to fp32, not TF32
+        torch.set_float32_matmul_precision("highest")  # fp32 references in fp32, not TF32 (cli.py's API)
     half = torch.float32 if args.smoke else torch.bfloat16  # (CPU: the CPU kernels, in fp32)
     big = not args.smoke
     results = [

@@ -153,6 +153,17 @@ def _rule_varlen(args: tuple, kwargs: dict) -> None:
     _need(cu_q.shape[0] >= 2 and q.shape[0] == k.shape[0], rule, "cu_seqlens (D+1,) over q's tokens")
 
 
+def _rule_varlen_backward(args: tuple, kwargs: dict) -> None:
+    # torch/nn/attention/varlen.py _varlen_attn_backward → aten._flash_attention_backward with the
+    # forward's cu_seqlens (defined: attention_backward.cu takes mha_varlen_bwd, as it must here)
+    # and its lse, (heads, total) fp32, read as contiguous by flash_api.cpp mha_varlen_bwd
+    rule = "torch_attn._varlen_attn_backward"
+    dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k = args[:10]
+    _rule_varlen((q, k, v, cu_q, cu_k, max_q, max_k), kwargs)
+    _need(lse.is_contiguous() and lse.dtype == torch.float32, rule,
+          f"lse must be contiguous fp32, got strides {lse.stride()} {lse.dtype}")
+
+
 def _rule_rms_backward(args: tuple, kwargs: dict) -> None:
     # aten/src/ATen/native/layer_norm.cpp _fused_rms_norm_backward (the CUDA kernel in
     # cuda/layer_norm_kernel.cu): grad_out shaped as input, rstd the fp32 (acc type) per-row
@@ -237,6 +248,7 @@ RULES: dict[Any, Callable[[tuple, dict], None]] = {
     fc.reduce_scatter_tensor.default: _rule_collective("reduce_scatter_tensor", lambda a: _flat(a[0]),
                                                        lambda a: [], 0),
 }
+VARLEN = {"torch_attn::_varlen_attn": _rule_varlen, "torch_attn::_varlen_attn_backward": _rule_varlen_backward}
 # collectives that move no data of their own (waits, barriers, autograd wrappers)
 UNCHECKED = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::barrier",
              "c10d::monitored_barrier_"}
@@ -314,8 +326,7 @@ class Contract(TorchDispatchMode):
                   f"{x.untyped_storage().data_ptr() in self.pinned}, shape {tuple(x.shape)} strides "
                   f"{x.stride()}: the copy goes through a pageable temporary and blocks the host")
             self.seen["non_blocking copy"] += 1
-        rule = RULES.get(func) or (_rule_varlen if str(func.name()).startswith("torch_attn::_varlen_attn")
-                                   and "backward" not in str(func.name()) else None)
+        rule = RULES.get(func) or VARLEN.get(func.name())
         if rule is not None:
             rule(args, kwargs)
             self.seen[str(func.name())] += 1

@@ -101,7 +101,8 @@ def test_pretraining_and_packed_sft_bf16(meta):
         assert seen["sdpa flash"] and seen["non_blocking copy"] >= 4 and seen["pin_memory"] >= 4
         assert seen["aten::_fused_rms_norm_backward"] and seen["aten::_fused_adamw_"]
         seen = one_step(["--micro-batches", "2", "--sft"], Packed())
-        assert seen["torch_attn::_varlen_attn"] == 2 * M.PRESETS["tiny"].num_hidden_layers
+        layers = M.PRESETS["tiny"].num_hidden_layers  # 2 micro-batches through every layer
+        assert seen["torch_attn::_varlen_attn"] == seen["torch_attn::_varlen_attn_backward"] == 2 * layers
 
 
 def test_tp_and_sp_at_two_ranks(meta):
