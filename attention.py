@@ -8,7 +8,8 @@ What it does
     `cu_seqlens`, flash attention's cumulative boundaries over the flattened B·S tokens. `attend` is
     the model's attention (model.Attention.attn_fn, a seam another file may swap, e.g. for ring
     attention):
-      docs None                    plain causal SDPA (unpacked rows)
+      docs None                    plain causal SDPA (unpacked rows; GQA in fp32 on CUDA: k/v
+                                   expanded first, see `expand_kv`)
       Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask at all
       Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
       (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
@@ -26,8 +27,10 @@ Why varlen_attn and not FlexAttention
     varlen_attn takes exactly what packing produces (cu_seqlens, max length), runs the flash kernel
     with GQA and needs no compilation. FlexAttention needs torch.compile to be fast, a BlockMask
     built per batch (O(S²/128²) blocks), and has no CPU backward in torch 2.13.
-    varlen_attn runs only on CUDA with bf16/fp16: that path is untested here (no GPU in CI). It
-    shares everything else — the boundaries, their derivation, the seam — with the tested CPU path.
+    varlen_attn runs only on CUDA with bf16/fp16. No GPU runs in CI: tests/test_cuda_paths.py runs
+    that branch on the meta device under a contract of the kernel's argument rules, and bench_gpu.py
+    checks its numbers on one GPU. It shares everything else — the boundaries, their derivation, the
+    seam — with the tested CPU path.
 
 The CPU path: length groups
     Each document's length L is rounded up to a bucket Lb (`bucket`), documents of one

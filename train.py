@@ -19,7 +19,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
+       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
+       a checkpointed layer whose attention runs eagerly (packed rows, --cp) stays eager, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model

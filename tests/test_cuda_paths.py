@@ -62,7 +62,7 @@ class Packed(Rows):
 def one_step(argv: list[str], ds: Rows, world: int = 1, rank: int = 0) -> Counter:
     """One training step of train.py's composition on the meta device, rows through feed's pinned
     copies, the step's collectives on the fake group; returns what the contract checked."""
-    args = cli.parse_args(["--dtype", "bf16", "--batch-size", "4", "--seq-len", str(S), *argv])
+    args = cli.parse_args(["--dtype", "bf16", "--batch-size", "8", "--seq-len", str(S), *argv])
     grid = G.Grid(rank, world, META)
     cfg = M.PRESETS[args.model]
     assert not cli.validate(args, cfg, grid)
@@ -262,3 +262,11 @@ def test_bench_gpu_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert report["all_ok"] and len(report["results"]) == 6
     assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_log_line_names_eager_layers(capsys):
+    """--compile --ac with packed rows: train.py's first log line says that the checkpointed layers
+    run eagerly (compile_layers leaves them so), not just "compiled layers"."""
+    train.main(["--sft", "--compile", "--ac", "--steps", "0", "--seq-len", "256"])
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
+    assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line
