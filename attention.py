@@ -168,10 +168,11 @@ def use_varlen(q: torch.Tensor) -> bool:
 
 def expand_kv(q: torch.Tensor) -> bool:
     """GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half precision
-    only, and the memory-efficient kernel (fp32) rejects enable_gqa in torch's sdp_utils.cpp up to
-    2.13 (check_batch_size_and_num_heads_dense<supports_gqa=false>): SDPA would fall back to its
-    math backend, which saves (B, nh, S, S) fp32 probabilities per layer. Expanded, the efficient
-    kernel runs: 2·(nh − nkv)·hd more bytes per token saved, nothing S²-sized."""
+    only, and torch 2.13's memory-efficient kernel (fp32) does not take enable_gqa (cuda/sdp_utils.cpp
+    can_use_mem_efficient_attention: check_batch_size_and_num_heads_dense without GQA support; pytorch
+    PR 191085 adds it later): SDPA would fall back to its math backend, which saves (B, nh, S, S)
+    fp32 probabilities per layer. Expanded, the efficient kernel runs: 2·(nh − nkv)·hd more
+    elements per token saved, nothing S²-sized."""
     return q.is_cuda and q.dtype == torch.float32
 
 

@@ -259,8 +259,9 @@ class _SDPAChoice(TorchFunctionMode):
     aten/src/ATen/native/transformers/cuda/sdp_utils.cpp select_sdp_backend tries flash
     (can_use_flash_attention: fp16/bf16, head_dim <= 256, no attn_mask; GQA supported), then
     memory-efficient (can_use_mem_efficient_attention: fp32 too, head_dim % 4 == 0; enable_gqa with
-    fewer kv heads rejected up to torch 2.13: check_batch_size_and_num_heads_dense<supports_gqa =
-    false>), then math — which saves (B, h, S, S) probabilities per call: refused here."""
+    fewer kv heads rejected in torch 2.13 — its include/ATen/native/transformers/sdp_utils_cpp.h
+    check_batch_size_and_num_heads_dense predates pytorch PR 191085, which adds GQA there), then
+    math — which saves (B, h, S, S) probabilities per call: refused here."""
 
     def __init__(self, contract: "Contract"):
         super().__init__()
