@@ -32,6 +32,7 @@ import grid as G
 import model as M
 import ops
 import pp as PP
+import precision as P
 import train
 from cuda_contract import Contract, ContractError, fake_world, on_meta
 
@@ -75,7 +76,7 @@ def one_step(argv: list[str], ds: Rows, world: int = 1, rank: int = 0) -> Counte
     rows = list(range(args.batch_size // grid.data[1]))
     with Contract() as contract:
         micro = feed.to_device(feed.host_batch(ds, rows, args.micro_batches, grid), grid.device)
-        targets = dp.global_count(sum(m["labels"].ne(-100).sum() for m in micro), grid.dp_group)
+        targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         PP.run_pipeline(chunks, actions, micro, grid.pp_group if args.pp > 1 else None, targets,
                         no_sync=opt.no_sync, seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
         opt.finish()
