@@ -232,9 +232,20 @@ def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_ba
     for mb in micro:
         if "position_ids" in mb:
             mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], "cpu")
-    if grid.device.type == "cuda":
-        micro = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro]
+    if pin_batches(grid.device):  # contiguous first: pin_memory keeps strides, and a strided
+        # pinned tensor's non_blocking copy goes through a pageable temporary (the host waits)
+        micro = [{k: _pinned(v) for k, v in mb.items()} for mb in micro]
     return micro
+
+
+def _pinned(v: torch.Tensor | M.Documents) -> torch.Tensor | M.Documents:
+    return v.contiguous().pin_memory() if isinstance(v, torch.Tensor) else v.pin_memory()
+
+
+def pin_batches(device: torch.device) -> bool:
+    """Host batches in pinned memory, so that their non_blocking copies to `device` do not block
+    (CUDA). A predicate so that tests/cuda_contract.py can point it at the meta device."""
+    return device.type == "cuda"
 
 
 def to_device(micro: list[dict], device: torch.device) -> list[dict]:

@@ -19,7 +19,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
+       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
+       a checkpointed layer whose attention runs eagerly (packed rows, --cp) stays eager, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model
@@ -117,8 +118,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    if args.compile:
-        M.compile_layers(model)
+    if args.compile:  # the layers left eager: named in the log line
+        args.eager_layers = M.compile_layers(model, packed=args.sft and args.packing == "ffd")
     return model, shards, init
 
 
@@ -353,6 +354,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
               f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
+              + (f" ({len(args.eager_layers)} checkpointed run eagerly: their attention, packed rows or "
+                 f"the cp ring, would break the graph inside the checkpoint)" if getattr(args, "eager_layers", None)
+                 else "")
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
