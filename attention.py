@@ -28,7 +28,7 @@ Why varlen_attn and not FlexAttention
     with GQA and needs no compilation. FlexAttention needs torch.compile to be fast, a BlockMask
     built per batch (O(S²/128²) blocks), and has no CPU backward in torch 2.13.
     varlen_attn runs only on CUDA with bf16/fp16. No GPU runs in CI: tests/test_cuda_paths.py runs
-    that branch on the meta device under a contract of the kernel's argument rules, and bench_gpu.py
+    that branch on the meta device under a contract of the kernel's argument rules, and bench/bench_gpu.py
     checks its numbers on one GPU. It shares everything else — the boundaries, their derivation, the
     seam — with the tested CPU path.
 

@@ -110,8 +110,6 @@ def exact_cpu_accounting() -> bool:
     return _FLAG[0]
 
 
-
-
 class _CPUSession:
     """One profiler session recording CPU allocation events only, across any number of phases:
     a phase switch inside it allocates a 1-byte marker (kept alive until the session ends, so its

@@ -61,8 +61,10 @@ if __name__ == "__main__" and not __package__:  # run by path: import the librar
 import torch
 import torch.distributed as dist
 
-import memory  # noqa: F401  (before torch's pipelining, which allocates a tensor at import: its free
-# at exit, with c10's block accounting on, would print a warning about a block of unknown size)
+import memory
+# the bench meters CPU memory: accounting on before torch's pipelining, which allocates a tensor at
+# import (its free at exit, with c10's block accounting on, would warn about a block of unknown size)
+memory.exact_cpu_accounting()
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -257,7 +257,7 @@ def test_bench_gpu_smoke(tmp_path):
     """bench_gpu.py's plumbing on CPU (tiny sizes, CPU kernels): every check runs and passes, the
     results file is written; without --smoke and without a GPU it refuses."""
     import json
-    import bench_gpu
+    from bench import bench_gpu
     out = tmp_path / "bench_gpu.json"
     assert bench_gpu.main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -21,8 +21,8 @@ What it does
     if any check fails.
 
 Run
-    python bench_gpu.py                      # one GPU: writes bench_gpu.json
-    python bench_gpu.py --smoke --out x.json # CPU, tiny sizes: the script's plumbing only
+    python -m bench.bench_gpu                      # one GPU: writes bench_gpu.json
+    python -m bench.bench_gpu --smoke --out x.json # CPU, tiny sizes: the script's plumbing only
 
 Builds on: attention.py, cp.py, feed.py, grid.py, ops.py — the kernel calls it checks (and their
     CPU paths, for --smoke)
@@ -40,6 +40,10 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the script, not the GPU")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print("bench_gpu.py checks CUDA kernels and needs a GPU (none found); --smoke runs its "
+        print("bench.bench_gpu checks CUDA kernels and needs a GPU (none found); --smoke runs its "
               "plumbing on CPU", file=sys.stderr)
         return 2
     device = torch.device("cpu") if args.smoke else torch.device("cuda")
