@@ -9,6 +9,21 @@ What it does
     simulates them; `run_pipeline` executes one rank's list on the pp group.
         python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
 
+The stage: what it receives and returns
+    `split_stage` returns a module called as stage(x, labels=None, reduction="sum", **kwargs):
+      x       stage 0: token ids (B, S); any other stage: the previous one's hidden states (B, S, H)
+      kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
+      returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
+              (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
+    attotron's Llama is its own stage (its forward skips the parts a stage lacks). transformers'
+    decoders and models named by `Parts(embed, layers, norm, head, positions)` become a `Stage`:
+    the model's own modules under their own names, the layers it owns kept at their global index
+    (OwnedLayers). On transformers' models the stage runs their base model's forward (masks, rotary
+    embeddings, keyword calls; its ModelOutput's last_hidden_state); on a described model it runs
+    embed(x) + positions(position ids), then layer(h) for each layer, then norm. The last stage's
+    loss is `loss_fn(logits, labels, reduction)`: the user's (a GPT's own loss), by default
+    `token_loss`, the fp32 cross-entropy over labels aligned with the logits (-100 ignored).
+
 Reference
     Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
     on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B, the tied-embedding group); Qi et al.

@@ -1,14 +1,21 @@
 """Tensor parallelism (Megatron-style): every projection split across the ranks of a tp group.
 
 What it does
-    `apply_tp(model, tp_group)` rewrites a meta-device `Llama` in place so that each of the tp ranks
-    holds 1/tp of every matrix and the ranks together compute exactly the single-process model:
-      q/k/v, gate/up   ColumnParallelLinear  weight rows (output features) split; output stays split
-      o, down          RowParallelLinear     weight columns (input features) split; partial sums are
-                                             all-reduced, then the (replicated) bias is added once
-      embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
-      lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
-                                             loss.py's vocab-parallel cross-entropy
+    `apply_tp(model, tp_group, parts=None)` rewrites a model in place so that each of the tp ranks
+    holds 1/tp of every matrix and the ranks together compute exactly the single-process model.
+    The layer plan is data, {module path inside each layer: style} (`LLAMA_PLAN`, `Parts.plan`):
+      "colwise"  ColumnParallelLinear  weight rows (output features) split; output stays split
+      Fused(..)  ColumnParallelLinear  a fused q/k/v (GPT's c_attn): each part split alone, by heads
+      "rowwise"  RowParallelLinear     weight columns (input features) split; partial sums are
+                                       all-reduced, then the (replicated) bias is added once
+    and outside the layers: the embedding VocabParallelEmbedding (vocab rows split; ids outside the
+    slice give 0, all-reduce), the head vocab-split too. Three kinds of model:
+      attotron's Llama        on the meta device; logits stay vocab-sharded, the loss is loss.py's
+                              vocab-parallel cross-entropy (the model's loss_fn seam)
+      transformers' decoders  Llama, Qwen2 (its q/k/v biases split with their rows), Mistral, ...: the
+                              plan from their own `config.base_model_tp_plan`; meta or materialized
+      any other model         `Parts(embed=, layers=, head=, plan=, heads=)`: dotted paths and the plan
+    Those two gather the head's logits (VocabParallelHead), so the model's own loss runs unchanged.
     Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
     in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
@@ -21,15 +28,17 @@ What it does
       backward  2 all-reduces: one per column GROUP — a pre-hook on self_attn / mlp enters the block's
                 input into the region once (`_enter_region`), so autograd first sums the partial input
                 gradients of q, k, v (gate, up) and the sum is all-reduced once, as Megatron's fused
-                qkv / fc1 weights would; a copy per column layer would make it 5
+                qkv / fc1 weights would; a copy per column layer would make it 5 (as on other models:
+                there each column layer copies its own input, correct whatever calls it)
       + selective AC: nothing more (row outputs come from a functional collective the policy keeps);
         full AC: 1 more, o_proj's in the recompute (the recompute stops before down_proj's)
     and per step outside the layers: forward 1 (embedding) + 3 per-token scalars of the loss (row
     max, target logit, sum of exps: loss.VocabParallelLinearCrossEntropy); backward 1 (the head's
     input).
-    Attention needs no change: model.py derives head counts from weight shapes, and column-splitting
-    q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
-    never straddle ranks because tp divides both counts).
+    Attention needs no change where head counts come from shapes: model.py derives them from the
+    weights, transformers views q/k/v as (-1, head_dim) and its GQA ratio is the same on every rank
+    (tp divides both head counts, so GQA groups never straddle ranks). A model that stores a head
+    count (GPT's `n_head`) names it in `Parts.heads`: apply_tp divides it by tp.
 
 Sequence parallelism (`apply_tp(model, tp_group, sequence_parallel=True)`)
     Between the blocks (residual stream, adds, RMSNorms) each rank keeps only its S/tp tokens,
@@ -67,14 +76,17 @@ Invariants
     - The vocab is padded to a multiple of tp. Padded rows are zero, their logits are -inf in the
       loss (no probability mass, so they get zero gradient and stay zero under AdamW), and neither
       `logits_fn` nor `gather_full` ever shows them: users see the true vocab size.
-    - No rank ever holds a [tokens, vocab] tensor in training, not even its vocab slice: the loss
+    - attotron's Llama: no rank ever holds a [tokens, vocab] tensor in training, not even its slice: the loss
       (vocab_parallel_linear_cross_entropy) runs lm_head block by block over this rank's vocab
       rows, (T, chunk) fp32 logits at a time, and all-reduces only per-token scalars (max, sum of
       exps, target logit); backward recomputes each block and needs no communication.
+    - What cannot be split raises before the model changes (tests/test_foreign_tp_pp.py): a fused
+      q/k/v given as "colwise", a Fused one without Parts.heads, a plan path naming no module, head
+      counts tp does not divide, sequence parallelism on a model other than attotron's Llama.
     - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
       A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
 
-Builds on: model.py, loss.py (the vocab-parallel loss without (T, V) logits)
+Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm)
 """
 from __future__ import annotations
 
