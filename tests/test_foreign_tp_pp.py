@@ -47,13 +47,13 @@ def _run(tmp_path: Path, files: list[str], group: str) -> list[dict]:
 
 def main(group: str) -> None:
     """In the copied directory: check the repository is out of reach, run the group, print JSON."""
-    for name in ("model", "weights", "train", "dp") + {"tp": ("pp",), "pp": ("tp", "loss"), "sft": ("tp",)}[group]:
+    for name in ("model", "weights", "train", "dp") + {"tp": ("pp",), "pp": ("tp", "loss"), "tppp": (), "sft": ("tp",)}[group]:
         assert importlib.util.find_spec(name) is None, f"{name}.py is importable: the test would prove nothing"
     import torch
     from dist import run_ranks
     torch.set_num_threads(1)
-    fn = {"tp": _tp_checks, "pp": _pp_checks, "sft": None}[group]
-    results = [_sft_checks()] if fn is None else run_ranks(fn, 2)  # one dict per rank
+    fn = {"tp": _tp_checks, "pp": _pp_checks, "tppp": _tp_pp_checks, "sft": None}[group]
+    results = [_sft_checks()] if fn is None else run_ranks(fn, 4 if group == "tppp" else 2)  # a dict per rank
     print(json.dumps(results))
 
 
@@ -153,15 +153,12 @@ def _tp_checks(rank: int, world: int) -> dict:
 
 # ----------------------------------------------------------------------------------------- pp
 def _pp_checks(rank: int, world: int) -> dict:
-    import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     import pp
     from foreign_models import GPT, hf_causal_lm
     gpt_parts = pp.Parts(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
                          head="lm_head", positions="transformer.wpe")
-    gpt_loss = lambda logits, labels, reduction: F.cross_entropy(  # noqa: E731 the GPT's own loss, summed
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction=reduction)
+    gpt_loss = _gpt_loss
     mbs = [dict(zip(("input_ids", "labels"), _batch(s, rows=1))) for s in range(4)]
     targets = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
     out = {}
@@ -202,6 +199,56 @@ def _pp_checks(rank: int, world: int) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------- tp x pp
+def _tp_pp_checks(rank: int, world: int) -> dict:
+    """tp=2 inside pp=2 (4 ranks): split first, then apply_tp to the stage (the composition order)."""
+    import torch.distributed as dist
+    import pp
+    import tp
+    from foreign_models import GPT, hf_causal_lm
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stage_rank, tp_rank = divmod(rank, 2)
+    tp_group, pp_group = tp_groups[stage_rank], pp_groups[tp_rank]
+    mbs = [dict(zip(("input_ids", "labels"), _batch(s, rows=1))) for s in range(4)]
+    targets = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+    out = {}
+    for kind, schedule in (("llama", "1f1b"), ("gpt", "zb")):
+        build = (lambda: hf_causal_lm("llama")) if kind == "llama" else GPT
+        if kind == "llama":
+            batches, pp_parts, tp_parts, loss_fn = mbs, None, None, None
+        else:
+            batches = [{"input_ids": mb["input_ids"], "labels": mb["labels"].masked_fill(mb["labels"] == -100, -1)}
+                       for mb in mbs]
+            pp_parts = pp.Parts(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
+                                head="lm_head", positions="transformer.wpe")
+            tp_parts, loss_fn = _gpt_tp_parts(tp), _gpt_loss
+        ref = build()
+        logits = [ref(mb["input_ids"]).logits if kind == "llama" else ref(mb["input_ids"])[0] for mb in batches]
+        want = sum((loss_fn or pp.token_loss)(z, mb["labels"], "sum") for z, mb in zip(logits, batches)) / targets
+        want.backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        ref_grads["lm_head.weight"] = ref.lm_head.weight.grad  # the GPT's tied head: the embedding's
+        stage = pp.split_stage(build(), stage_rank, 2, pp.partition(4, 2), pp_parts, loss_fn)
+        shards = tp.apply_tp(stage, tp_group, parts=tp_parts)
+        loss = pp.run_pipeline(stage, pp.SCHEDULES[schedule](4, stage_rank, 2), batches, pp_group, targets)
+        if pp.tied_copy(stage) is not None:
+            pp.sync_tied_grads(stage, pp_group)  # the two copies' slices sit at the same tp rank
+        worst = 0.0
+        for n, q in stage.named_parameters():
+            g = q.grad if n not in shards else tp.gather_tensor(q.grad, shards[n], ref_grads[n].shape[shards[n].dim],
+                                                                tp_group)
+            worst = max(worst, _close(g, ref_grads[n]))
+        out[f"{kind} {schedule}"] = {"loss": _close(loss, want.detach()), "grads": worst, "sharded": len(shards)}
+    return out
+
+
+def _gpt_loss(logits, labels, reduction):
+    """The GPT's own loss (ignore_index=-1), with a reduction."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction=reduction)
+
+
 # ----------------------------------------------------------------------------------------- sft
 def _sft_checks() -> dict:
     import sys as _sys
@@ -233,6 +280,13 @@ def test_pp_alone_on_transformers_and_gpt(tmp_path):
                 assert c["loss"] <= TOL and c["grads"] <= TOL and c["names kept"] and c["params"] > 0, (kind, schedule, c)
         assert r["stage output"] == {"hidden on stage 0": [1, 16, 64], "logits without labels": [1, 16, 97]}
         assert all(r["errors"].values()), r["errors"]
+
+
+def test_tp_inside_pp_alone(tmp_path):
+    pytest.importorskip("transformers")
+    for r in _run(tmp_path, ["tp.py", "loss.py", "ops.py", "pp.py", "pp_schedules.py"], "tppp"):  # each rank
+        for kind in ("llama 1f1b", "gpt zb"):
+            assert r[kind]["loss"] <= TOL and r[kind]["grads"] <= TOL and r[kind]["sharded"] > 0, (kind, r[kind])
 
 
 def test_sft_packer_alone(tmp_path):
