@@ -23,6 +23,9 @@ The stage: what it receives and returns
     embed(x) + positions(position ids), then layer(h) for each layer, then norm. The last stage's
     loss is `loss_fn(logits, labels, reduction)`: the user's (a GPT's own loss), by default
     `token_loss`, the fp32 cross-entropy over labels aligned with the logits (-100 ignored).
+    A Stage equals the single-process model, 1f1b and zb, with tp inside too, on transformers'
+    Llama and a GPT (tests/test_foreign_tp_pp.py); what it cannot run (v > 1, a model without
+    a description) raises.
 
 Reference
     Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
