@@ -361,12 +361,11 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     on other stages. Summing is linear, so it may run before or after a dp all-reduce, but it needs
     the FULL .grad: call it after run_pipeline (and plain dp's finish()), before the step. ZeRO 1-3
     keep only a shard of it: there, `zero3.apply_zero(..., tied=tied_copy(model), embed_group=...)`
-    sums the owned pieces inside its step instead (and does so for plain dp too)."""
+    sums the owned pieces inside its step instead (and does so for plain dp too). embed_group: the
+    2 ranks holding the copies (tied_embedding_ranks); None is the default group, as in torch.distributed."""
     w = tied_copy(model)
     if w is None:
         return
-    if embed_group is None:
-        raise ValueError("tied embeddings with pp > 1 need the embedding group (tied_embedding_ranks)")
     if w.grad is None:
         w.grad = torch.zeros_like(w)
     dist.all_reduce(w.grad, group=embed_group)
