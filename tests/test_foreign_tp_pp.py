@@ -106,12 +106,15 @@ def _grads_vs(model, ref, shards, tp, group) -> float:
 
 # ----------------------------------------------------------------------------------------- tp
 def _tp_checks(rank: int, world: int) -> dict:
+    import torch
     import tp
     from foreign_models import GPT, hf_causal_lm
     out = {}
     x, y = _batch(0)
+    tied = {"qwen2": True}  # a head tied to the embedding (and q/k/v biases); llama, mistral untied
     for family in FAMILIES:
-        ref, model = hf_causal_lm(family), hf_causal_lm(family)
+        build = lambda: hf_causal_lm(family, tie_word_embeddings=tied.get(family, False))  # noqa: E731
+        ref, model = build(), build()
         hf_labels = x.masked_fill(y == -100, -100)  # transformers' own loss shifts its labels itself
         want = ref(x, labels=hf_labels).loss
         want.backward()
@@ -119,8 +122,12 @@ def _tp_checks(rank: int, world: int) -> dict:
         loss = model(x, labels=hf_labels).loss
         loss.backward()
         local_heads = model.model.layers[0].self_attn.q_proj.weight.shape[0] // model.model.layers[0].self_attn.head_dim
+        with torch.device("meta"):
+            meta = build()
         out[family] = {"loss": _close(loss.detach(), want.detach()), "grads": _grads_vs(model, ref, shards, tp, None),
-                       "local q heads": local_heads, "sharded": len(shards)}
+                       "local q heads": local_heads, "sharded": len(shards),
+                       "tied": (model.lm_head.weight is model.model.embed_tokens.weight) == tied.get(family, False),
+                       "meta map": tp.apply_tp(meta, None) == shards}  # the same slices, for a loader
     ref, model = GPT(), GPT()
     want = ref(x, y.masked_fill(y == -100, -1))[1]  # the GPT's own loss (ignore_index=-1)
     want.backward()
@@ -264,7 +271,7 @@ def test_tp_alone_on_transformers_and_gpt(tmp_path):
         for family in FAMILIES:
             assert r[family]["loss"] <= TOL and r[family]["grads"] <= TOL, (family, r[family])
             assert r[family]["local q heads"] == 2, r[family]  # 4 heads over tp=2
-            assert r[family]["sharded"] > 0
+            assert r[family]["sharded"] > 0 and r[family]["tied"] and r[family]["meta map"], r[family]
         assert r["gpt"]["loss"] <= TOL and r["gpt"]["grads"] <= TOL and r["gpt"]["logits"] <= TOL, r["gpt"]
         assert r["gpt"]["tied"] and r["gpt"]["sharded"] > 0
         assert all(r["gpt errors"].values()), r["gpt errors"]
