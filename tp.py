@@ -571,6 +571,32 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return new
 
 
+def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool) -> tuple[list, bool]:
+    """Every check of apply_tp before its first change (a call that raises leaves the model as it
+    was): [(layer, "layers.i.", name inside it, style)] of the plan, and whether the head is tied."""
+    layers = _get(model, parts.layers)
+    todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
+                                                                layer.get_submodule(name), parts))
+            for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
+            for name, style in _matches(layer, parts.plan)]
+    for i, layer in layers.named_children():
+        for attr in parts.heads:
+            if _get(layer, attr) % tp:
+                raise ValueError(f"tp={tp} must divide {parts.layers}.{i}.{attr}={_get(layer, attr)} "
+                                 f"(each rank holds whole heads)")
+    if meta and any(isinstance(s, Fused) for *_, s in todo):
+        raise ValueError("apply_tp: a fused weight's slice is not one Shard that materialize could read; "
+                         "apply tp to the materialized model")
+    embed, head = _get(model, parts.embed), _get(model, parts.head)
+    if embed is not None and (not isinstance(embed, nn.Embedding) or embed.max_norm is not None
+                              or embed.scale_grad_by_freq):
+        raise ValueError(f"apply_tp: {parts.embed} must be a plain nn.Embedding, got {embed}")
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if tied and head.bias is not None:
+        raise ValueError(f"apply_tp: a head tied to the embedding with a bias ({parts.head}) is not supported")
+    return todo, tied
+
+
 # ------------------------------------------------------------------------------------- the model
 def tp_validate(cfg: Any, tp: int, seq_len: int | None = None) -> None:
     """Raise ValueError naming the numbers if this config (model.LlamaConfig) cannot be split over tp
@@ -613,27 +639,8 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
         _check_heads(model, tp)
         if len(devices) > 1:
             raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
-    # every check before the first change: a call that raises leaves the model as it was
-    layers = _get(model, parts.layers)
-    todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
-                                                                layer.get_submodule(name), parts))
-            for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
-            for name, style in _matches(layer, parts.plan)]
-    for i, layer in layers.named_children():
-        for attr in parts.heads:
-            if _get(layer, attr) % tp:
-                raise ValueError(f"tp={tp} must divide {parts.layers}.{i}.{attr}={_get(layer, attr)} "
-                                 f"(each rank holds whole heads)")
-    if any(isinstance(s, Fused) for *_, s in todo) and devices == {True}:
-        raise ValueError("apply_tp: a fused weight's slice is not one Shard that materialize could read; "
-                         "apply tp to the materialized model")
-    embed, head = _get(model, parts.embed), _get(model, parts.head)
-    if embed is not None and (not isinstance(embed, nn.Embedding) or embed.max_norm is not None
-                              or embed.scale_grad_by_freq):
-        raise ValueError(f"apply_tp: {parts.embed} must be a plain nn.Embedding, got {embed}")
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    if tied and head.bias is not None:
-        raise ValueError(f"apply_tp: a head tied to the embedding with a bias ({parts.head}) is not supported")
+    todo, tied = _planned(model, parts, tp, meta=devices == {True})
+    layers, embed, head = _get(model, parts.layers), _get(model, parts.embed), _get(model, parts.head)
     new = dict(group=tp_group, device="meta")
     for layer, prefix, name, style in todo:
         old = layer.get_submodule(name)

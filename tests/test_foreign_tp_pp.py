@@ -1,9 +1,10 @@
 """tp.py, pp.py and sft.py copied alone into another project, next to models attotron did not write.
 
 Each group runs in a fresh interpreter whose directory holds only the copied files (tp.py + loss.py +
-ops.py, as tp.py's docstring names them; pp.py + pp_schedules.py; sft.py + chat.py); the repository
-root is not importable there (checked). The harness (tests/dist.py, tests/foreign_models.py and this
-file) sits in a second directory. One fork-based launch of 2 gloo ranks per group.
+ops.py, as tp.py's docstring names them; pp.py + pp_schedules.py; both for tp inside pp; sft.py +
+chat.py); the repository root is not importable there (checked). The harness (tests/dist.py,
+tests/foreign_models.py and this file) sits in a second directory. One fork-based launch per group:
+2 gloo ranks (tp=2, pp=2), 4 for tp=2 inside pp=2.
 
 References: the single-process run of the same model (same seed, same data), fp32. Tolerance:
 1e-5 relative to the largest entry of each tensor (the loss, each gradient); tp=2 and pp=2 only
