@@ -416,7 +416,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             opt.finish_gathers()  # evaluation reads complete parameters
         if eval_set and evaluate:
             with G.stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
-                record["eval_exact_match"] = sft.evaluate(model, None, eval_set, template=tpl)
+                record["eval_exact_match"] = feed.evaluate(model, None, eval_set, template=tpl)
             if log:
                 print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
                       flush=True)
