@@ -21,8 +21,8 @@ import torch
 import moe
 
 SHAPES = {  # name: (tokens, hidden, intermediate per expert, experts, top_k)
-    "mixtral-like": (2048, 512, 1024, 8, 2),
-    "qwen3-moe-like": (2048, 512, 256, 32, 4),
+    "mixtral-like": (1024, 256, 512, 8, 2),
+    "qwen3-moe-like": (1024, 256, 128, 32, 4),
 }
 
 

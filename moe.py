@@ -176,13 +176,12 @@ def experts_loop(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor,
     """The same as `experts_grouped`, one matmul pair per expert; counts are host ints."""
     outs = []
     # unbind: one backward node stacks all experts' grads (indexing gate_up[e] would add a full
-    # (E, 2I, H) zero tensor per expert in backward)
+    # (E, 2I, H) zero tensor per expert in backward). An expert without rows still multiplies its
+    # empty block: its gradient is then zeros, not None, as grouped_mm's (dp.py needs one).
     for xe, gu, dn in zip(x.split(list(counts)), gate_up.unbind(0), down.unbind(0)):
-        if xe.shape[0] == 0:
-            continue
         gate, up = (xe @ gu.t()).chunk(2, dim=-1)  # (n, I) each
         outs.append((F.silu(gate) * up) @ dn.t())  # (n, H)
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    return torch.cat(outs)
 
 
 class Experts(nn.Module):

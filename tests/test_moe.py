@@ -40,11 +40,11 @@ def hf_blocks():
     yield OlmoeSparseMoeBlock, OlmoeConfig(num_experts=E, intermediate_size=I, **common)
 
 
-def starve_last_expert(block: torch.nn.Module, x: torch.Tensor) -> None:
-    """Inputs x > 0 and a router row < 0 (the others > 0): the last expert never makes the top k."""
+def starve_last_experts(block: torch.nn.Module, x: torch.Tensor, n: int = 1) -> None:
+    """Inputs x > 0 and router rows < 0 (the others > 0): the last n experts never make the top k."""
     with torch.no_grad():
         block.gate.weight.abs_()
-        block.gate.weight[-1].neg_()
+        block.gate.weight[-n:].neg_()
     assert (x > 0).all()
 
 
@@ -56,7 +56,7 @@ def test_block_matches_hf() -> None:
         for p in theirs.parameters():
             torch.nn.init.normal_(p, std=0.5)
         x = torch.rand(3, 5, H) + 0.1
-        starve_last_expert(theirs, x)
+        starve_last_experts(theirs, x)
         g = torch.randn(3, 5, H)
         for impl in ("grouped_mm", "loop"):
             ours = moe.MoE(moe.MoEConfig.from_hf(cfg, experts_impl=impl))
@@ -164,21 +164,21 @@ def test_router_logits_once_under_checkpoint() -> None:
         assert torch.equal(a, b)
 
 
-# --- expert parallelism: 4 gloo ranks, ep = 1, 2, 4 (and ep = 2 through the loop experts) ---
+# --- expert parallelism: 4 gloo ranks, ep = 1, 2, 4 (ep = 2, 4 also through the loop experts) ---
 
-EP_RUNS = ((1, "auto"), (2, "auto"), (4, "auto"), (2, "loop"))
+EP_RUNS = ((1, "auto"), (2, "auto"), (4, "auto"), (2, "loop"), (4, "loop"))
 
 
 def ep_data(world: int) -> tuple[moe.MoEConfig, dict, list[torch.Tensor], list[torch.Tensor]]:
     """One block's weights and each rank's own batch: uneven token counts per rank, positive
-    inputs and a starved last expert (no rank sends it a token)."""
+    inputs and the last two experts starved: at ep = 4 rank 3 receives no row at all."""
     torch.manual_seed(4)
     cfg = moe.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K)
     block = moe.MoE(cfg)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.5)
     xs = [torch.rand(2, 3 + r, H) + 0.1 for r in range(world)]
-    starve_last_expert(block, xs[0])
+    starve_last_experts(block, xs[0], n=2)
     gs = [torch.randn_like(x) for x in xs]
     return cfg, block.state_dict(), xs, gs
 
@@ -197,6 +197,10 @@ def _ep_rank(rank: int, world: int) -> list[dict]:
         for params, group in moe.grad_reduce_plan(block, None, groups):
             for p in params:
                 dist.all_reduce(p.grad, group=group)
+        if ep == 1:  # degree 1 is a no-op: bit-equal to the block never sharded
+            plain = moe.MoE(block.cfg)
+            plain.load_state_dict(state)
+            assert torch.equal(plain(xs[rank]), y)
         out.append(dict(ep=ep, ep_rank=groups.ep_rank, y=y.detach(), x_grad=x.grad,
                         grads={n: p.grad for n, p in block.named_parameters()}))
     return out
@@ -210,7 +214,7 @@ def test_ep_matches_single_process() -> None:
     x = torch.cat([x.reshape(-1, H) for x in xs]).requires_grad_()
     y = ref(x)
     y.backward(torch.cat([g.reshape(-1, H) for g in gs]))
-    assert not ref.experts.down_proj.grad[-1].any()  # the starved expert
+    assert not ref.experts.down_proj.grad[-2:].any()  # the starved experts
     rows = [x.shape[0] * x.shape[1] for x in xs]
     y_ref, xg_ref = y.detach().split(rows), x.grad.split(rows)
     results = run_ranks(_ep_rank, world)
