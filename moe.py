@@ -223,6 +223,36 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
+class _Gather(torch.autograd.Function):
+    """out = x[index // k], index a permutation of range(len(x)·k). Backward gathers the gradient
+    by the inverse permutation and sums each source row's k copies: no zero-filled scatter-add
+    (what indexing's backward does, not knowing the index is a permutation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x[index // k] if k > 1 else x[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad[inverse]  # (len(x)·k, H) in source order
+        if ctx.k > 1:
+            grad = grad.view(-1, ctx.k, grad.shape[-1]).sum(dim=1)  # (len(x), H)
+        return grad, None, None, None
+
+
+def permutation(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse) of the flattened (N·k,) expert ids: order sorts them by expert (stable:
+    ties keep token order), inverse undoes it."""
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
+
+
 class MoE(nn.Module):
     """The sparse MoE block: x (..., H) -> (..., H). `gate` and `experts` are named as in
     transformers' `*SparseMoeBlock`, so `load_state_dict(hf_block.state_dict())` is a copy."""
@@ -240,16 +270,14 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, H)
         _, weights, experts = self.gate(x)  # (N, k), (N, k)
         k = experts.shape[1]
-        order = torch.argsort(experts.reshape(-1), stable=True)  # (N·k,) pairs sorted by expert
-        rows = x[order // k]  # (N·k, H) each pair's token
+        order, inverse = permutation(experts)  # (N·k,) each: the pairs sorted by expert, and back
+        rows = _Gather.apply(x, order, inverse, k)  # (N·k, H) each pair's token, sorted
         counts = expert_counts(experts, self.cfg.num_experts)  # (E,)
         if self.ep_size == 1:
             y = self.experts(rows, counts)  # (N·k, H)
         else:
             y = exchange_and_run(rows, counts, self.experts, self.ep_size, self.ep_group)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y[inverse] * weights.reshape(-1, 1)  # (N·k, H) back in (token, slot) order, weighted
+        y = _Gather.apply(y, inverse, order, 1) * weights.reshape(-1, 1)  # (N·k, H) token order
         # sum over the k slots in slot order: deterministic (index_add_ would race on CUDA), in the
         # weights' dtype (fp32 for Mixtral) before the cast back, as transformers' grouped_mm path
         return y.view(-1, k, shape[-1]).sum(dim=1).to(x.dtype).view(shape)
@@ -294,11 +322,9 @@ def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
     # regroup by local expert: a stable sort keeps each source's rows in order
     ids = torch.arange(local, device=rows.device).repeat(ep)  # (ep·E_local,)
     ids = torch.repeat_interleave(ids, recv.reshape(-1), output_size=got.shape[0])  # (R,)
-    order = torch.argsort(ids, stable=True)  # (R,)
-    y = experts(got[order], per_expert, host_counts)  # (R, H) by local expert
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return _AllToAll.apply(y[inverse], send_splits, recv_splits, group)  # (M, H)
+    order, inverse = permutation(ids)  # (R,) each
+    y = experts(_Gather.apply(got, order, inverse, 1), per_expert, host_counts)  # (R, H)
+    return _AllToAll.apply(_Gather.apply(y, inverse, order, 1), send_splits, recv_splits, group)
 
 
 @dataclass
