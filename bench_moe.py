@@ -8,6 +8,8 @@ median over `--reps` fwd+bwd steps after warm-up of the process's CPU time (one 
 default: on a shared machine CPU time counts the work, wall time the neighbours) and of the wall
 time; ratio = ours / transformers grouped_mm, on CPU time.
 
+Builds on: moe.py
+
 Run
     python bench_moe.py                     # the default shapes, a table on stdout
     python bench_moe.py --threads 2 --reps 20
