@@ -160,14 +160,36 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up of the fused projection h = [gate | up] (M, 2I) -> (M, I), autograd's exact
+    numbers. The backward writes both halves of dh into one (M, 2I) buffer, where chunk's
+    backward would allocate and concatenate two."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)  # (M, I) each
+        s = F.silu(gate)
+        ctx.save_for_backward(h, s)
+        return s * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        h, s = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        dh = torch.empty_like(h)  # (M, 2I)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        torch.mul(grad, s, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return dh
+
+
 def experts_grouped(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert's block of x (M, H), rows sorted by expert with counts (E,) rows each,
     as two grouped GEMMs. No host sync: the int32 offsets stay on the device."""
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's block
     h = _ContiguousGrad.apply(_grouped_mm(x, gate_up.transpose(1, 2), offs=offs))  # (M, 2I)
-    gate, up = h.chunk(2, dim=-1)  # (M, I) each
-    a = F.silu(gate) * up  # (M, I)
+    a = _SwiGLU.apply(h)  # (M, I)
     return _ContiguousGrad.apply(_grouped_mm(a, down.transpose(1, 2), offs=offs))  # (M, H)
 
 
@@ -179,8 +201,7 @@ def experts_loop(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor,
     # (E, 2I, H) zero tensor per expert in backward). An expert without rows still multiplies its
     # empty block: its gradient is then zeros, not None, as grouped_mm's (dp.py needs one).
     for xe, gu, dn in zip(x.split(list(counts)), gate_up.unbind(0), down.unbind(0)):
-        gate, up = (xe @ gu.t()).chunk(2, dim=-1)  # (n, I) each
-        outs.append((F.silu(gate) * up) @ dn.t())  # (n, H)
+        outs.append(_SwiGLU.apply(xe @ gu.t()) @ dn.t())  # (n, 2I) -> (n, I) -> (n, H)
     return torch.cat(outs)
 
 
