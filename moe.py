@@ -37,7 +37,8 @@ Run
 
 Invariants
     - fp32: output, router logits and every gradient equal transformers' Mixtral, Qwen3-MoE and
-      OLMoE sparse blocks within 1e-6, an expert with no token included (test_block_matches_hf).
+      OLMoE sparse blocks within 1e-6, an expert with no token included (test_block_matches_hf);
+      bf16: bit-equal to their grouped_mm path (test_bf16_bit_equal_to_hf_grouped_mm).
     - The grouped_mm and loop experts agree, forward and backward, also for a stride-0 incoming
       gradient (test_grouped_mm_equals_loop).
     - load_balancing_loss equals transformers' over several layers, with and without a padding
@@ -47,7 +48,7 @@ Invariants
       router's gradients are identical on every rank (test_ep_matches_single_process).
     - Host syncs per layer: ep = 1 with grouped_mm none; the loop one (the counts size its slices);
       ep > 1 exactly one in forward (the exchanged counts size the all-to-all buffers), none in
-      backward (the splits are kept).
+      backward (the splits are kept) (counted in test_ep_matches_single_process).
     - ep = 1 is the same code path: `shard_experts` at degree 1 changes no number.
 """
 from __future__ import annotations
@@ -84,20 +85,21 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, config: Any, **overrides: Any) -> MoEConfig:
-        """The MoE block of a transformers Mixtral, Qwen3-MoE or OLMoE config."""
+        """The MoE block of a transformers Mixtral, Qwen3-MoE or OLMoE config; keyword overrides
+        replace any field (experts_impl="loop", z_loss_coef=...)."""
         kind = config.model_type
         if kind not in ("mixtral", "qwen3_moe", "olmoe"):
             raise ValueError(f"model_type {kind!r}: moe.py knows mixtral, qwen3_moe and olmoe")
         if getattr(config, "router_jitter_noise", 0.0):
             raise ValueError("router_jitter_noise > 0 is not implemented (Mixtral trains without)")
         mixtral = kind == "mixtral"
-        return cls(hidden=config.hidden_size,
-                   intermediate=getattr(config, "moe_intermediate_size", config.intermediate_size),
-                   num_experts=config.num_local_experts if mixtral else config.num_experts,
-                   top_k=config.num_experts_per_tok,
-                   renormalize=True if mixtral else config.norm_topk_prob,
-                   fp32_weights=mixtral, aux_loss_coef=config.router_aux_loss_coef,
-                   **overrides)
+        fields = dict(hidden=config.hidden_size,
+                      intermediate=getattr(config, "moe_intermediate_size", config.intermediate_size),
+                      num_experts=config.num_local_experts if mixtral else config.num_experts,
+                      top_k=config.num_experts_per_tok,
+                      renormalize=True if mixtral else config.norm_topk_prob,
+                      fp32_weights=mixtral, aux_loss_coef=config.router_aux_loss_coef)
+        return cls(**{**fields, **overrides})
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -9,6 +9,8 @@ of the reference's largest entry, a few fp32 roundings of sums of O(10) terms.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,6 +79,30 @@ def test_block_matches_hf() -> None:
             for name, p in ours.named_parameters():
                 close(p.grad, want[name].grad)
             assert not ours.experts.gate_up_proj.grad[-1].any()  # the starved expert: zero grad
+
+
+def test_bf16_bit_equal_to_hf_grouped_mm() -> None:
+    """bf16: the same ops in the same dtypes as transformers' grouped_mm experts path: bit-equal,
+    which needs each family's dtype of the combine weights (fp32 for Mixtral only)."""
+    for cls, cfg in hf_blocks():
+        cfg._experts_implementation = "grouped_mm"
+        torch.manual_seed(0)
+        theirs = cls(cfg)
+        for p in theirs.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        theirs.to(torch.bfloat16)
+        ours = moe.MoE(moe.MoEConfig.from_hf(cfg)).to(torch.bfloat16)
+        ours.load_state_dict(theirs.state_dict())
+        x = torch.randn(3, 5, H, dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref, out = theirs(xa), ours(xb)
+        g = torch.randn_like(ref)
+        ref.backward(g)
+        out.backward(g)
+        assert torch.equal(out, ref) and torch.equal(xb.grad, xa.grad), cls
+        want = dict(theirs.named_parameters())
+        for name, p in ours.named_parameters():
+            assert torch.equal(p.grad, want[name].grad), (cls, name)
 
 
 def test_grouped_mm_equals_loop() -> None:
@@ -183,6 +209,28 @@ def ep_data(world: int) -> tuple[moe.MoEConfig, dict, list[torch.Tensor], list[t
     return cfg, block.state_dict(), xs, gs
 
 
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count the Python-level reads of a tensor's value on the host (each a sync on a GPU)."""
+    calls = [0]
+    names = ("item", "tolist", "__bool__", "__int__", "__float__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counted(fn):
+        def wrapper(self, *args, **kwargs):
+            calls[0] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    for n, fn in saved.items():
+        setattr(torch.Tensor, n, counted(fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
 def _ep_rank(rank: int, world: int) -> list[dict]:
     cfg, state, xs, gs = ep_data(world)
     out = []
@@ -192,8 +240,13 @@ def _ep_rank(rank: int, world: int) -> list[dict]:
         block.load_state_dict(state)
         moe.shard_experts(block, groups)
         x = xs[rank].clone().requires_grad_()
-        y = block(x)
-        y.backward(gs[rank])
+        with count_host_syncs() as forward_syncs:
+            y = block(x)
+        with count_host_syncs() as backward_syncs:
+            y.backward(gs[rank])
+        # the docstring's count: one sync in forward (the exchanged counts, or the loop's counts),
+        # none at ep = 1 through grouped_mm, none in any backward
+        assert (forward_syncs[0], backward_syncs[0]) == (int(ep > 1 or impl == "loop"), 0)
         for params, group in moe.grad_reduce_plan(block, None, groups):
             for p in params:
                 dist.all_reduce(p.grad, group=group)
