@@ -72,7 +72,8 @@ class MoEConfig:
     num_experts: int
     top_k: int
     renormalize: bool = True  # Mixtral always; Qwen3-MoE and OLMoE: config.norm_topk_prob
-    fp32_weights: bool = True  # Mixtral combines with fp32 weights; Qwen3/OLMoE cast to the logits'
+    # the combine weights' dtype: Mixtral keeps them fp32, Qwen3-MoE / OLMoE cast to the logits'
+    fp32_weights: bool = True
     aux_loss_coef: float = 0.0  # config.router_aux_loss_coef
     z_loss_coef: float = 0.0
     experts_impl: str = "auto"  # "auto" (grouped_mm where it runs) | "grouped_mm" | "loop"
