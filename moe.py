@@ -33,7 +33,7 @@ Reference
     follow transformers/models/{mixtral,qwen3_moe,olmoe}/modeling_*.py.
 
 Run
-    python -m pytest -q tests/test_moe.py            python bench_moe.py
+    python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
 
 Invariants
     - fp32: output, router logits and every gradient equal transformers' Mixtral, Qwen3-MoE and

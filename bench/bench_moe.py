@@ -12,14 +12,19 @@ CPU time in the same turn): pairing the turns cancels most of a shared machine's
 Builds on: moe.py
 
 Run
-    python bench_moe.py                     # the default shapes, a table on stdout
-    python bench_moe.py --threads 2 --reps 20
+    python -m bench.bench_moe                     # the default shapes, a table on stdout
+    python -m bench.bench_moe --threads 2 --reps 20
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch
 
