@@ -46,6 +46,16 @@ Kernels
     travel with their n_kv heads (cp·nkv/nh of the bytes of full heads); each block expands them to
     the query heads and sums the gradients back.
 
+Which models (`apply_cp`)
+    attotron's Llama: every `attn_fn` becomes the ring; RoPE's table gets the global positions.
+    transformers' layout: the ring is registered in transformers' attention interface
+    (ALL_ATTENTION_FUNCTIONS) and named in the config's `_attn_implementation`; a pre-hook on
+    `model.model` feeds the global `position_ids`. It refuses a mask, dropout, a sliding window
+    shorter than the sequence, a KV cache longer than the queries. Any other model names its
+    `layers`, the `attention` module in each (its F.scaled_dot_product_attention call becomes the
+    ring) and the `positions` module (called with 0..s-1: a learned position embedding). Found no
+    attention, or a call the ring cannot compute: it raises. tests/test_foreign.py.
+
 Ring or Ulysses
     Built here: the ring. DeepSpeed-Ulysses instead all-to-alls (B, S/cp, heads) → (B, S, heads/cp)
     before attention and back after: 4 all-to-alls per layer of the activations, independent of cp in
@@ -70,6 +80,7 @@ Invariants
       order (tests/test_cp.py, fp32 ≤ 1e-5).
     - Packed documents (position ids restarting inside a row) are rejected: the block masks here
       are causal only.
+    - `group=None` is the default group, as in torch.distributed (tests/test_foreign.py).
 """
 from __future__ import annotations
 

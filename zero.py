@@ -33,7 +33,8 @@ Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, o
     all-gathers that complete the flats in place (NCCL detects the in-place form: no shard buffer)
     then run in a fixed order: the order in which a forward first reads the buckets (the
     embedding's first, the head's last; `sites`). A forward pre-hook on each site (embedding, each
-    decoder layer, the final norm for norm + head) launches them in that order up to the last
+    decoder layer, the final norm for norm + head; `find_parts`: attotron's Llama, transformers'
+    layout, or the dotted paths a user names) launches them in that order up to the last
     bucket it reads, waits for those, and keeps the next `inflight` in flight: the all-gather of
     layer k+1 runs while layer k computes, and only the first bucket's is exposed. They start at
     the first pre-hook, not in step(): on a GPU the host gets there long before the device is

@@ -24,6 +24,14 @@ What it does
     persistent_bytes, formula_bytes and peak_extras live here: the memory account of every stage
     (zero.py's table and extras in bytes; what tests/test_memory.py and bench_theory.py check).
 
+    What ZeRO-3 needs of the model. Its parts: attotron's Llama and transformers' layout are found
+    by themselves, any other model names them (embed=, layers=, norm=, head=: dotted paths). Each
+    part is called as a module (hooks gather and free it); a parameter outside the parts (a learned
+    position embedding) is a unit of its own, read only inside its module's forward. The outputs of
+    a layer and of the model hold the tensors backward starts from: a tensor, or a tuple, list or
+    dict of them (a ModelOutput, the GPT's (logits, loss)); the first of their gradients gathers the
+    unit for backward. An output without one (under grad) raises. tests/test_foreign.py.
+
     Building: on a meta-device model with `init=weights.param_reader(...)`, each unit's shard and
     fp32 master pieces are filled from only the elements this rank owns (from safetensors only the
     rows that hold them): no rank ever holds the model in full.
