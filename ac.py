@@ -261,7 +261,7 @@ def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
 def decoder_layers(model: nn.Module, layers: str | None = None) -> dict[str, nn.Module]:
     """{global index: layer}: `layers` (a dotted path to the model's layer list, e.g. "transformer.h")
     or, found by itself, `model.model.layers` (attotron's ModuleDict keyed by global index, a pipeline
-    stage holding only some; transformers' ModuleList)."""
+    stage holding only some; transformers' ModuleList). Other keys: the layers' positions."""
     found = model.get_submodule(layers) if layers is not None else \
         getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
@@ -269,8 +269,10 @@ def decoder_layers(model: nn.Module, layers: str | None = None) -> dict[str, nn.
             f"{type(model).__name__} has no model.layers"
         raise ValueError(f"apply_ac needs the decoder layers as an nn.ModuleDict or nn.ModuleList: {where}; "
                          f"pass layers= (the dotted path to them, e.g. layers='transformer.h')")
-    return dict(found.items()) if isinstance(found, nn.ModuleDict) else \
-        {str(i): layer for i, layer in enumerate(found)}
+    if isinstance(found, nn.ModuleDict) and all(name.isdigit() for name in found):
+        return dict(found.items())
+    ordered = found.values() if isinstance(found, nn.ModuleDict) else found
+    return {str(i): layer for i, layer in enumerate(ordered)}
 
 
 def checkpointed(model: nn.Module, layers: str | None = None) -> dict[str, str]:

@@ -355,7 +355,8 @@ def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, che
     index p of chunk r (p < c = s/2) is r·c + p; of chunk 2cp−1−r it is (2cp−1−r)·c + p − c."""
     position_ids, *rest = args  # (B, s) or (s,)
     c = position_ids.shape[-1] // 2
-    if check and not torch.equal(position_ids, torch.arange(2 * c, device=position_ids.device).expand_as(position_ids)):
+    local = torch.arange(2 * c, device=position_ids.device).expand_as(position_ids)  # 0..s-1
+    if check and not torch.equal(position_ids, local):
         raise ValueError(f"apply_cp: {type(module).__name__} got positions other than 0..s-1; the "
                          "ring maps the local 0..s-1 to global positions itself (no packed documents)")
     late = position_ids + (2 * cp - 2 - rank) * c
@@ -375,7 +376,8 @@ def _ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
 
 
 class _SdpaToRing(torch.overrides.TorchFunctionMode):
-    """While a described attention module runs, its F.scaled_dot_product_attention becomes the ring."""
+    """While a described attention module runs, its F.scaled_dot_product_attention becomes the ring
+    (host cost: one Python call per torch function that module calls)."""
 
     def __init__(self, group: Group, where: str):
         super().__init__()
@@ -414,6 +416,8 @@ def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     S = q.shape[2] * cp
     bad = [f"{name}={value!r}" for name, value in kwargs.items()
            if name not in _HF_IGNORED and value is not None and value is not False]
+    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
+        bad.append("non-causal attention")
     if attention_mask is not None:
         bad.append("an attention mask")
     if dropout:
@@ -430,7 +434,8 @@ def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 # keyword arguments transformers passes to an attention function that change nothing here
-_HF_IGNORED = {"position_ids", "use_cache", "cache_position", "output_attentions", "is_causal"}
+# (is_causal is checked apart; output_attentions=True would ask for weights: refused)
+_HF_IGNORED = {"position_ids", "use_cache", "cache_position", "is_causal"}
 
 
 def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, rank: int) -> tuple:
@@ -480,7 +485,8 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
         if cp > 1:
             for where, module in targets:
                 _swap_sdpa(module, cp_group, where)
-            position_module.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank, check=True))
+            hook = partial(_global_positions, cp=cp, rank=rank, check=True)
+            position_module.register_forward_pre_hook(hook)
     elif _transformers_layout(model):
         if cp > 1:
             name = f"attotron_ring_{(dist.group.WORLD if cp_group is None else cp_group).group_name}"

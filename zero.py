@@ -344,6 +344,8 @@ class ZeroOptimizer(DataParallel):
         """Write the master pieces of bucket b, cast to the compute dtype, into its shard (one
         foreach launch for the bucket, not a copy kernel per parameter)."""
         index = [i for i in self.buckets[b].index if self.pieces[i].n]
+        if not index:  # this rank owns only padding of a tiny bucket
+            return
         with torch.no_grad():
             torch._foreach_copy_([shard[self.pieces[i].shard_start:self.pieces[i].shard_start + self.pieces[i].n]
                                   for i in index], [self.master[i] for i in index])
@@ -422,14 +424,15 @@ def find_parts(model: nn.Module, embed: str | None = None, layers: str | None = 
             raise ValueError(f"{type(model).__name__} is neither attotron's Llama nor transformers' "
                              "layout (model.model.layers): name its parts, e.g. embed='transformer.wte', "
                              "layers='transformer.h', norm='transformer.ln_f', head='lm_head'")
-        return Parts(getattr(inner, "embed_tokens", None), list(found.values() if isinstance(found, nn.ModuleDict)
-                     else found), getattr(inner, "norm", None), getattr(model, "lm_head", None))
+        listed = found.values() if isinstance(found, nn.ModuleDict) else found
+        return Parts(getattr(inner, "embed_tokens", None), list(listed), getattr(inner, "norm", None),
+                     getattr(model, "lm_head", None))
     get = lambda path: None if path is None else model.get_submodule(path)  # noqa: E731
     found = get(layers)
     if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
         raise ValueError(f"layers={layers!r} is a {type(found).__name__}, not an nn.ModuleList or nn.ModuleDict")
-    return Parts(get(embed), list(found.values() if isinstance(found, nn.ModuleDict) else found),
-                 get(norm), get(head))
+    listed = found.values() if isinstance(found, nn.ModuleDict) else found
+    return Parts(get(embed), list(listed), get(norm), get(head))
 
 
 def sites(parts: Parts) -> list[list[nn.Module]]:

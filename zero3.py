@@ -133,15 +133,16 @@ class Zero3Optimizer(ZeroOptimizer):
         # a parameter outside the parts (a learned position embedding) is a unit of its own, its site
         # the module holding it (placed after the embedding's: where position embeddings run)
         inside = {id(p) for site in self.sites for mod in site for p in mod.parameters()}
-        holders = [[mod] for mod in self.model.modules()
+        holders = [mod for mod in self.model.modules()
                    if any(id(p) in where and id(p) not in inside for p in mod.parameters(recurse=False))]
         first = int(self.parts.embed is not None)
-        self.sites[first:first] = holders
+        self.sites[first:first] = [[mod] for mod in holders]
         units: list[list[int]] = []
         owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
         self.site_units: list[list[int]] = []
-        for site in self.sites:
-            mine = [where[id(p)] for mod in site for p in mod.parameters() if id(p) in where]
+        for site in self.sites:  # a holder's site: its own parameters only (it may be the model)
+            mine = [where[id(p)] for mod in site
+                    for p in mod.parameters(recurse=all(mod is not h for h in holders)) if id(p) in where]
             new = [i for i in dict.fromkeys(mine) if i not in owner]
             for unit in ([i for i in new if i != self.tied], [i for i in new if i == self.tied]):
                 if unit:  # the tied copy is a unit of its own

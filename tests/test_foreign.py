@@ -62,8 +62,29 @@ def main(check: str) -> None:
 
 # ------------------------------------------------------------------------------------- helpers
 def _make(name: str, **kw) -> torch.nn.Module:
+    """"gpt", "gpt-scaled", or a transformers family ("qwen2-tied": its head tied to the embedding)."""
     from foreign_models import GPT, hf_causal_lm
-    return GPT() if name == "gpt" else hf_causal_lm(name, **kw)
+    if name == "gpt":
+        return GPT()
+    if name == "gpt-scaled":
+        return _ScaledGPT()
+    family, _, tied = name.partition("-")
+    return hf_causal_lm(family, **({"tie_word_embeddings": True} if tied else {}), **kw)
+
+
+def _ScaledGPT() -> torch.nn.Module:
+    """The GPT with a bare parameter of the model itself (outside every part), read by its forward."""
+    from foreign_models import GPT
+
+    class ScaledGPT(GPT):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((1,), 1.5))
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
+            logits, loss = super().forward(idx, targets)
+            return logits * self.scale, loss
+    return ScaledGPT()
 
 
 def _logits(model: torch.nn.Module, x: torch.Tensor, **kw) -> torch.Tensor:
@@ -190,7 +211,7 @@ def _zero_run(name: str, stage: int, data: list, dtype: torch.dtype, rank: int, 
     import zero3 as Z3
     import torch.distributed as dist
     m = _make(name)
-    parts = GPT_PARTS if name == "gpt" else {}
+    parts = GPT_PARTS if name.startswith("gpt") else {}
     opt = Z3.apply_zero(m, stage, None, _optim(dtype), dtype, bucket_mb=0.01, **parts)
     losses = []
     for x, y in data:
@@ -214,7 +235,8 @@ def _zero_rank(rank: int, world: int) -> dict:
     import zero3 as Z3
     out = {}
     data = _data(2)
-    for name, stages in (("llama", (0, 1, 2, 3)), ("gpt", (0, 1, 2, 3)), ("qwen2", (3,)), ("mistral", (3,))):
+    for name, stages in (("llama", (0, 1, 2, 3)), ("gpt", (0, 1, 2, 3)), ("qwen2-tied", (3,)), ("mistral", (3,)),
+                         ("gpt-scaled", (3,))):
         ref_losses, ref_params = _reference(name, data, torch.float32)
         for stage in stages:
             losses, params, units, _ = _zero_run(name, stage, data, torch.float32, rank, world)
@@ -236,22 +258,41 @@ def _zero_rank(rank: int, world: int) -> dict:
                 "differ": (diff > LR / 2).float().mean().item(),  # fraction of weights moved otherwise
                 "moved": _rel(params, ref_init) > 0, "dtypes": [str(params[0].dtype), sorted(masters)]}
     out["error/undescribed"] = _error(lambda: Z3.apply_zero(_make("gpt"), 3, None, P.OptimConfig()))
+    odd = _OddLayers()  # its layer returns an object ZeRO-3 cannot find the output tensor in
+    opt = Z3.apply_zero(odd, 3, None, P.OptimConfig(), layers="layers")
+    out["error/no output tensor"] = _error(lambda: odd(torch.ones(2, 4)))
+    opt.teardown()
     out["error/no layers"] = _error(lambda: Z3.apply_zero(_make("gpt"), 1, None, P.OptimConfig(),
                                                           embed="transformer.wte"))
     return out
 
 
+class _OddLayers(torch.nn.Module):
+    class Layer(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> object:
+            return type("Out", (), {"h": super().forward(x)})()
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.Layer(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x).h
+
+
 def test_dp_and_zero_stages_copied_alone():
-    """dp (stage 0: dp.GradSync) and ZeRO-1/2/3 at dp = 2 on transformers' Llama and the GPT (Qwen2,
-    Mistral at stage 3), fp32 and bf16 + fp32 masters, against the single process; the GPT's learned
-    position embedding is a unit of its own; an undescribed model raises."""
+    """dp (stage 0: dp.GradSync) and ZeRO-1/2/3 at dp = 2 on transformers' Llama and the GPT (Qwen2
+    with a tied head, Mistral: stage 3), fp32 and bf16 + fp32 masters, against the single process;
+    the GPT's learned position embedding is a unit of its own; what ZeRO cannot follow raises."""
     for out in isolated("zero"):
-        for name, stages in (("llama", (0, 1, 2, 3)), ("gpt", (0, 1, 2, 3)), ("qwen2", (3,)), ("mistral", (3,))):
+        for name, stages in (("llama", (0, 1, 2, 3)), ("gpt", (0, 1, 2, 3)), ("qwen2-tied", (3,)),
+                             ("mistral", (3,)), ("gpt-scaled", (3,))):
             for stage in stages:
                 assert out[f"{name}/{stage}/loss"] <= 1e-5 and out[f"{name}/{stage}/params"] <= 1e-5, \
                     (name, stage, out)
         assert out["gpt/units"] == 7  # wte (tied to the head), wpe, 4 layers, ln_f + lm_head
-        assert out["llama/units"] == 6
+        assert out["gpt-scaled/units"] == 8  # + the model's own `scale`
+        assert out["llama/units"] == out["mistral/units"] == out["qwen2-tied/units"] == 6
         for name in ("llama", "gpt"):
             for stage in (0, 1, 2, 3):
                 r = out[f"bf16/{name}/{stage}"]
@@ -259,6 +300,7 @@ def test_dp_and_zero_stages_copied_alone():
                 assert r["dtypes"] == ["torch.bfloat16", ["torch.float32"]]
         assert "name its parts" in out["error/undescribed"]
         assert "layers=" in out["error/no layers"]
+        assert "returned no tensor that requires grad" in out["error/no output tensor"]
 
 
 # ------------------------------------------------------------------------------------- cp.py
