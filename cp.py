@@ -407,7 +407,7 @@ def _swap_sdpa(module: nn.Module, group: Group, where: str) -> None:
 
 
 def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attention_mask: torch.Tensor | None, *, group: Group, dropout: float = 0.0,
+             attention_mask: torch.Tensor | None, *, group: Group, calls: list[int], dropout: float = 0.0,
              scaling: float | None = None, sliding_window: int | None = None,
              **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface (modeling_utils.AttentionInterface): q (B, nh, s, hd),
@@ -429,6 +429,7 @@ def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if bad:
         raise ValueError(f"apply_cp: {type(module).__name__} asks for {', '.join(bad)}; the ring computes "
                          "plain causal attention over the whole sequence only")
+    calls[0] += 1
     y = ring_attention(q, k, v, group, scaling)  # (B, nh, s, hd)
     return y.transpose(1, 2).contiguous(), None
 
@@ -438,8 +439,10 @@ def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 _HF_IGNORED = {"position_ids", "use_cache", "cache_position", "is_causal"}
 
 
-def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, rank: int) -> tuple:
+def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, rank: int,
+                  calls: list[int]) -> tuple:
     """Pre-hook of transformers' backbone (model.model): the global zigzag position ids for RoPE."""
+    calls[0] = 0  # the ring's calls in this forward (_hf_ring counts, _hf_ring_ran checks)
     if kwargs.get("position_ids") is not None:
         raise ValueError("apply_cp: call the model without position_ids: it feeds each token's global "
                          "position itself (packed documents are not supported)")
@@ -452,6 +455,13 @@ def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, ra
     s = x.shape[1]
     kwargs["position_ids"] = shard_sequence(torch.arange(s * cp, device=x.device)[None], cp, rank)  # (1, s)
     return args, kwargs
+
+
+def _hf_ring_ran(backbone: nn.Module, args: tuple, out: object, *, calls: list[int]) -> None:
+    if calls[0] < len(backbone.layers):
+        raise ValueError(f"apply_cp: {calls[0]} of {len(backbone.layers)} attention layers of "
+                         f"{type(backbone).__name__} called transformers' attention interface; the others "
+                         "cannot be replaced by the ring")
 
 
 def _transformers_layout(model: nn.Module) -> bool:
@@ -489,12 +499,15 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
             position_module.register_forward_pre_hook(hook)
     elif _transformers_layout(model):
         if cp > 1:
-            name = f"attotron_ring_{(dist.group.WORLD if cp_group is None else cp_group).group_name}"
+            calls = [0]  # one entry per model: its own count of the ring's calls
+            name = f"attotron_ring_{id(calls)}"
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # only for its models
-            ALL_ATTENTION_FUNCTIONS.register(name, partial(_hf_ring, group=cp_group))
+            ALL_ATTENTION_FUNCTIONS.register(name, partial(_hf_ring, group=cp_group, calls=calls))
             for layer in model.model.layers:
                 layer.self_attn.config._attn_implementation = name  # (one config object, usually)
-            model.model.register_forward_pre_hook(partial(_hf_positions, cp=cp, rank=rank), with_kwargs=True)
+            hook = partial(_hf_positions, cp=cp, rank=rank, calls=calls)
+            model.model.register_forward_pre_hook(hook, with_kwargs=True)
+            model.model.register_forward_hook(partial(_hf_ring_ran, calls=calls))
     elif any(hasattr(m, "attn_fn") for m in model.modules()) and \
             hasattr(getattr(model, "model", None), "rotary_emb"):
         if cp > 1:

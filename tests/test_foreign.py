@@ -347,6 +347,9 @@ def _cp_rank(rank: int, world: int) -> dict:
     out["error/sliding window"] = _error(lambda: _logits(cp_model("mistral", sliding_window=8), xs))
     out["error/position_ids"] = _error(lambda: _logits(cp_model("llama"), xs, position_ids=torch.arange(8)[None]))
     out["error/padding"] = _error(lambda: _logits(cp_model("llama"), xs, attention_mask=torch.zeros_like(xs)))
+    odd = cp_model("llama")  # one layer's attention no longer goes through transformers' interface
+    odd.model.layers[1].self_attn.forward = lambda hidden_states, **kw: (torch.zeros_like(hidden_states), None)
+    out["error/not the interface"] = _error(lambda: _logits(odd, xs))
     out["error/undescribed"] = _error(lambda: C.apply_cp(_make("gpt"), None))
     out["error/no positions"] = _error(lambda: C.apply_cp(_make("gpt"), None, layers="transformer.h",
                                                           attention="attn"))
@@ -369,6 +372,7 @@ def test_cp_copied_alone():
         assert "sliding_window=8" in out["error/sliding window"]
         assert "without position_ids" in out["error/position_ids"]
         assert "attention mask" in out["error/padding"]
+        assert "3 of 4 attention layers" in out["error/not the interface"]
         assert "pass layers=" in out["error/undescribed"]
         assert "positions=" in out["error/no positions"]
         assert "without calling F.scaled_dot_product_attention" in out["error/not sdpa"]
