@@ -11,6 +11,8 @@ Tolerances, and why:
 - fp32, every layout: 1e-5 relative (losses; gradients and parameters relative to the largest one).
   AC reruns the same kernels on the same inputs (measured: bit-identical); dp, ZeRO and CP only sum
   the same terms in another order (2-rank sums, the ring's log-sum-exp merges: measured <= 1e-6).
+  AdamW runs with eps = 1e-5 there (`_optim`: at 1e-8 Adam turns that order noise on a gradient
+  that is ~0 into a step of O(lr)); a wrong gradient (one rank's rows) misses by >= 4e-3.
 - bf16 compute, fp32 master (every ZeRO stage at dp = 2 against the single-process run of the same
   recipe, precision.MixedPrecisionOptimizer): one step. The loss is the fp32 sum of the same
   per-token values (bf16 kernels, row by row): 1e-4. AdamW's first step moves every weight by
