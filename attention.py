@@ -168,22 +168,44 @@ def _varlen_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def window_mask(n: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(n, n) bool, the sliding window within one sequence: query i sees keys i - window < j <= i
+    (transformers' sliding mask; flash's window_size (window - 1, 0))."""
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]  # (n, n) query index - key index
+    return (gap >= 0) & (gap < window)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           docs: Documents | torch.Tensor | None) -> torch.Tensor:
+           docs: Documents | torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """Causal attention within documents. q (B, S, nh, hd), k and v (B, S, nkv, hd), RoPE applied;
     returns (B, S, nh, hd). docs: None (one document per row), Documents, or a dense boolean
-    (B, 1, S, S) mask (the reference path)."""
-    if docs is None or isinstance(docs, torch.Tensor):
-        return _sdpa(q, k, v, docs)
+    (B, 1, S, S) mask (the reference path). window: a sliding window (model.Attention binds its
+    layer's), applied on every path; one at least as long as every document changes nothing."""
     B, S, nh, hd = q.shape
+    if window is not None and window >= (docs.max_len if isinstance(docs, Documents) else S):
+        window = None  # no query reaches past its window: plain causal attention, bit for bit
+    if docs is None or isinstance(docs, torch.Tensor):
+        if window is None:
+            return _sdpa(q, k, v, docs)
+        if docs is None and _varlen_ok(q):  # flash's window, each row one sequence: no S² mask
+            cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)  # (B+1,)
+            y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, S, S,
+                            window_size=(window - 1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
+            return y.view(B, S, nh, hd)
+        band = window_mask(S, window, q.device)  # (S, S), broadcast over rows and heads
+        return _sdpa(q, k, v, band if docs is None else docs & band)
     if _varlen_ok(q):
         cu = docs.cu_seqlens
         y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
-                        docs.max_len, window_size=(-1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
+                        docs.max_len, window_size=(-1, 0) if window is None else (window - 1, 0),
+                        enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
         return y.view(B, S, nh, hd)
     groups, gather, scatter = docs.plan(q.device)
     qs, ks, vs = (t.flatten(0, 1).index_select(0, gather) for t in (q, k, v))  # (slots, heads, hd)
     sizes = [n * lb for n, lb in groups]
-    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts), None).reshape(n * lb, nh, hd)
+    # a group's slots of lb <= window need no band: every real query i < lb sees all its keys
+    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts),
+                None if window is None or lb <= window else window_mask(lb, window, q.device)).reshape(n * lb, nh, hd)
           for (n, lb), *parts in zip(groups, qs.split(sizes), ks.split(sizes), vs.split(sizes))]
     return torch.cat(ys).index_select(0, scatter).view(B, S, nh, hd)  # (B, S, nh, hd)

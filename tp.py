@@ -9,6 +9,8 @@ What it does
       embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
       lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
                                              loss.py's vocab-parallel cross-entropy
+      q_norm, k_norm   ReplicatedRMSNorm     (Qwen3's per-head norms) weight replicated; each rank's
+                                             heads give part of its gradient, all-reduced in backward
     Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
     in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
@@ -325,10 +327,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_region(h, self.group)
 
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """model.RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
-    column-parallel layers after it: (B, S/tp, H) → (B, S, H). The replicated weight sees only this
-    rank's tokens, so it enters through copy_to_region: backward all-reduces its gradient over tp."""
+class ReplicatedRMSNorm(RMSNorm):
+    """model.RMSNorm whose replicated weight meets only this rank's part of the input — Qwen3's
+    per-head q/k norms see this rank's heads; under sequence parallelism a norm sees its S/tp tokens:
+    the weight enters through copy_to_region, so backward all-reduces its gradient over tp."""
 
     def __init__(self, norm: RMSNorm, group: Group):
         with torch.device("meta"):  # like the other new layers; materialize fills it
@@ -336,8 +338,16 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # (B, S/tp, H) as model.RMSNorm
-        return gather_from_sequence_region(y, self.group)  # (B, S, H)
+        return rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # as model.RMSNorm
+
+
+class SequenceParallelRMSNorm(ReplicatedRMSNorm):
+    """model.RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
+    column-parallel layers after it: (B, S/tp, H) → (B, S, H). The replicated weight sees only this
+    rank's tokens, so it enters through copy_to_region: backward all-reduces its gradient over tp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence_region(super().forward(x), self.group)  # (B, S/tp, H) → (B, S, H)
 
 
 def _enter_region(block: nn.Module, args: tuple, *, group: Group) -> tuple:
@@ -422,6 +432,9 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
             old = getattr(parent, name)
             setattr(parent, name, ColumnParallelLinear(old.in_features, old.out_features,
                                                        old.bias is not None, **column))
+        for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
+            if getattr(a, name, None) is not None:
+                setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
         for parent, name in ((a, "o_proj"), (m, "down_proj")):
             old = getattr(parent, name)
             setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
