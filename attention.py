@@ -13,6 +13,9 @@ What it does
       Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
       (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
                                    per layer call; for tests and custom masks, never for training
+    A sliding window (`attend(..., window=W)`, Mistral's: query i sees keys i - W < j <= i) applies on
+    every path: flash's window_size (W - 1, 0) on CUDA (plain rows become one document each); on CPU
+    a (W-band) mask per length group longer than W, or over the row (S², CPU only).
 
 Run
     torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: feed.get_batch builds Documents)
@@ -204,8 +207,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     groups, gather, scatter = docs.plan(q.device)
     qs, ks, vs = (t.flatten(0, 1).index_select(0, gather) for t in (q, k, v))  # (slots, heads, hd)
     sizes = [n * lb for n, lb in groups]
-    # a group's slots of lb <= window need no band: every real query i < lb sees all its keys
-    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts),
-                None if window is None or lb <= window else window_mask(lb, window, q.device)).reshape(n * lb, nh, hd)
+
+    def group_mask(lb: int) -> torch.Tensor | None:  # lb <= window: every real query sees all its keys
+        return None if window is None or lb <= window else window_mask(lb, window, q.device)
+
+    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts), group_mask(lb)).reshape(n * lb, nh, hd)
           for (n, lb), *parts in zip(groups, qs.split(sizes), ks.split(sizes), vs.split(sizes))]
     return torch.cat(ys).index_select(0, scatter).view(B, S, nh, hd)  # (B, S, nh, hd)

@@ -1,15 +1,19 @@
-"""A compact Llama whose parameter names equal transformers' `LlamaForCausalLM`.
+"""A compact Llama, and the families built like it, with transformers' parameter names.
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
     lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
-    spellings); files live in weights.py (`load_config`, `materialize` from safetensors or a seeded
-    init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and ours loads in
-    `AutoModelForCausalLM.from_pretrained`.
+    spellings) of four families, `model_type` llama, qwen2, qwen3 and mistral: one model, with a
+    named switch for each difference (FAMILIES) — q/k/v biases without the o bias (qwen2), a
+    per-head q/k RMSNorm before RoPE (qwen3), a sliding window on the layers that have one (mistral;
+    qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
+    safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
+    ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
-    (SwiGLU); numerics follow transformers/models/llama/modeling_llama.py.
+    (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
+    numerics follow transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
@@ -34,6 +38,8 @@ Invariants
       the cross-entropy over vocabulary chunks with a hand-written backward.
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
+    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
+      and a window shorter than the sequence (tests/test_families.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
@@ -46,7 +52,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -69,15 +75,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False, sliding_window=None, layer_types=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, qk_norm=False, attention_bias=False, mlp_bias=False)),
     "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, mlp_bias=False)),
-    "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
-                                           layer_types=None)),
+    "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False,
+                                           mlp_bias=False, layer_types=None)),
 }
 # transformers' class defaults of the keys a config.json may omit, where they differ by family
 _DEFAULTS = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
     "qwen2": dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768),
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
-    "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=4096),
+    "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
+                    sliding_window=4096),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -175,7 +182,8 @@ class LlamaConfig:
         d = {k: getattr(self, k) for k in keys}
         if self.model_type == "qwen2" and self.head_dim == self.hidden_size // self.num_attention_heads:
             del d["head_dim"]  # not a Qwen2Config field (transformers reads it only where given)
-        d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+        d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default",
+                                **(self.rope_scaling or {})}
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
@@ -185,8 +193,10 @@ class LlamaConfig:
         if self.model_type in ("qwen2", "qwen3"):  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-            d |= {"use_sliding_window": bool(sliding), "sliding_window": self.sliding_window if sliding else None,
-                  "max_window_layers": sliding[0] if sliding else self.num_hidden_layers, "layer_types": types}
+            d |= {"use_sliding_window": bool(sliding),
+                  "sliding_window": self.sliding_window if sliding else None,
+                  "max_window_layers": sliding[0] if sliding else self.num_hidden_layers,
+                  "layer_types": types}
         return {"architectures": [FAMILIES[self.model_type][0]], "model_type": self.model_type,
                 "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": "float32", **d}
 
@@ -214,10 +224,11 @@ class LlamaConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type={self.model_type!r}: not one of {', '.join(map(repr, FAMILIES))}")
-        fixed = [f"{k}={getattr(self, k)!r}" for k, v in FAMILIES[self.model_type][1].items() if getattr(self, k) != v]
+        switches = FAMILIES[self.model_type][1]
+        fixed = [f"{k}={getattr(self, k)!r}" for k, v in switches.items() if getattr(self, k) != v]
         if fixed:
             raise ValueError(f"model_type={self.model_type!r} has {', '.join(fixed)}: the family fixes "
-                             f"{FAMILIES[self.model_type][1]}")
+                             f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
