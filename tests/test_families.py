@@ -14,6 +14,7 @@ saved with save_pretrained; every parameter is perturbed (biases and q/k norms a
 """
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -219,9 +220,9 @@ def test_bad_configs_name_key_and_value():
         "'sliding_window' must be a positive integer or null, got 0": dict(good, sliding_window=0),
     }
     for message, d in cases.items():
-        with pytest.raises(ValueError, match=re_escape(message)):
+        with pytest.raises(ValueError, match=re.escape(message)):
             M.LlamaConfig.from_hf(d)
-    with pytest.raises(ValueError, match=re_escape("model_type='qwen2' has qkv_bias=False")):
+    with pytest.raises(ValueError, match=re.escape("model_type='qwen2' has qkv_bias=False")):
         M.build(dataclasses.replace(M.LlamaConfig.from_hf(good), qkv_bias=False))
     # cp: refused before any work where the window is shorter than the sequence
     mistral = M.LlamaConfig.from_hf(hf_model("mistral").config.to_dict())
@@ -231,9 +232,24 @@ def test_bad_configs_name_key_and_value():
     assert not cli.validate(cli.parse_args(["--cp", "2", "--seq-len", "4"]), mistral, grid)
 
 
-def re_escape(s: str) -> str:
-    import re
-    return re.escape(s)
+def _cp_forward(rank: int, world: int, cfg: M.LlamaConfig, seq: int) -> str:
+    import cp as CP
+    model = W.materialize(M.build(cfg), "cpu", seed=1)
+    CP.apply_cp(model, torch.distributed.group.WORLD)
+    ids = CP.shard_sequence(torch.arange(seq)[None] % 101, world, rank)
+    try:
+        return str(model(ids).shape)
+    except ValueError as e:
+        return str(e)
+
+
+def test_cp_ring_refuses_a_window_shorter_than_the_sequence():
+    """A library caller of cp.apply_cp (no CLI check): the ring raises naming the window; a window
+    no shorter than the sequence masks nothing and runs."""
+    cfg = M.LlamaConfig.from_hf(hf_model("mistral").config.to_dict())
+    got = run_ranks(_cp_forward, 2, cfg, 16)
+    assert all("sliding_window=7" in r and "shorter than the sequence (16 tokens)" in r for r in got), got
+    assert run_ranks(_cp_forward, 2, cfg, 4) == ["torch.Size([1, 2, 101])"] * 2
 
 
 # ----------------------------------------------------------------------------------------- the CLI
