@@ -8,7 +8,8 @@ What it does
     `cu_seqlens`, flash attention's cumulative boundaries over the flattened B·S tokens. `attend` is
     the model's attention (model.Attention.attn_fn, a seam another file may swap, e.g. for ring
     attention):
-      docs None                    plain causal SDPA (unpacked rows)
+      docs None                    plain causal SDPA (unpacked rows; GQA in fp32 on CUDA: k/v
+                                   expanded first, see `expand_kv`)
       Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask at all
       Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
       (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
@@ -29,8 +30,10 @@ Why varlen_attn and not FlexAttention
     varlen_attn takes exactly what packing produces (cu_seqlens, max length), runs the flash kernel
     with GQA and needs no compilation. FlexAttention needs torch.compile to be fast, a BlockMask
     built per batch (O(S²/128²) blocks), and has no CPU backward in torch 2.13.
-    varlen_attn runs only on CUDA with bf16/fp16: that path is untested here (no GPU in CI). It
-    shares everything else — the boundaries, their derivation, the seam — with the tested CPU path.
+    varlen_attn runs only on CUDA with bf16/fp16. No GPU runs in CI: tests/test_cuda_paths.py runs
+    that branch on the meta device under a contract of the kernel's argument rules, and bench/bench_gpu.py
+    checks its numbers on one GPU. It shares everything else — the boundaries, their derivation, the
+    seam — with the tested CPU path.
 
 The CPU path: length groups
     Each document's length L is rounded up to a bucket Lb (`bucket`), documents of one
@@ -159,16 +162,33 @@ class Documents:
         return self._plans[device]
 
 
+# --- the kernel decisions: one small predicate each, so that tests/cuda_contract.py can point them
+# at the meta device and run the CUDA branches (with their autograd) on a CPU-only machine
+def use_varlen(q: torch.Tensor) -> bool:
+    """Packed documents through varlen_attn (flash: CUDA, fp16/bf16 only)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def expand_kv(q: torch.Tensor) -> bool:
+    """GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half precision
+    only, and torch 2.13's memory-efficient kernel (fp32) does not take enable_gqa (cuda/sdp_utils.cpp
+    can_use_mem_efficient_attention: check_batch_size_and_num_heads_dense without GQA support; pytorch
+    PR 191085 adds it later): SDPA would fall back to its math backend, which saves (B, nh, S, S)
+    fp32 probabilities per layer. Expanded, the efficient kernel runs: 2·(nh − nkv)·hd more
+    elements per token saved, nothing S²-sized."""
+    return q.is_cuda and q.dtype == torch.float32
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on (b, s, heads, hd) tensors (views, no copies): causal, or under a boolean mask."""
+    gqa = q.shape[2] != k.shape[2]
+    if gqa and expand_kv(q):
+        k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))  # (b, s, nh, hd)
+        gqa = False
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, is_causal=mask is None,
-                                       enable_gqa=q.shape[2] != k.shape[2])  # (b, nh, s, hd)
+                                       enable_gqa=gqa)  # (b, nh, s, hd)
     return y.transpose(1, 2)  # (b, s, nh, hd)
-
-
-def _varlen_ok(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def window_mask(n: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -191,14 +211,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if docs is None or isinstance(docs, torch.Tensor):
         if window is None:
             return _sdpa(q, k, v, docs)
-        if docs is None and _varlen_ok(q):  # flash's window, each row one sequence: no S² mask
+        if docs is None and use_varlen(q):  # flash's window, each row one sequence: no S² mask
             cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)  # (B+1,)
             y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, S, S,
                             window_size=(window - 1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
             return y.view(B, S, nh, hd)
         band = window_mask(S, window, q.device)  # (S, S), broadcast over rows and heads
         return _sdpa(q, k, v, band if docs is None else docs & band)
-    if _varlen_ok(q):
+    if use_varlen(q):
         cu = docs.cu_seqlens
         y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
                         docs.max_len, window_size=(-1, 0) if window is None else (window - 1, 0),

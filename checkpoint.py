@@ -60,7 +60,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -212,14 +212,16 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: LlamaConfig,
                     shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
-                    group: dist.ProcessGroup | None = None, keep: int | None = None) -> Path:
+                    group: dist.ProcessGroup | None = None, keep: int | None = None,
+                    guard: Callable[[], None] | None = None) -> Path:
     """Write `<ckpt_dir>/step_<step>` atomically; every rank of `group` (default: all) calls it.
     opt: precision.MixedPrecisionOptimizer or a zero.py/zero3.py optimizer (any stage); shards: apply_tp's
     map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank; group: the
     ranks' coordination (see `exchange`: give it a long timeout); keep: the lead then prunes to the
     newest `keep` checkpoints up to this step, while the others wait in `group`, not in a compute
-    collective. Each tensor streams from the device to its file on its own (no copy of the rank's
-    share). Any rank's failure (a full disk...) raises the same OSError on every rank, after the
+    collective. guard: run by the lead before it writes anything (train.py: "this run still holds
+    the folder's lock"); its OSError stops every rank like a full disk. Each tensor streams from
+    the device to its file on its own (no copy of the rank's share). Any rank's failure (a full disk...) raises the same OSError on every rank, after the
     partial `.tmp` folder is removed. Returns the final path."""
     _check_layout(layout, group)
     if step < 0:
@@ -234,6 +236,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
     report: dict[str, Any] = {"rank": layout.rank, "error": None}
     if lead:
         try:
+            if guard is not None:
+                guard()
             shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this step
             tmp.mkdir(parents=True)
         except OSError as e:

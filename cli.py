@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -143,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--bucket-mb", type=float, default=25.0, help="gradient bucket size for dp / ZeRO-1/2 (MB)")
     a("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
       help="dtype of gradient accumulation over micro-batches and of dp/ZeRO reductions; bf16 halves "
-           "their bytes but loses precision (README: measured error)")
+           "their bytes but loses precision (docs/benchmarks.md: measured error)")
     a("--prefetch", type=int, default=1, help="ZeRO-3: units all-gathered ahead of use")
     a("--ac", action="store_true", help="activation checkpointing (selective unless --ac-mode)")
     a("--ac-mode", default=None, choices=["full", "selective"], help="implies --ac")
@@ -364,13 +365,24 @@ def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
-# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it;
-# the first key found in the name wins (so "H100 PCIe" before "H100", "GH200" before "H200").
+# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it
+# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GB200"). A key matches whole words of the
+# name (so "L4" is not "NVIDIA L40", nor "B200" "NVIDIA GB200"); the longest matching key wins (so
+# "H100 PCIe" over "H100"): `gpu_peak`.
 GPU_PEAK_TFLOPS = {
     "A100": (312, 156), "A800": (312, 156), "H100 PCIe": (756, 378), "H100 NVL": (835, 418),
-    "H100": (989, 495), "H800": (989, 495), "GH200": (989, 495), "H200 NVL": (835, 418),
-    "H200": (989, 495), "B200": (2250, 1100), "L40S": (362, 183), "L4": (121, 60), "MI300X": (1307, 654),
+    "H100": (989, 495), "H800 PCIe": (756, 378), "H800": (989, 495), "GH200": (989, 495),
+    "H200 NVL": (835, 418), "H200": (989, 495), "B200": (2250, 1100), "GB200": (2500, 1250),
+    "L40S": (362, 183), "L40": (181, 90), "L4": (121, 60), "MI300X": (1307, 654),
 }
+
+
+def gpu_peak(name: str) -> tuple[float, float] | None:
+    """(bf16, tf32) dense peak TFLOP/s of the GPU called `name`, or None if not in GPU_PEAK_TFLOPS."""
+    words = re.findall(r"[a-z0-9]+", name.lower())  # "NVIDIA A100-SXM4-80GB" → nvidia a100 sxm4 80gb
+    found = [k for k in GPU_PEAK_TFLOPS if any(words[i:i + len(k.split())] == k.lower().split()
+                                                 for i in range(len(words)))]
+    return GPU_PEAK_TFLOPS[max(found, key=len)] if found else None
 
 
 def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
@@ -380,8 +392,7 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
         return args.peak_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    found = next((v for k, v in GPU_PEAK_TFLOPS.items() if k.lower() in name.lower()), None)
+    found = gpu_peak(torch.cuda.get_device_name(device))
     return None if found is None else found[args.dtype != "bf16"] * 1e12
 
 
@@ -391,7 +402,11 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
     if args.dtype == "auto":
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     if device.type == "cuda" and args.dtype == "fp32":
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.fp32_precision = "tf32"
+        # one API that every reader agrees with: the legacy setter sets the new per-backend state
+        # too (cuda.matmul.fp32_precision reads "tf32"), while setting only the new one makes every
+        # legacy reader — torch.get_float32_matmul_precision, torch._C._get_cublas_allow_tf32 (read
+        # by torch._dynamo) — raise "mix of the legacy and new APIs". cuDNN (convolutions only)
+        # keeps its default, TF32 on.
+        torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype

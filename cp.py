@@ -145,10 +145,16 @@ def _math_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ do
 
 
+def use_flash(q: torch.Tensor) -> bool:
+    """The CUDA flash kernel for a block (fp16/bf16 only). A predicate of its own so that
+    tests/cuda_contract.py can point it at the meta device and run this branch on CPU."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+
 def _fused(q: torch.Tensor) -> str | None:
     if q.device.type == "cpu":
         return "cpu"
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+    if use_flash(q):
         return "cuda"
     return None
 
@@ -173,11 +179,12 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     if kind == "cuda":
-        empty = torch.empty(0, dtype=torch.int32, device=q.device)  # no cumulative lengths: dense batch
+        # cum_seq None, not empty tensors: a defined one selects the kernel's varlen branch. lse is
+        # read through its data pointer as (B, h, n) contiguous: a chunk of the merged l is a view.
         seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unused
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed,
-            scale=scale)
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+            seed, seed, scale=scale)
     return _math_block_backward(dout, q, k, v, out, lse, causal, scale)
 
 

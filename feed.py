@@ -9,6 +9,7 @@ What it does
     load_val, val_loss         the held-out split and its loss, forward only through the same
                                pipeline, tp and ZeRO code as training, normalized like its loss
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
+    evaluate                   exact-match accuracy of greedy answers (model.generate) on sft chats
     prepared_once              the pattern both use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
                                tokens, packed rows' document boundaries, pinned memory on CUDA
@@ -45,7 +46,7 @@ import json
 import queue
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -213,6 +214,35 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
 
 
 # ------------------------------------------------------------------------------------------ batches
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversation],
+             max_new_tokens: int = 8, batch_size: int = 64, template: sft.ChatTemplate | None = None) -> float:
+    """Exact-match accuracy of greedy answers (model.generate) over every assistant turn of eval_set,
+    the earlier turns given as the reference chat. Prompts of equal length are batched together
+    (generate takes no padding); an answer must end with end_id within max_new_tokens."""
+    tpl = template or sft.chat_template(tokenizer)
+    device = next(model.parameters()).device
+    prompts, golds = [], []
+    for turns in eval_set:
+        for k, t in enumerate(turns):
+            if t["role"] == "assistant":
+                prompts.append(tpl.render(turns[:k], True))
+                golds.append(t["content"].strip())
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    correct = 0
+    for n, idx in sorted(by_len.items()):
+        for j in range(0, len(idx), batch_size):
+            chunk = idx[j:j + batch_size]
+            x = torch.tensor([prompts[i] for i in chunk], device=device)  # (b, n)
+            out = M.generate(model, x, max_new_tokens, tpl.end_id)[:, n:].tolist()  # (b, <= max_new)
+            for i, new in zip(chunk, out):
+                if tpl.end_id in new:
+                    correct += tpl.decode(new[:new.index(tpl.end_id)]).strip() == golds[i]
+    return correct / max(len(prompts), 1)
+
+
 def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
                grid: G.Grid) -> list[dict]:
     """This rank's rows as micro-batches of (b, S) host tensors: input_ids, labels (already shifted)
@@ -232,9 +262,20 @@ def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_ba
     for mb in micro:
         if "position_ids" in mb:
             mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], "cpu")
-    if grid.device.type == "cuda":
-        micro = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro]
+    if pin_batches(grid.device):  # contiguous first: pin_memory keeps strides, and a strided
+        # pinned tensor's non_blocking copy goes through a pageable temporary (the host waits)
+        micro = [{k: _pinned(v) for k, v in mb.items()} for mb in micro]
     return micro
+
+
+def _pinned(v: torch.Tensor | M.Documents) -> torch.Tensor | M.Documents:
+    return v.contiguous().pin_memory() if isinstance(v, torch.Tensor) else v.pin_memory()
+
+
+def pin_batches(device: torch.device) -> bool:
+    """Host batches in pinned memory, so that their non_blocking copies to `device` do not block
+    (CUDA). A predicate so that tests/cuda_contract.py can point it at the meta device."""
+    return device.type == "cuda"
 
 
 def to_device(micro: list[dict], device: torch.device) -> list[dict]:

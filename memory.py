@@ -23,8 +23,9 @@ What it does
 
     CPU (why it is exact): c10's CPU allocator (`DefaultCPUAllocator`) reports every block it hands
     out or takes back to `ProfiledCPUMemoryReporter`. With c10's flag `caffe2_report_cpu_memory_usage`
-    set (importing this file sets it, through ctypes in libc10: a mutex and a hash-table entry per
-    CPU allocation from then on) the reporter keeps a table
+    set (the first CPU meter sets it, through ctypes in libc10: a mutex and a hash-table entry per
+    CPU allocation from then on; a CUDA run, whose meter reads the caching allocator, never sets it;
+    make the meter early: train.py does, before data) the reporter keeps a table
     pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
     ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator or
     user-scope events: see _CPUSession); every allocation on a thread carrying the profiler's state
@@ -40,7 +41,8 @@ What it does
     over-count forever; the flag makes those frees count (tests/test_memory.py shows both).
 
     What it does not see (CPU): blocks allocated before the flag was set (neither their allocation
-    nor their free is counted: live bytes are "allocated since this file was imported"), memory that is
+    nor their free is counted: live bytes are "allocated since the first CPU meter was made"; c10
+    warns, once per 1000 such frees), memory that is
     not a tensor block of c10's CPU allocator (Python objects, gloo/MKL internal buffers, numpy and
     memmapped data), and the allocator's overhead (malloc headers, fragmentation: RSS is larger). A
     rise on a thread without the profiler state shows at the next event. If the flag cannot be set
@@ -106,10 +108,6 @@ def exact_cpu_accounting() -> bool:
                 continue
         _FLAG.append(ok)
     return _FLAG[0]
-
-
-exact_cpu_accounting()  # at import, so that (nearly) every block is counted: c10 warns when it
-# frees a block allocated before the accounting started (once per 1000 such frees)
 
 
 class _CPUSession:

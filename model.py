@@ -534,7 +534,7 @@ def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., t
     return attn
 
 
-def compile_layers(model: Llama, **options) -> None:
+def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
     """torch.compile each decoder layer's forward (torchtitan does the same): inductor fuses the
     elementwise ops between the matmuls (norms, RoPE, SwiGLU, residual adds) and their backward.
     What runs inside the layer's `__call__` but outside its forward stays eager: hooks on the layer
@@ -543,10 +543,18 @@ def compile_layers(model: Llama, **options) -> None:
     Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac (the layer's
     checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
     own policy path), before the optimizer. Layers of one shape share one compiled graph (the
-    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one."""
-    for layer in model.model.layers.values():
-        layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
+    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
+    Returns the layers left eager: a checkpointed layer whose attention runs eagerly (`packed` rows,
+    i.e. Documents, or another attn_fn such as cp.py's ring) would break the graph inside the
+    checkpoint, and dynamo then runs the whole checkpoint eagerly — compiling it would only add
+    tracing; the caller says so in its log (train.py)."""
+    eager = []
+    for name, layer in model.model.layers.items():
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
+        if own is not None and (packed or layer.self_attn.attn_fn is not attend):
+            eager.append(name)
+            continue
+        layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
         if own is not None:
             fn = torch.compile(own, **options)
             forward = functools.wraps(own)(lambda *args, fn=fn, **kwargs: fn(*args, **kwargs))
@@ -555,6 +563,7 @@ def compile_layers(model: Llama, **options) -> None:
             forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
         forward.compiled = True
         layer.forward = forward
+    return eager
 
 
 # ----------------------------------------------------------------------------------------- weights

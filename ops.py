@@ -49,6 +49,12 @@ def wanted_grads(ctx, n: int) -> tuple[bool, ...]:
         return tuple(ctx.needs_input_grad[:n])
 
 
+def use_fused_rms_backward(x: torch.Tensor) -> bool:
+    """aten's one-kernel RMSNorm backward (CUDA); elsewhere the formula in RMSNormFunction. A
+    predicate of its own so that tests/cuda_contract.py can point it at the meta device."""
+    return x.is_cuda
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = w · x / rms(x), in fp32 (as HF), by aten's fused RMSNorm: forward and backward one kernel
     each on CUDA (HF's ops on CPU, where the backward is the formula below). Keeps x, w and the
@@ -64,7 +70,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
         want_x, want_w = wanted_grads(ctx, 2)
-        if x.is_cuda:
+        if use_fused_rms_backward(x):
             gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight,
                                                              [want_x, want_w])
             return gx, gw, None

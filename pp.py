@@ -9,6 +9,24 @@ What it does
     simulates them; `run_pipeline` executes one rank's list on the pp group.
         python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
 
+The stage: what it receives and returns
+    `split_stage` returns a module called as stage(x, labels=None, reduction="sum", **kwargs):
+      x       stage 0: token ids (B, S); any other stage: the previous one's hidden states (B, S, H)
+      kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
+      returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
+              (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
+    attotron's Llama is its own stage (its forward skips the parts a stage lacks). transformers'
+    decoders and models named by `Parts(embed, layers, norm, head, positions)` become a `Stage`:
+    the model's own modules under their own names, the layers it owns kept at their global index
+    (OwnedLayers). On transformers' models the stage runs their base model's forward (masks, rotary
+    embeddings, keyword calls; its ModelOutput's last_hidden_state); on a described model it runs
+    embed(x) + positions(position ids), then layer(h) for each layer, then norm. The last stage's
+    loss is `loss_fn(logits, labels, reduction)`: the user's (a GPT's own loss), by default
+    `token_loss`, the fp32 cross-entropy over labels aligned with the logits (-100 ignored).
+    A Stage equals the single-process model, 1f1b and zb, with tp inside too, on transformers'
+    Llama and a GPT (tests/test_foreign_tp_pp.py); what it cannot run (v > 1, a model without
+    a description) raises.
+
 Reference
     Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
     on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B, the tied-embedding group); Qi et al.
@@ -69,7 +87,8 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import defaultdict
-from typing import Callable, ContextManager, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -129,9 +148,139 @@ def default_microbatches(schedule: str, pp: int, rows: int) -> int:
     return max(k for k in range(1, min(want, rows) + 1) if rows % k == 0)
 
 
-def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Sequence[range]) -> nn.Module:
-    """Keep only what rank `stage` owns, in place, on a META-built model (before apply_tp/materialize):
-    with p·v layer ranges, virtual stages stage, stage + p, ... (v chunks)."""
+@dataclass
+class Parts:
+    """Where a model keeps its parts, as dotted attribute paths, for split_stage: the first stage runs
+    embed (+ positions: a learned table of position ids added to it, GPT's wpe), every stage its
+    layers (an nn.ModuleList, each called as layer(h)), the last norm and head."""
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    norm: str | None = "model.norm"
+    head: str = "lm_head"
+    positions: str | None = None
+
+
+def _get(root: nn.Module, path: str | None, missing: Any = AttributeError) -> Any:
+    """The attribute at a dotted path; None where the path (or a part of it) is None. A path that
+    does not exist raises, unless `missing` is given (then returned)."""
+    obj = root
+    for name in (path.split(".") if path else [None]):
+        if obj is not None and name is not None and not hasattr(obj, name):
+            if missing is AttributeError:
+                raise AttributeError(f"{type(root).__name__} has no {path!r} ({name!r} missing)")
+            return missing
+        obj = None if obj is None or name is None else getattr(obj, name)
+    return obj
+
+
+def _set(root: nn.Module, path: str, value: Any) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, value)
+
+
+def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Sequence[range],
+                parts: Parts | None = None, loss_fn: Callable[..., torch.Tensor] | None = None) -> nn.Module:
+    """Keep only what rank `stage` owns, in place, and return the stage (see "The stage" above).
+    attotron's Llama, META-built (before apply_tp/materialize): the model itself, with p·v layer
+    ranges, virtual stages stage, stage + p, ... (v chunks). transformers' decoders (parts None) and
+    models described by `parts`, meta or materialized: a `Stage`, one range per stage (v = 1).
+    loss_fn(logits, labels, reduction): the last stage's loss (default `token_loss`)."""
+    if parts is None and isinstance(_get(model, "model.layers", None), nn.ModuleDict):
+        return _split_llama(model, stage, num_stages, layer_ranges)
+    hf = parts is None
+    if hf and not (isinstance(_get(model, "model.layers", None), nn.ModuleList) and hasattr(model, "lm_head")):
+        raise ValueError(f"split_stage: {type(model).__name__} is neither attotron's Llama nor a transformers "
+                         f"decoder (model.model.layers, lm_head); pass parts=pp.Parts(embed=..., layers=..., "
+                         f"norm=..., head=..., positions=...) and loss_fn")
+    parts = parts or Parts()
+    layers = _get(model, parts.layers)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"split_stage: {parts.layers} must be an nn.ModuleList, got {type(layers).__name__}")
+    if not 0 <= stage < num_stages or len(layer_ranges) != num_stages:
+        raise ValueError(f"stage {stage} of {num_stages} with {len(layer_ranges)} layer ranges (virtual stages, "
+                         f"v > 1, need attotron's Llama)")
+    if [i for r in layer_ranges for i in r] != list(range(len(layers))):
+        raise ValueError(f"layer ranges {list(layer_ranges)} do not cover the model's {len(layers)} layers in order")
+    first, last = stage == 0, stage == num_stages - 1
+    embed, head = _get(model, parts.embed), _get(model, parts.head)
+    hidden, tied = embed.embedding_dim, head.weight is embed.weight
+    owned = {str(i): layers[i] for i in layer_ranges[stage]}
+    _set(model, parts.layers, OwnedLayers(owned))
+    if hf and getattr(model.config, "layer_types", None):
+        # transformers' forward picks each layer's mask by its index among the layers it runs
+        base = _get(model, parts.layers.rpartition(".")[0])
+        base.config = copy.copy(base.config)
+        base.config.layer_types = [model.config.layer_types[int(i)] for i in owned]
+    if last and not first and tied:  # the last stage's own copy of the embedding (tied_copy)
+        head.weight = nn.Parameter(head.weight.detach().clone())
+    if not first:
+        _set(model, parts.embed, None)
+        if parts.positions:
+            _set(model, parts.positions, None)
+    if not last:
+        _set(model, parts.head, None)
+        if parts.norm:  # transformers' forward calls its norm: make it the identity
+            _set(model, parts.norm, nn.Identity() if hf else None)
+    return Stage(model, parts, first, last, hidden, loss_fn or token_loss, tied, hf)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+    """A Stage's default loss: fp32 token cross-entropy, labels aligned with the logits (already
+    shifted: labels[t] is the token after input[t]), -100 ignored."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100,
+                                             reduction=reduction)  # (F is the forward action here)
+
+
+class OwnedLayers(nn.ModuleList):
+    """A stage's layers under their global indices (names stay the model's: `model.layers.5.…`).
+    It iterates and slices as a ModuleList, so transformers' own forward runs it."""
+
+    def __init__(self, layers: dict[str, nn.Module] | Sequence[nn.Module] = ()):
+        super().__init__()
+        for i, layer in (layers.items() if isinstance(layers, dict) else enumerate(layers)):
+            self.add_module(str(i), layer)
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a model attotron did not write. It holds the model's own top-level
+    modules (parameter names and objects are the model's) and runs this stage's share of it."""
+
+    def __init__(self, model: nn.Module, parts: Parts, first: bool, last: bool, hidden_size: int,
+                 loss_fn: Callable[..., torch.Tensor], tied: bool, hf: bool):
+        super().__init__()
+        self._modules.update(model._modules)  # the same modules under the same names
+        self.config = getattr(model, "config", None)
+        self.parts, self.first, self.last, self.hidden_size = parts, first, last, hidden_size
+        self.loss_fn, self.tied, self.hf = loss_fn, tied, hf
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "sum",
+                position_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        p = self.parts
+        if self.hf:  # transformers' own forward: masks, rotary embeddings, keyword calls
+            base = _get(self, p.layers.rpartition(".")[0])
+            inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+            h = base(**inputs, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
+        else:
+            if kwargs:
+                raise TypeError(f"Stage.forward: {sorted(kwargs)} are not inputs of a described model")
+            h = x
+            if self.first:
+                h = _get(self, p.embed)(x)  # (B, S, H)
+                if p.positions:
+                    pos = torch.arange(x.shape[1], device=x.device) if position_ids is None else position_ids
+                    h = h + _get(self, p.positions)(pos)  # learned positions, (S, H) or (B, S, H)
+            for layer in _get(self, p.layers):
+                h = layer(h)  # (B, S, H)
+            if self.last and p.norm:
+                h = _get(self, p.norm)(h)
+        if not self.last:
+            return h  # (B, S, H)
+        logits = _get(self, p.head)(h)  # (B, S, V)
+        return logits if labels is None else self.loss_fn(logits, labels, reduction)
+
+
+def _split_llama(model: nn.Module, stage: int, num_stages: int, layer_ranges: Sequence[range]) -> nn.Module:
+    """split_stage for attotron's Llama."""
     layers = model.model.layers  # nn.ModuleDict keyed by global layer index
     if not 0 <= stage < num_stages or len(layer_ranges) % num_stages:
         raise ValueError(f"stage {stage} of {num_stages} with {len(layer_ranges)} layer ranges")
@@ -180,8 +329,11 @@ def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, nu
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
     """This stage's copy of an embedding tied across the first and last stage (the embedding on the
     first stage, `lm_head.weight` on the last); None when untied, pp == 1 or a middle stage."""
-    emb, head = model.model.embed_tokens, model.lm_head
-    if not model.config.tie_word_embeddings or (emb is None) == (head is None):
+    if isinstance(model, Stage):
+        emb, head, tied = _get(model, model.parts.embed), _get(model, model.parts.head), model.tied
+    else:
+        emb, head, tied = model.model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
+    if not tied or (emb is None) == (head is None):
         return None
     return emb.weight if emb is not None else head.weight
 
@@ -189,7 +341,8 @@ def tied_copy(model: nn.Module) -> nn.Parameter | None:
 def norm_counted(model: nn.Module) -> Callable[[str], bool]:
     """`counted` for MixedPrecisionOptimizer: the last stage's tied copy (`lm_head.weight`) holds the
     same gradient as the first stage's embedding after sync_tied_grads; count it once, there."""
-    skip = "lm_head.weight" if tied_copy(model) is not None and model.lm_head is not None else None
+    head = model.parts.head if isinstance(model, Stage) else "lm_head"
+    skip = f"{head}.weight" if tied_copy(model) is not None and _get(model, head) is not None else None
     return lambda name: name != skip
 
 
@@ -208,12 +361,11 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     on other stages. Summing is linear, so it may run before or after a dp all-reduce, but it needs
     the FULL .grad: call it after run_pipeline (and plain dp's finish()), before the step. ZeRO 1-3
     keep only a shard of it: there, `zero3.apply_zero(..., tied=tied_copy(model), embed_group=...)`
-    sums the owned pieces inside its step instead (and does so for plain dp too)."""
+    sums the owned pieces inside its step instead (and does so for plain dp too). embed_group: the
+    2 ranks holding the copies (tied_embedding_ranks); None is the default group, as in torch.distributed."""
     w = tied_copy(model)
     if w is None:
         return
-    if embed_group is None:
-        raise ValueError("tied embeddings with pp > 1 need the embedding group (tied_embedding_ranks)")
     if w.grad is None:
         w.grad = torch.zeros_like(w)
     dist.all_reduce(w.grad, group=embed_group)
@@ -338,6 +490,15 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: di
                          f"{rows}; all pp peers must be given the same micro-batches")
 
 
+def _hidden_size(chunk: nn.Module) -> int:
+    return chunk.hidden_size if isinstance(chunk, Stage) else chunk.config.hidden_size
+
+
+def _embedding(chunk: nn.Module) -> nn.Module:
+    """The token embedding of a first stage, whose output zb cuts off as the chunk's input leaf."""
+    return _get(chunk, chunk.parts.embed) if isinstance(chunk, Stage) else chunk.model.embed_tokens
+
+
 def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
                  microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
                  step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
@@ -369,7 +530,7 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
                 param.device if check_group is None else torch.device("cpu"), seq_shards)
     rows, seq = microbatches[0]["input_ids"].shape
-    act_shape = (rows, seq // seq_shards, chunks[0].config.hidden_size)  # (B, S/seq_shards, H)
+    act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
     first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
     last = lambda c: c * n + stage == n * v - 1  # noqa: E731  the last one: loss out
     split = any(isinstance(a, Action) and a.kind == W for a in actions)
@@ -404,7 +565,7 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             embeds[key], inputs[key] = out, out.detach().requires_grad_()
             return inputs[key]
-        handle = chunk.model.embed_tokens.register_forward_hook(hook)
+        handle = _embedding(chunk).register_forward_hook(hook)
         try:
             yield
         finally:
@@ -456,7 +617,7 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
             if not first(a.chunk):
                 in_grads[key] = dx
             elif split:
-                embeds[key] = (embeds[key], dx, list(c.model.embed_tokens.parameters()))
+                embeds[key] = (embeds[key], dx, list(_embedding(c).parameters()))
         else:  # W
             with deferred(k), timed(a):
                 backward_weight(pending.pop(key), embeds.pop(key, None))

@@ -85,6 +85,12 @@ def normalized_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor | int) ->
     return loss_sum / max(int(step_targets), 1)
 
 
+def use_fused_adamw(t: torch.Tensor) -> bool:
+    """AdamW's fused kernel (one launch per chunk, no temporaries) on CUDA; the CPU default loop
+    elsewhere (module docstring). A predicate so that tests/cuda_contract.py can point it at meta."""
+    return t.is_cuda
+
+
 class MixedPrecisionOptimizer:
     """fp32-master AdamW over `named_params` (name → compute parameter, each appearing once).
 
@@ -104,10 +110,10 @@ class MixedPrecisionOptimizer:
             p.data = p.data.to(dtype)
         decay = [m for m, n, p in zip(self.master, self.names, self.params) if decays(n, p)]
         rest = [m for m, n, p in zip(self.master, self.names, self.params) if not decays(n, p)]
-        cuda = bool(self.master) and self.master[0].is_cuda  # fused: one kernel, no temporaries
+        fused = bool(self.master) and use_fused_adamw(self.master[0])  # one kernel, no temporaries
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=cuda or None)
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
     # ---- the seam (see module docstring) --------------------------------------------------------
     def _make_master(self) -> list[torch.Tensor]:

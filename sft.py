@@ -15,8 +15,8 @@ What it does
        position_ids and labels; `report()` prints fill efficiency against the lower bound
        ceil(tokens / seq_len) and against padding (one conversation per row, `packing="none"`).
     4. `arithmetic_chats` is the embedded default set (deterministic multi-turn arithmetic chats, held-out
-       questions disjoint from training ones); `evaluate` greedily answers held-out questions with
-       model.generate and returns exact-match accuracy.
+       questions disjoint from training ones); feed.evaluate greedily answers the held-out questions
+       with model.generate and returns exact-match accuracy (it lives where the model is).
 
 Shifted labels and packing (the invariants)
     A conversation (a sample) renders to ids[0..L-1]; the model consumes ids[:-1] (L-1 positions) and
@@ -33,7 +33,7 @@ Shifted labels and packing (the invariants)
 Run
     torchrun --nproc_per_node 1 train.py --sft --packing ffd --eval-every 50
 
-Builds on: chat.py (templates and masks), model.py (generate)
+Builds on: chat.py (templates and masks)
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ import os
 import random
 import time
 from array import array
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -55,7 +54,6 @@ from tqdm import tqdm
 
 from chat import (ChatTemplate, Conversation, builtin_template, chat_template,  # noqa: F401 (API)
                   tokenize_conversation, tokenize_samples)
-from model import generate
 
 IGNORE_INDEX = -100
 # the default set packs to 99.5% fill at 1024 (98.8% at 512: its shortest chats are ~40 tokens long)
@@ -396,32 +394,3 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 200, max_operand: int =
                       {"role": "assistant", "content": str(value)}]
         return turns
     return [chat(rng.choice(seen)) for _ in range(n_train)], [chat(k) for k in held_out]
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[Conversation],
-             max_new_tokens: int = 8, batch_size: int = 64, template: ChatTemplate | None = None) -> float:
-    """Exact-match accuracy of greedy answers (model.generate) over every assistant turn of eval_set,
-    the earlier turns given as the reference chat. Prompts of equal length are batched together
-    (generate takes no padding); an answer must end with end_id within max_new_tokens."""
-    tpl = template or chat_template(tokenizer)
-    device = next(model.parameters()).device
-    prompts, golds = [], []
-    for turns in eval_set:
-        for k, t in enumerate(turns):
-            if t["role"] == "assistant":
-                prompts.append(tpl.render(turns[:k], True))
-                golds.append(t["content"].strip())
-    by_len = defaultdict(list)
-    for i, p in enumerate(prompts):
-        by_len[len(p)].append(i)
-    correct = 0
-    for n, idx in sorted(by_len.items()):
-        for j in range(0, len(idx), batch_size):
-            chunk = idx[j:j + batch_size]
-            x = torch.tensor([prompts[i] for i in chunk], device=device)  # (b, n)
-            out = generate(model, x, max_new_tokens, tpl.end_id)[:, n:].tolist()  # (b, <= max_new)
-            for i, new in zip(chunk, out):
-                if tpl.end_id in new:
-                    correct += tpl.decode(new[:new.index(tpl.end_id)]).strip() == golds[i]
-    return correct / max(len(prompts), 1)

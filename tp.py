@@ -1,16 +1,23 @@
 """Tensor parallelism (Megatron-style): every projection split across the ranks of a tp group.
 
 What it does
-    `apply_tp(model, tp_group)` rewrites a meta-device `Llama` in place so that each of the tp ranks
-    holds 1/tp of every matrix and the ranks together compute exactly the single-process model:
-      q/k/v, gate/up   ColumnParallelLinear  weight rows (output features) split; output stays split
-      o, down          RowParallelLinear     weight columns (input features) split; partial sums are
-                                             all-reduced, then the (replicated) bias is added once
-      embed_tokens     VocabParallelEmbedding  vocab rows split; ids outside the slice give 0, all-reduce
-      lm_head          ColumnParallelLinear  vocab rows split; logits stay vocab-sharded, the loss is
-                                             loss.py's vocab-parallel cross-entropy
-      q_norm, k_norm   ReplicatedRMSNorm     (Qwen3's per-head norms) weight replicated; each rank's
-                                             heads give part of its gradient, all-reduced in backward
+    `apply_tp(model, tp_group, parts=None)` rewrites a model in place so that each of the tp ranks
+    holds 1/tp of every matrix and the ranks together compute exactly the single-process model.
+    The layer plan is data, {module path inside each layer: style} (`LLAMA_PLAN`, `Parts.plan`):
+      "colwise"  ColumnParallelLinear  weight rows (output features) split; output stays split
+      Fused(..)  ColumnParallelLinear  a fused q/k/v (GPT's c_attn): each part split alone, by heads
+      "rowwise"  RowParallelLinear     weight columns (input features) split; partial sums are
+                                       all-reduced, then the (replicated) bias is added once
+    and outside the layers: the embedding VocabParallelEmbedding (vocab rows split; ids outside the
+    slice give 0, all-reduce), the head vocab-split too. Three kinds of model:
+      attotron's Llama        on the meta device; logits stay vocab-sharded, the loss is loss.py's
+                              vocab-parallel cross-entropy (the model's loss_fn seam)
+      transformers' decoders  Llama, Qwen2 (its q/k/v biases split with their rows), Mistral, ...: the
+                              plan from their own `config.base_model_tp_plan`; meta or materialized
+      any other model         `Parts(embed=, layers=, head=, plan=, heads=)`: dotted paths and the plan
+    Those two gather the head's logits (VocabParallelHead), so the model's own loss runs unchanged.
+    Qwen3's per-head q/k norms (attotron's Llama) become ReplicatedRMSNorm: the weight replicated, its
+    gradient all-reduced over tp (each rank's heads give part of it).
     Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
     in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
@@ -23,15 +30,17 @@ What it does
       backward  2 all-reduces: one per column GROUP — a pre-hook on self_attn / mlp enters the block's
                 input into the region once (`_enter_region`), so autograd first sums the partial input
                 gradients of q, k, v (gate, up) and the sum is all-reduced once, as Megatron's fused
-                qkv / fc1 weights would; a copy per column layer would make it 5
+                qkv / fc1 weights would; a copy per column layer would make it 5 (as on other models:
+                there each column layer copies its own input, correct whatever calls it)
       + selective AC: nothing more (row outputs come from a functional collective the policy keeps);
         full AC: 1 more, o_proj's in the recompute (the recompute stops before down_proj's)
     and per step outside the layers: forward 1 (embedding) + 3 per-token scalars of the loss (row
     max, target logit, sum of exps: loss.VocabParallelLinearCrossEntropy); backward 1 (the head's
     input).
-    Attention needs no change: model.py derives head counts from weight shapes, and column-splitting
-    q/k/v by whole heads gives each rank nh/tp query heads with their own nkv/tp kv heads (GQA groups
-    never straddle ranks because tp divides both counts).
+    Attention needs no change where head counts come from shapes: model.py derives them from the
+    weights, transformers views q/k/v as (-1, head_dim) and its GQA ratio is the same on every rank
+    (tp divides both head counts, so GQA groups never straddle ranks). A model that stores a head
+    count (GPT's `n_head`) names it in `Parts.heads`: apply_tp divides it by tp.
 
 Sequence parallelism (`apply_tp(model, tp_group, sequence_parallel=True)`)
     Between the blocks (residual stream, adds, RMSNorms) each rank keeps only its S/tp tokens,
@@ -69,18 +78,24 @@ Invariants
     - The vocab is padded to a multiple of tp. Padded rows are zero, their logits are -inf in the
       loss (no probability mass, so they get zero gradient and stay zero under AdamW), and neither
       `logits_fn` nor `gather_full` ever shows them: users see the true vocab size.
-    - No rank ever holds a [tokens, vocab] tensor in training, not even its vocab slice: the loss
+    - attotron's Llama: no rank ever holds a [tokens, vocab] tensor in training, not even its slice: the loss
       (vocab_parallel_linear_cross_entropy) runs lm_head block by block over this rank's vocab
       rows, (T, chunk) fp32 logits at a time, and all-reduces only per-token scalars (max, sum of
       exps, target logit); backward recomputes each block and needs no communication.
+    - What cannot be split raises before the model changes (tests/test_foreign_tp_pp.py): a fused
+      q/k/v given as "colwise", a Fused one without Parts.heads, a plan path naming no module, head
+      counts tp does not divide, sequence parallelism on a model other than attotron's Llama.
     - Composition order: build (meta) → pp split → apply_tp → materialize → ac → precision/dp/zero.
       A pipeline stage may lack embed_tokens / norm / lm_head and hold only some layers.
 
-Builds on: model.py, loss.py (the vocab-parallel loss without (T, V) logits)
+Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from functools import partial
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -88,7 +103,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loss import VocabParallelLinearCrossEntropy, reduce_loss
-from model import Llama, LlamaConfig, RMSNorm, Shard, global_shapes, rms_norm
+from ops import rms_norm
 
 Group = dist.ProcessGroup | None
 
@@ -235,6 +250,18 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Te
 
 
 # ------------------------------------------------------------------------------------- layers
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds rows [start, start+size) of the global tensor along `dim`. Rows at or past the
+    global size are padding (a vocab padded to a multiple of tp): zero, never read or written.
+    parts: a fused weight's stacked blocks (q, k, v), global row counts; this rank then holds 1/tp
+    of each block, stacked, and start/size count in that rank-major order."""
+    dim: int
+    start: int
+    size: int
+    parts: tuple[int, ...] = ()
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """The vocab rounded up to a multiple of tp, so every rank holds an equal slice."""
     return -(-vocab_size // tp) * tp
@@ -248,29 +275,59 @@ def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
     return rank * (size // tp), size // tp
 
 
+def local_slice(full: torch.Tensor, shard: Shard, group: Group) -> torch.Tensor:
+    """This rank's slice of a full tensor, padding rows zero (apply_tp on a materialized model)."""
+    tp, rank = _size_rank(group)
+    d = shard.dim
+    if shard.parts:  # each block's rank-th 1/tp, stacked: (sum(parts) / tp, ...)
+        return torch.cat([b.chunk(tp, d)[rank] for b in full.split(list(shard.parts), d)], d)
+    have = max(0, min(shard.size, full.shape[d] - shard.start))  # real rows; the rest is padding
+    x = full.narrow(d, min(shard.start, full.shape[d]), have)
+    pad = list(x.shape)
+    pad[d] = shard.size - have
+    return torch.cat([x, x.new_zeros(pad)], d) if pad[d] else x
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r, where this rank holds output features [start, start+n) of W and b.
     The input is the full (replicated) x; the output stays split along its last dim. copy_input:
     enter the tp region here (copy_to_region: backward all-reduces dL/dx). apply_tp turns it off for
     the column layers of a block, whose shared input enters the region once for all of them (see
-    `_enter_region`), or is gathered by a SequenceParallelRMSNorm, whose backward sums dL/dx."""
+    `_enter_region`), or is gathered by a SequenceParallelRMSNorm, whose backward sums dL/dx.
+    parts: a fused weight (q, k, v stacked): this rank holds 1/tp of each part (whole heads)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 copy_input: bool = True):
+                 copy_input: bool = True, parts: tuple[int, ...] = ()):
         super().__init__()
-        self.group, self.copy_input = group, copy_input
+        self.group, self.copy_input, self.parts = group, copy_input, tuple(parts)
+        if self.parts and sum(self.parts) != out_features:
+            raise ValueError(f"fused parts {self.parts} sum to {sum(self.parts)}, not out_features={out_features}")
+        for p in self.parts:
+            _slice(group, p, "a fused part's rows")
         self.start, self.n = _slice(group, out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.n, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.n, device=device, dtype=dtype)) if bias else None
 
     def shards(self) -> dict[str, Shard]:
-        return {"weight": Shard(0, self.start, self.n), "bias": Shard(0, self.start, self.n)}
+        return {"weight": Shard(0, self.start, self.n, self.parts), "bias": Shard(0, self.start, self.n, self.parts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # backward: every rank's dL/dx is a partial sum over its output features → all-reduce
         x = copy_to_region(x, self.group) if self.copy_input else x
         return F.linear(x, self.weight, self.bias)  # (..., n)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """A column-parallel lm_head whose logits are all-gathered to the true vocab, (..., V): any loss
+    the model computes itself (transformers', a GPT's) then sees the full logits. Padding rows cut."""
+
+    def __init__(self, in_features: int, vocab_size: int, bias: bool, group: Group, **kw: Any):
+        super().__init__(in_features, padded_vocab(vocab_size, dist.get_world_size(group)), bias, group, **kw)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_region(super().forward(x), self.group)[..., :self.vocab_size]  # (..., V)
 
 
 class RowParallelLinear(nn.Module):
@@ -302,16 +359,18 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """This rank holds rows [start, start+n) of the (padded) table. An id outside the slice looks up
     row 0 and is then zeroed, so after the all-reduce each token has exactly its one real row.
+    padding_idx (nn.Embedding's): that row gets no gradient, on the rank that holds it.
     sequence_parallel: a reduce-scatter instead, so each rank keeps its S/tp tokens: (B, S/tp, H)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, padding_idx: int | None = None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.num_embeddings = num_embeddings  # the true vocab size; rows past it are zero padding
         vocab = padded_vocab(num_embeddings, dist.get_world_size(group))
         self.start, self.n = _slice(group, vocab, "padded vocab")
+        self.padding_idx = padding_idx
         self.weight = nn.Parameter(torch.empty(self.n, embedding_dim, device=device, dtype=dtype))
 
     def shards(self) -> dict[str, Shard]:
@@ -320,31 +379,33 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start  # (B, S) row in this rank's slice, if it is here
         outside = (local < 0) | (local >= self.n)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, S, H)
+        pad = None if self.padding_idx is None else self.padding_idx - self.start
+        pad = pad if pad is not None and 0 <= pad < self.n else None
+        h = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)  # (B, S, H)
         h = h.masked_fill(outside[..., None], 0.0)  # zero rows also block gradient to row 0
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(h, self.group)  # (B, S/tp, H)
         return reduce_from_region(h, self.group)
 
 
-class ReplicatedRMSNorm(RMSNorm):
-    """model.RMSNorm whose replicated weight meets only this rank's part of the input — Qwen3's
-    per-head q/k norms see this rank's heads; under sequence parallelism a norm sees its S/tp tokens:
-    the weight enters through copy_to_region, so backward all-reduces its gradient over tp."""
+class ReplicatedRMSNorm(nn.Module):
+    """An RMSNorm (ops.rms_norm, as model.RMSNorm) whose replicated weight meets only this rank's
+    part of the input — Qwen3's per-head q/k norms see this rank's heads; under sequence parallelism
+    a norm sees its S/tp tokens: the weight enters through copy_to_region, so backward all-reduces
+    its gradient over tp."""
 
-    def __init__(self, norm: RMSNorm, group: Group):
-        with torch.device("meta"):  # like the other new layers; materialize fills it
-            super().__init__(norm.weight.shape[0], norm.eps)
-        self.group = group
+    def __init__(self, norm: nn.Module, group: Group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(norm.weight.shape[0], device="meta"))  # materialize fills it
+        self.eps, self.group = norm.eps, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # as model.RMSNorm
 
 
 class SequenceParallelRMSNorm(ReplicatedRMSNorm):
-    """model.RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
-    column-parallel layers after it: (B, S/tp, H) → (B, S, H). The replicated weight sees only this
-    rank's tokens, so it enters through copy_to_region: backward all-reduces its gradient over tp."""
+    """The RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
+    column-parallel layers after it: (B, S/tp, H) → (B, S, H)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gather_from_sequence_region(super().forward(x), self.group)  # (B, S/tp, H) → (B, S, H)
@@ -389,10 +450,166 @@ def gather_logits(logits: torch.Tensor, *, group: Group, vocab_size: int) -> tor
     return gather_from_region(logits, group)[..., :vocab_size]
 
 
+# ------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Fused:
+    """Style of a column weight that stacks several projections (GPT's c_attn: [q; k; v], (3·H, H)):
+    their row counts. Each part is split alone, so every rank holds whole heads of each."""
+    parts: tuple[int, ...]
+
+
+Style = Union[str, Fused]  # "colwise" (output features split), "rowwise" (input features split), Fused
+
+# The layer plan as data: {module path inside each layer (fnmatch pattern): style}. transformers'
+# decoders name their layers this way too; their own `config.base_model_tp_plan` says the same.
+LLAMA_PLAN: dict[str, Style] = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+# the names of fused q/k/v (or gate/up) weights in common models: "colwise" on one of them raises
+FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "w_pack", "in_proj", "gate_up_proj")
+
+
+@dataclass
+class Parts:
+    """Where a model keeps its parts (dotted attribute paths) and how TP splits its layers. The
+    embedding becomes vocab-parallel, the head vocab-parallel with gathered logits; the norm (and
+    anything not named, such as a learned position table) stays replicated. heads: integer
+    attributes inside each layer that count heads (GPT's `attn.n_head`), divided by tp."""
+    embed: str | None = "model.embed_tokens"
+    layers: str = "model.layers"
+    norm: str | None = "model.norm"
+    head: str | None = "lm_head"
+    plan: dict[str, Style] = field(default_factory=lambda: dict(LLAMA_PLAN))
+    heads: tuple[str, ...] = ()
+
+
+def _get(root: nn.Module, path: str | None, missing: Any = AttributeError) -> Any:
+    """The attribute at a dotted path; None where the path (or a part of it) is None. A path that
+    does not exist raises, unless `missing` is given (then returned)."""
+    obj = root
+    for name in (path.split(".") if path else [None]):
+        if obj is not None and name is not None and not hasattr(obj, name):
+            if missing is AttributeError:
+                raise AttributeError(f"{type(root).__name__} has no {path!r} ({name!r} missing)")
+            return missing
+        obj = None if obj is None or name is None else getattr(obj, name)
+    return obj
+
+
+def _set(root: nn.Module, path: str, value: Any) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, value)
+
+
+def _is_attotron(model: nn.Module) -> bool:
+    """attotron's Llama (model.py): layers in a ModuleDict by global index, the loss_fn seam."""
+    return isinstance(_get(model, "model.layers", None), nn.ModuleDict) and hasattr(model, "loss_fn")
+
+
+def default_parts(model: nn.Module) -> Parts:
+    """Parts of attotron's Llama, or of a transformers decoder (model.model.layers a ModuleList) from
+    its own `config.base_model_tp_plan`; any other model raises: pass Parts."""
+    if _is_attotron(model):
+        return Parts()
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not isinstance(_get(model, "model.layers", None), nn.ModuleList) or not plan:
+        raise ValueError(f"apply_tp: {type(model).__name__} is neither attotron's Llama nor a transformers "
+                         f"decoder with a tp plan; pass parts=tp.Parts(embed=..., layers=..., head=..., "
+                         f"plan={{path inside a layer: 'colwise' | 'rowwise' | tp.Fused(...)}})")
+    ours = {}
+    for pattern, style in plan.items():
+        if not pattern.startswith("layers.*.") or style not in ("colwise", "rowwise"):
+            raise ValueError(f"apply_tp: transformers' tp plan entry {pattern!r}: {style!r} is not supported "
+                             f"here (only 'layers.*.<path>': 'colwise' | 'rowwise'); pass parts=tp.Parts(plan=...)")
+        ours[pattern.removeprefix("layers.*.")] = style
+    return Parts(plan=ours)
+
+
+def _matches(layer: nn.Module, plan: dict[str, Style]) -> list[tuple[str, Style]]:
+    """(module name inside the layer, style) for every module a plan pattern names."""
+    found = [(name, style) for name, _ in layer.named_modules() for pattern, style in plan.items()
+             if name and fnmatch(name, pattern)]
+    missing = [p for p in plan if not any(fnmatch(n, p) for n, _ in found)]
+    if missing:
+        raise ValueError(f"apply_tp: the plan's {missing} name no module of the layer "
+                         f"({[n for n, _ in layer.named_modules() if n]})")
+    return found
+
+
+def _checked_style(name: str, style: Style, module: nn.Module, parts: Parts) -> Style:
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"apply_tp: {name} is a {type(module).__name__}, not an nn.Linear; the plan splits linears only")
+    if isinstance(style, Fused):
+        if not parts.heads:
+            raise ValueError(f"apply_tp: the fused {name} splits by heads: name the attention's head-count "
+                             f"attribute(s) in Parts.heads (e.g. 'attn.n_head'), which become per-rank counts")
+        return style
+    if style not in ("colwise", "rowwise"):
+        raise ValueError(f"apply_tp: style {style!r} of {name}: use 'colwise', 'rowwise' or tp.Fused(parts)")
+    if style == "colwise" and name.rsplit(".", 1)[-1].lower() in FUSED_NAMES:
+        raise ValueError(f"apply_tp: {name} looks like a fused q/k/v (or gate/up) weight; as a plain 'colwise' "
+                         f"layer its rows would split across q, k and v. Pass tp.Fused((q_rows, k_rows, v_rows)) "
+                         f"(or tp.Fused(({module.out_features},)) if it really is one projection)")
+    return style
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """A transformers config: tp must divide its head counts (q/k/v split by whole heads)."""
+    cfg = getattr(model, "config", None)
+    bad = [f"{k}={getattr(cfg, k)}" for k in ("num_attention_heads", "num_key_value_heads")
+           if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) % tp]
+    if bad:
+        raise ValueError(f"tp={tp} must divide {', '.join(bad)} (each rank holds whole heads)")
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put `new` (built on meta) at `path`; where the old module holds real weights, `new` moves to
+    their device and is filled with this rank's slice of them (replicated ones copied whole)."""
+    old = _get(model, path)
+    if old.weight.device.type != "meta":
+        new = new.to_empty(device=old.weight.device)
+        shards = new.shards()
+        with torch.no_grad():
+            for name, p in new.named_parameters(recurse=False):
+                full = getattr(old, name)
+                p.copy_(local_slice(full, shards[name], new.group) if name in shards else full)
+                p.requires_grad_(full.requires_grad)
+    _set(model, path, new)
+    return new
+
+
+def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool) -> tuple[list, bool]:
+    """Every check of apply_tp before its first change (a call that raises leaves the model as it
+    was): [(layer, "layers.i.", name inside it, style)] of the plan, and whether the head is tied."""
+    layers = _get(model, parts.layers)
+    todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
+                                                                layer.get_submodule(name), parts))
+            for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
+            for name, style in _matches(layer, parts.plan)]
+    for i, layer in layers.named_children():
+        for attr in parts.heads:
+            if _get(layer, attr) % tp:
+                raise ValueError(f"tp={tp} must divide {parts.layers}.{i}.{attr}={_get(layer, attr)} "
+                                 f"(each rank holds whole heads)")
+    if meta and any(isinstance(s, Fused) for *_, s in todo):
+        raise ValueError("apply_tp: a fused weight's slice is not one Shard that materialize could read; "
+                         "apply tp to the materialized model")
+    embed, head = _get(model, parts.embed), _get(model, parts.head)
+    if embed is not None and (not isinstance(embed, nn.Embedding) or embed.max_norm is not None
+                              or embed.scale_grad_by_freq):
+        raise ValueError(f"apply_tp: {parts.embed} must be a plain nn.Embedding, got {embed}")
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if tied and head.bias is not None:
+        raise ValueError(f"apply_tp: a head tied to the embedding with a bias ({parts.head}) is not supported")
+    return todo, tied
+
+
 # ------------------------------------------------------------------------------------- the model
-def tp_validate(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
-    """Raise ValueError naming the numbers if this config cannot be split over tp ranks (the vocab
-    needs no check: it is padded). seq_len: check it too, for sequence parallelism."""
+def tp_validate(cfg: Any, tp: int, seq_len: int | None = None) -> None:
+    """Raise ValueError naming the numbers if this config (model.LlamaConfig) cannot be split over tp
+    ranks (the vocab needs no check: it is padded). seq_len: check it too, for sequence parallelism."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     if seq_len is not None and seq_len % tp:
@@ -406,56 +623,83 @@ def tp_validate(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
                          f"heads, whole kv heads and an equal share of the MLP)")
 
 
-def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> dict[str, Shard]:
-    """Replace the model's layers by their tensor-parallel versions (in place, on the meta device)
-    and return {hf_name: Shard} for every sharded parameter; pass it to `weights.materialize`.
-    sequence_parallel: Megatron's sequence parallelism on top (module docstring); the sequence
-    length must then be a multiple of tp."""
+def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
+             parts: Parts | None = None) -> dict[str, Shard]:
+    """Replace the model's layers by their tensor-parallel versions, in place, and return
+    {parameter name: Shard} for every sharded parameter. attotron's Llama: on the meta device (pass
+    the map to `weights.materialize`), its head vocab-sharded behind the loss_fn seam. Any other
+    model (transformers' decoders, or one described by `parts`): meta or materialized (then each
+    rank keeps its slice of the weights), its head gathering full logits for the model's own loss.
+    sequence_parallel: Megatron's sequence parallelism on top, attotron's Llama only."""
     tp, _ = _size_rank(tp_group)
     if tp == 1:
         return {}  # the plain model is the tp=1 model
-    cfg = model.config
-    tp_validate(cfg, tp)
-    if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
-    # new layers are meta too; materialize fills them
-    new = dict(group=tp_group, device="meta", sequence_parallel=sequence_parallel)
-    column = dict(group=tp_group, device="meta", copy_input=False)  # the block enters the region
-    for layer in model.model.layers.values():
-        a, m = layer.self_attn, layer.mlp
-        if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
-            a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
-        else:
-            a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-            m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-        for parent, name in ((a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (m, "gate_proj"), (m, "up_proj")):
-            old = getattr(parent, name)
-            setattr(parent, name, ColumnParallelLinear(old.in_features, old.out_features,
-                                                       old.bias is not None, **column))
-        for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
-            if getattr(a, name, None) is not None:
-                setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
-        for parent, name in ((a, "o_proj"), (m, "down_proj")):
-            old = getattr(parent, name)
-            setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
-                                                    old.bias is not None, **new))
-    embed = model.model.embed_tokens
+    ours = parts is None and _is_attotron(model)
+    parts = parts or default_parts(model)
+    if sequence_parallel and not ours:
+        raise ValueError("apply_tp: sequence parallelism needs attotron's Llama (its RMSNorms and RoPE); "
+                         "use sequence_parallel=False for this model")
+    devices = {p.device.type == "meta" for p in model.parameters()}
+    if ours:
+        tp_validate(model.config, tp)
+        if devices != {True}:
+            raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
+    else:
+        _check_heads(model, tp)
+        if len(devices) > 1:
+            raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
+    todo, tied = _planned(model, parts, tp, meta=devices == {True})
+    layers, embed, head = _get(model, parts.layers), _get(model, parts.embed), _get(model, parts.head)
+    new = dict(group=tp_group, device="meta")
+    for layer, prefix, name, style in todo:
+        old = layer.get_submodule(name)
+        kw = dict(new, dtype=old.weight.dtype)
+        if style == "rowwise":
+            layer_new = RowParallelLinear(old.in_features, old.out_features, old.bias is not None,
+                                          sequence_parallel=sequence_parallel, **kw)
+        else:  # ours: the block's input enters the region once (_enter_region), not per layer
+            layer_new = ColumnParallelLinear(old.in_features, old.out_features, old.bias is not None,
+                                             copy_input=not ours,
+                                             parts=style.parts if isinstance(style, Fused) else (), **kw)
+        _swap(model, prefix + name, layer_new)
+    for _, layer in layers.named_children():
+        for attr in parts.heads:
+            _set(layer, attr, _get(layer, attr) // tp)
+        if ours:
+            a, m = layer.self_attn, layer.mlp
+            for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
+                if getattr(a, name, None) is not None:
+                    setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
+            if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
+                a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
+            else:
+                a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
+                m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
     if embed is not None:
-        embed = model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **new)
+        embed = _swap(model, parts.embed, VocabParallelEmbedding(
+            embed.num_embeddings, embed.embedding_dim, sequence_parallel=sequence_parallel,
+            padding_idx=embed.padding_idx, dtype=embed.weight.dtype, **new))
     if sequence_parallel:  # every RMSNorm: the two of each layer and the final one
         for parent in list(model.modules()):
             for name, child in parent.named_children():
-                if type(child) is RMSNorm:
+                if type(child).__name__ == "RMSNorm":
                     setattr(parent, name, SequenceParallelRMSNorm(child, tp_group))
-    if model.lm_head is not None:
-        head = ColumnParallelLinear(cfg.hidden_size, padded_vocab(cfg.vocab_size, tp), False, tp_group,
-                                    device="meta", copy_input=not sequence_parallel)
-        if cfg.tie_word_embeddings and embed is not None:
-            head.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
-        model.lm_head = head
-        model.loss_fn = partial(vocab_parallel_linear_cross_entropy, group=tp_group,
-                                vocab_size=cfg.vocab_size, sequence_parallel=sequence_parallel)
-        model.logits_fn = partial(gather_logits, group=tp_group, vocab_size=cfg.vocab_size)
+    if head is not None:
+        vocab = model.config.vocab_size if ours else head.out_features
+        if ours:
+            head_new = ColumnParallelLinear(head.in_features, padded_vocab(vocab, tp), False, tp_group,
+                                            device="meta", copy_input=not sequence_parallel)
+            model.loss_fn = partial(vocab_parallel_linear_cross_entropy, group=tp_group,
+                                    vocab_size=vocab, sequence_parallel=sequence_parallel)
+            model.logits_fn = partial(gather_logits, group=tp_group, vocab_size=vocab)
+        else:
+            head_new = VocabParallelHead(head.in_features, vocab, head.bias is not None, tp_group,
+                                         device="meta", dtype=head.weight.dtype)
+        if tied:
+            head_new.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
+            _set(model, parts.head, head_new)
+        else:
+            _swap(model, parts.head, head_new)
     # the map names each sharded parameter once, as named_parameters() does (tied head: the embedding)
     params = dict(model.named_parameters())
     return {f"{mod_name}.{p}": shard for mod_name, mod in model.named_modules()
@@ -466,26 +710,34 @@ def apply_tp(model: Llama, tp_group: Group, sequence_parallel: bool = False) -> 
 # ------------------------------------------------------------------------------------- export
 @torch.no_grad()
 def gather_tensor(local: torch.Tensor, shard: Shard, full_size: int, group: Group) -> torch.Tensor:
-    """The full tensor from the equal, rank-ordered slices of a tp group; padding rows cut."""
+    """The full tensor from the equal, rank-ordered slices of a tp group; padding rows cut. A fused
+    weight's blocks (shard.parts) are put back in their order: [q_0 q_1 ...; k_0 k_1 ...; ...]."""
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, local.detach().contiguous(), group=group)
+    if shard.parts:
+        tp, d = len(pieces), shard.dim
+        blocks = [p.split([n // tp for n in shard.parts], d) for p in pieces]  # per rank: its 1/tp of each
+        return torch.cat([blocks[r][j] for j in range(len(shard.parts)) for r in range(tp)], d)
     return torch.cat(pieces, dim=shard.dim).narrow(shard.dim, 0, full_size).contiguous()
+
+
+VOCAB_SHARDED = ("model.embed_tokens.weight", "lm_head.weight")  # attotron's: rows padded to tp
 
 
 @torch.no_grad()
 def gather_full(tensors: dict[str, torch.Tensor], shards: dict[str, Shard], tp_group: Group,
-                cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+                cfg: Any) -> dict[str, torch.Tensor]:
     """{hf_name: local tensor} (params, grads, optimizer moments…) → {hf_name: full tensor} on every
-    tp rank, in HF layout with the true vocab size; replicated entries are returned as they are.
-    All tp ranks must call it with the same names in the same order. Feed the result to save_hf."""
-    shapes = global_shapes(cfg)
+    tp rank, in HF layout with the true vocab size (cfg.vocab_size); replicated entries are returned
+    as they are. All tp ranks must call it with the same names in the same order. Feed the result
+    to save_hf."""
+    tp = dist.get_world_size(tp_group)
     out = {}
     for name, t in tensors.items():
         shard = shards.get(name)
         if shard is None:
             out[name] = t.detach()
             continue
-        # a tied head held apart from the embedding (last pipeline stage) has the embedding's shape
-        key = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.tie_word_embeddings else name
-        out[name] = gather_tensor(t, shard, shapes[key][shard.dim], tp_group)
+        full = cfg.vocab_size if name in VOCAB_SHARDED else t.shape[shard.dim] * tp
+        out[name] = gather_tensor(t, shard, full, tp_group)
     return out

@@ -19,7 +19,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call
+       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
+       a checkpointed layer whose attention runs eagerly (packed rows, --cp) stays eager, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model
@@ -37,6 +38,10 @@ Invariants
       the batch is made by a thread one step ahead (pinned: feed.Prefetcher) and copied with
       non_blocking, and the pipeline's peer check runs on the host over gloo. No collective runs on
       a group of one rank: a single process runs none in its step (tests/test_step_comm.py counts both).
+    - SIGTERM / SIGUSR1 stop every rank at the same step, one after the signal's (preempt.py: an
+      async MAX all-reduce on the gloo io group, no host sync), which is saved to --save before the
+      exit with status 128 + signal; one run at a time writes a --save folder (its LOCK.json); see
+      docs/cluster.md (tests/test_preempt.py).
     - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
       by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
       peaks the last line lists per phase.
@@ -44,9 +49,11 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,6 +76,7 @@ import memory as MEM
 import model as M
 import pp as PP
 import precision as P
+import preempt as PR
 import sft
 import tp as TP
 import weights as W
@@ -110,8 +118,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    if args.compile:
-        M.compile_layers(model)
+    if args.compile:  # the layers left eager: named in the log line
+        args.eager_layers = M.compile_layers(model, packed=args.sft and args.packing == "ffd")
     return model, shards, init
 
 
@@ -161,6 +169,27 @@ def open_metrics(path: str, start: int) -> TextIO:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return open(path, "a")
+
+
+def take_lock(args: argparse.Namespace, grid: G.Grid) -> PR.SaveLock | None:
+    """The --save folder's lock (preempt.SaveLock), taken by rank 0 for the whole run; rank 0's
+    outcome reaches every rank, so a refusal stops them all (one message: the holder). None
+    without --save, and on ranks other than 0. Reading a --resume folder needs no lock."""
+    if not args.save:
+        return None
+    lock, problem = PR.SaveLock(args.save, *PR.job_of(os.environ)), None
+    if grid.rank == 0:
+        try:
+            if note := lock.acquire():
+                print(f"note: {note}", flush=True)
+        except (PR.LockedError, OSError) as e:
+            problem = str(e)
+    refused = torch.tensor([problem is not None], dtype=torch.int32, device=grid.device)
+    if grid.world > 1:
+        dist.broadcast(refused, src=0)
+    if refused.item():
+        G.fail(problem or "rank 0 could not take the --save folder's lock", grid)
+    return lock if grid.rank == 0 else None
 
 
 # resuming with a flag that differs from the checkpoint's run: an error where the saved sampler
@@ -242,7 +271,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
 
 
 def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
-         sampler_state: dict, grid: G.Grid, metrics: TextIO | None) -> None:
+         sampler_state: dict, grid: G.Grid, metrics: TextIO | None, lock: PR.SaveLock | None = None) -> None:
     """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
     durable, so a kill between the two loses no record. The ranks wait for each other in the io
     group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only.
@@ -254,13 +283,20 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaC
     try:
         with G.stage("checkpoint save", grid):
             CK.save_checkpoint(args.save, step, opt, cfg, shards, grid.at, extra, group=grid.io_group,
-                               keep=args.keep)
+                               keep=args.keep, guard=lock.check if lock else None)
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
+    with contextlib.ExitStack() as cleanup:  # the --save folder's lock goes however the run ends
+        run(argv, cleanup)
+
+
+def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
+    """The whole run; `cleanup` releases the --save lock and the signal handlers at any exit. A
+    stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + the signal."""
     args = cli.parse_args(argv)
     grid = G.setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # cli.validate reports a bad one
     numerics = cli.device_defaults(args, grid.device)
@@ -274,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     if errors:
         G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
     args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
+    stopper = PR.StopSignal()
+    cleanup.callback(stopper.close)
+    if lock := take_lock(args, grid):  # before any heavy work
+        cleanup.callback(lock.release)  # before stopper.close (the stack runs backwards)
     ckpt = plan_resume(args, grid)
     try:
         ds, tpl, eval_set = feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, [])
@@ -314,12 +354,16 @@ def main(argv: list[str] | None = None) -> None:
               f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
+              + (f" ({len(args.eager_layers)} checkpointed run eagerly: their attention, packed rows or "
+                 f"the cp ring, would break the graph inside the checkpoint)" if getattr(args, "eager_layers", None)
+                 else "")
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
     prefetch = feed.Prefetcher(lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid), sampler,
                           max(args.steps - start, 0), grid.device)
     t_start, bad, good = time.time(), 0, 0
+    stopped = 0
     for step in range(start, args.steps):
         t0 = time.time()
         logs = log and (step % args.log_every == 0 or step == args.steps - 1)
@@ -372,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.finish_gathers()  # evaluation reads complete parameters
         if eval_set and evaluate:
             with G.stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
-                record["eval_exact_match"] = sft.evaluate(model, None, eval_set, template=tpl)
+                record["eval_exact_match"] = feed.evaluate(model, None, eval_set, template=tpl)
             if log:
                 print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
                       flush=True)
@@ -384,14 +428,26 @@ def main(argv: list[str] | None = None) -> None:
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+        saving = args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps)
+        if saving:
             with meter.during("save"):
-                save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics)
+                save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics, lock)
+        # the same answer on every rank: a signal some rank had by the previous step (none after the last)
+        stopped = stopper.poll(grid.io_group) if step + 1 < args.steps else 0
+        if stopped:
+            if args.save and not saving:
+                with meter.during("save"):
+                    save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics, lock)
+            if log:
+                print(f"stopped by {signal.Signals(stopped).name} after step {step + 1}: " + (
+                      f"saved {args.save}, --resume auto continues" if args.save else
+                      "no --save, nothing saved"), flush=True)
+            break
     if args.steps > start and not good:
         G.fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
              f"trained; lower --lr, check the data, or use --clip", grid)
     opt.finish_gathers()  # the run ends with complete parameters (the last step's gathers)
-    if args.export_hf:
+    if args.export_hf and not stopped:
         try:
             with G.stage("HF export", grid), meter.during("export"):
                 EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
@@ -406,8 +462,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
     if metrics:
         metrics.close()
+    stopper.wait()  # the agreement in flight, before its group goes
     opt.teardown()
     dist.destroy_process_group()
+    if stopped:
+        sys.exit(PR.exit_status(stopped))  # a status that tells launchers "stopped, not done" (docs/cluster.md)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # sizes from the weights and self.n_head, not from C: tensor parallelism (tp.Parts.heads)
+        # gives this module its rank's heads only (numerically the same as split(C) / view(B, T, C))
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 × (B, T, nh·hd)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):

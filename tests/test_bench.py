@@ -12,6 +12,11 @@ The grad norm is part of it because AdamW's update m/sqrt(v) is blind to a wrong
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from dist import run_ranks
@@ -24,7 +29,7 @@ TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persiste
 
 
 def _bench(rank: int, world: int, out: str) -> dict:
-    import bench
+    from bench import bench
     return bench.main(["--quick", "--out", out])
 
 
@@ -52,7 +57,7 @@ def test_quick_every_row_same_result(tmp_path):
 
 
 def _smoke(rank: int, world: int, out: str) -> dict:
-    import bench_mfu
+    from bench import bench_mfu
     return bench_mfu.main(["--smoke", "--out", out])
 
 
@@ -70,3 +75,15 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert set(result["kernels"]) == {"pretraining rows", "packed rows"}
     assert all("scaled_dot_product" in k or "varlen" in k for k in result["kernels"].values()), result["kernels"]
     assert out.read_text().strip().endswith(result["markdown"].strip().split("\n")[-1])
+
+
+def test_runs_by_path_from_any_folder(tmp_path):
+    """`python bench/bench.py` (by path, from another folder) imports the library from the root and its
+    own package, not bench/bench.py as `bench` (--help: the imports are what is checked, ~3 s of CPU);
+    its help states that a report is written only when --out asks."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench.py"
+    run = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "default: print only" in re.sub(r"\s+", " ", run.stdout)
+    assert not list(tmp_path.iterdir())

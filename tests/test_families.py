@@ -176,7 +176,7 @@ def test_window_on_every_cpu_path_and_the_cuda_call(monkeypatch):
         return out
 
     monkeypatch.setattr(A, "varlen_attn", reference_varlen)
-    monkeypatch.setattr(A, "_varlen_ok", lambda q: True)
+    monkeypatch.setattr(A, "use_varlen", lambda q: True)
     assert_close(A.attend(q, k, v, docs, window=9), want, 1e-6)
     assert_close(A.attend(q, k, v, None, window=9), rows, 1e-6)
 

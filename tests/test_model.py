@@ -276,7 +276,7 @@ def test_cuda_varlen_call_convention(monkeypatch):
     docs = A.Documents.from_position_ids(pos)
     want = model(ids, pos, labels, reduction="sum", docs=A.attention_mask(pos))
     monkeypatch.setattr(A, "varlen_attn", reference_varlen)
-    monkeypatch.setattr(A, "_varlen_ok", lambda q: True)
+    monkeypatch.setattr(A, "use_varlen", lambda q: True)
     got = model(ids, pos, labels, reduction="sum", docs=docs)
     assert abs(got - want) <= 1e-6 * abs(want)
 

@@ -20,6 +20,7 @@ import chat
 import sft
 from data import ByteTokenizer
 from dist import run_ranks
+from feed import evaluate
 from model import LlamaConfig, build
 from weights import materialize
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
@@ -533,7 +534,7 @@ def test_evaluate_exact_match_on_a_known_model():
                 answers[tuple(tpl.render(c[:k], True))] = TOK.encode(t["content"]) + ending
                 n_turns, n_right = n_turns + 1, n_right + (kind == 0)
     assert n_turns > 30  # multi-turn chats: every assistant turn is scored
-    acc = sft.evaluate(Oracle(answers), TOK, held_out, max_new_tokens=5, batch_size=4)
+    acc = evaluate(Oracle(answers), TOK, held_out, max_new_tokens=5, batch_size=4)
     assert acc == n_right / n_turns
 
 
@@ -551,7 +552,7 @@ def test_end_to_end_sft_learns_held_out_addition():
                                                p_follow_up=0.0, seed=0)
         ds = sft.SFTDataset(train, TOK, seq_len=128)
         model = tiny_model(seed=0)
-        before = sft.evaluate(model, TOK, held_out, max_new_tokens=5)
+        before = evaluate(model, TOK, held_out, max_new_tokens=5)
         steps, lr = 800, 2e-3
         opt = MixedPrecisionOptimizer(list(model.named_parameters()), OptimConfig(lr=lr, weight_decay=0.0))
         g = torch.Generator().manual_seed(0)
@@ -562,7 +563,7 @@ def test_end_to_end_sft_learns_held_out_addition():
             normalized_loss(loss, count_targets(b["labels"])).backward()
             warm, cos = min(1.0, (step + 1) / 20), 0.5 * (1 + math.cos(math.pi * step / steps))
             opt.step(lr * warm * (0.1 + 0.9 * cos))
-        after = sft.evaluate(model, TOK, held_out, max_new_tokens=5)
+        after = evaluate(model, TOK, held_out, max_new_tokens=5)
     finally:
         torch.set_num_threads(threads)
     print(f"held-out exact match: {before:.2f} untrained -> {after:.2f} after {steps} steps")

@@ -17,8 +17,9 @@ Steps 2 and 3 of 4 are counted (--log-every 100: step 1 and the last step log an
 
 Targets (issue 14): at most one host sync in a step that does not log (exactly one: the grad norm,
 whose non-finite check decides the update); no collective on a group of one rank (a single process
-runs none in its step); ZeRO-1 at dp=2: 3 all-reduces (targets, loss, grad norm) plus one
-reduce-scatter and one all-gather per bucket, the all-gathers launched by the next forward.
+runs none in its step); ZeRO-1 at dp=2: 4 all-reduces (targets, loss, grad norm, and issue 28's stop
+flag: async, on the gloo io group, read one step later from host memory) plus one reduce-scatter and
+one all-gather per bucket, the all-gathers launched by the next forward.
 """
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all
                "batch_isend_irecv", "gather", "scatter")  # (isend/irecv: P2POp checks their identity)
 CONVERSIONS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 # call sites whose tensor lives in host memory on CUDA too (so reading it waits for nothing)
-HOST = {("train.py", "main", "__float__"): "feed.host_copy: the loss copied in stream order, read "
+HOST = {("train.py", "run", "__float__"): "feed.host_copy: the loss copied in stream order, read "
                                            "after the step's sync",
         ("pp.py", "_check_step", "tolist"): "the pp check's header: host values gathered over gloo",
+        ("preempt.py", "wait", "__int__"): "the stop flag: a host tensor MAX-reduced over gloo, started "
+                                            "at the previous step boundary",
         ("optimizer.py", "_get_value", "item"): "torch's AdamW step counter, a CPU tensor unless fused "
                                                  "(precision.py: fused on CUDA, no such read)"}
 SYNC = ("precision.py", "step", "__float__")  # the one: the grad norm
@@ -171,7 +174,7 @@ def test_zero1_dp2_collectives_per_step(dirs):
     for r, colls in zip(results, check_quiet_steps(results)):
         nb = r["buckets"]
         assert nb > r["inflight"]  # so that the forward's hooks keep launching as they go
-        assert Counter(e[1] for e in colls) == {"all_reduce": 3, "reduce_scatter_single": nb,
+        assert Counter(e[1] for e in colls) == {"all_reduce": 4, "reduce_scatter_single": nb,
                                                 "all_gather_single": nb}
         gathers = [e[3] for e in colls if e[1] == "all_gather_single"]
         assert all("_wait_site" in chain for chain in gathers)  # launched by the forward's hooks

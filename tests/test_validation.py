@@ -80,13 +80,14 @@ def test_context_parallel_layouts():
 
 def test_device_defaults_and_peak_flops():
     """--dtype auto: fp32 on CPU (bf16 on CUDA: not testable here); MFU's peak from the GPU's name
-    (the first table key found in it), --peak-tflops over it, none on CPU."""
+    (cli.gpu_peak: whole words, the longest key; tests/test_cuda_paths.py has more names), --peak-tflops
+    over it, none on CPU."""
     args = cli.parse_args([])
     assert (args.dtype, args.reduce_dtype) == ("auto", "fp32")
     assert cli.device_defaults(args, torch.device("cpu")) == "fp32" and args.dtype == "fp32"
     assert cli.peak_flops(args, torch.device("cpu")) is None
     assert cli.peak_flops(cli.parse_args(["--peak-tflops", "312"]), torch.device("cpu")) == 312e12
-    found = lambda name: next(v for k, v in cli.GPU_PEAK_TFLOPS.items() if k.lower() in name.lower())  # noqa: E731
+    found = cli.gpu_peak
     assert found("NVIDIA H100 80GB HBM3") == (989, 495) and found("NVIDIA H100 PCIe") == (756, 378)
     assert found("NVIDIA A100-SXM4-80GB") == (312, 156) and found("NVIDIA GH200 480GB") == (989, 495)
     assert found("NVIDIA H200") == (989, 495) and found("NVIDIA L40S") == (362, 183)

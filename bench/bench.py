@@ -30,9 +30,10 @@ What it does
     tokens/s and MFU, eager and compiled, each AC mode, the SDPA kernels, transformers' Llama).
 
 Run
-    torchrun --nproc_per_node 4 bench.py --model tiny --steps 40 --out bench.md    # ~2 min on 2 cores
-    torchrun --nproc_per_node 1 bench.py --only mfu            # one GPU: bench_mfu.py's GPU check
-    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac --steps 20   # CPU speed targets
+    torchrun --nproc_per_node 4 -m bench.bench --model tiny --steps 40    # ~2 min on 2 cores
+    torchrun --nproc_per_node 1 -m bench.bench --only mfu      # one GPU: bench_mfu.py's GPU check
+    python -m bench.bench --model small --only compile,ac --steps 20     # CPU speed targets
+    From the repository root; `python bench/bench.py` works too. `--out FILE` also writes the report.
 
 Choices
     - Timed sections run fp32 on both sides (no peer has our fp32-master mixed precision); the memory
@@ -54,11 +55,16 @@ import time
 from functools import partial
 from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import torch
 import torch.distributed as dist
 
-import memory  # noqa: F401  (before torch's pipelining, which allocates a tensor at import: its free
-# at exit, with c10's block accounting on, would print a warning about a block of unknown size)
+import memory
+# the bench meters CPU memory: accounting on before torch's pipelining, which allocates a tensor at
+# import (its free at exit, with c10's block accounting on, would warn about a block of unknown size)
+memory.exact_cpu_accounting()
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -71,12 +77,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils.rnn import pad_sequence
 
 import ac as AC
-import bench_mfu
-import bench_speed
-import bench_theory
+from bench import bench_mfu
+from bench import bench_speed
+from bench import bench_theory
 import cp as CP
 import grid as G
-from bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
+from bench.bench_ctx import CHECKED, Ctx, Side, adamw, md_row, peer_update, side
 from loss import cross_entropy
 import model as M
 import pp as PP
@@ -105,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--quick", action="store_true", help="tiny sizes and 2 steps (the test); overrides the sizes")
     a("--mfu-batch", type=int, default=8, help="sequences per step of the 1B CUDA section")
     a("--mfu-seq-len", type=int, default=2048)
-    a("--out", default="bench.md", help="markdown report written by rank 0")
+    a("--out", default=None, help="also write the markdown report there (rank 0); default: print only")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.seq_len, args.batch_size, args.micro_batches, args.steps, args.warmup = \
@@ -404,7 +410,7 @@ def sec_sft(ctx: Ctx) -> None:
 # ------------------------------------------------------------------------------------- report
 def report(ctx: Ctx, argv: list[str] | None, load: float) -> str:
     a = ctx.args
-    out = ["# attotron bench\n", f"`torchrun --nproc_per_node {ctx.world} bench.py "
+    out = ["# attotron bench\n", f"`torchrun --nproc_per_node {ctx.world} -m bench.bench "
            f"{' '.join(sys.argv[1:] if argv is None else argv)}`  ",
            f"{platform.node()}: {os.cpu_count()} CPU cores, torch {torch.__version__}, {dist.get_backend()} "
            f"on {ctx.device.type}, world {ctx.world}; load average {load:.1f} at start, "
@@ -461,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
         text = report(ctx, argv, load)
         if rank == 0:
             print(text, flush=True)
-            Path(args.out).write_text(text + "\n")
+            if args.out:
+                Path(args.out).write_text(text + "\n")
         bad = [r["feature"] for r in ctx.rows if not r["ok"]]
         assert not (args.quick and bad), f"ours and the peer computed different results: {bad}"
         return {"rows": ctx.rows, "markdown": text}

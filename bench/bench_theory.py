@@ -15,14 +15,14 @@ What it does
                 with the micro-batch: the peak at twice the rows minus the peak). Then one decoder
                 layer's saved activations (no AC, selective, full) beside ac.py's formulas and
                 Korthikanti et al.'s sbh(34 + 5as/h).
-    fake_pg     (`python bench_theory.py`) one rank of a large layout on this machine: torch's fake
+    fake_pg     (`python -m bench.bench_theory`) one rank of a large layout on this machine: torch's fake
                 process group runs one rank of dp ranks in one process with real compute and memory
                 and no-op collectives; the 1b preset's setup and step peak under ZeRO-3 beside
                 16Ψ/N and zero3.peak_extras.
 
 Run
-    torchrun --nproc_per_node 4 bench.py --only pp,memory
-    python bench_theory.py --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
+    torchrun --nproc_per_node 4 -m bench.bench --only pp,memory
+    python -m bench.bench_theory --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
 
 Builds on: bench_ctx.py, ac.py, dp.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py, zero3.py
 """
@@ -36,6 +36,9 @@ import sys
 import time
 from typing import Callable
 
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import torch
 import torch.distributed as dist
 
@@ -47,7 +50,7 @@ import precision as P
 import weights as W
 import zero as Z
 import zero3 as Z3
-from bench_ctx import Ctx
+from bench.bench_ctx import Ctx
 
 
 # ------------------------------------------------------------------------------------- bubble

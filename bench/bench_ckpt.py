@@ -7,7 +7,7 @@ What it does
     (the files evicted with posix_fadvise first, so the load reads the disk). Prints one table.
 
 Run
-    python bench_ckpt.py --hidden 1024 --layers 8 --repeat 3
+    python -m bench.bench_ckpt --hidden 1024 --layers 8 --repeat 3
 
 Builds on: checkpoint.py, checkpoint_load.py, model.py, precision.py, weights.py
 """
@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch
 

@@ -3,7 +3,7 @@ batches) and the means to time, check and report — the alternating race, the o
 peers' optimizer. bench.py, bench_theory.py and bench_mfu.py import it; it imports none of them.
 
 Run
-    torchrun --nproc_per_node 4 bench.py --model tiny --steps 40 --out bench.md
+    torchrun --nproc_per_node 4 -m bench.bench --model tiny --steps 40
 
 Builds on: model.py, precision.py, weights.py
 """

@@ -20,7 +20,7 @@ What it does
                  sum: the relative error of the whole gradient vector (L2).
 
 Run
-    torchrun --nproc_per_node 1 bench.py --model small --only compile,ac,optim,accum --steps 20
+    python -m bench.bench --model small --only compile,ac,optim,accum --steps 20
 
 Builds on: bench_ctx.py, ac.py, model.py, precision.py
 """
@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import ac as AC
 import model as M
 import precision as P
-from bench_ctx import Ctx, adamw, side
+from bench.bench_ctx import Ctx, adamw, side
 
 
 def sec_compile(ctx: Ctx) -> None:

@@ -16,9 +16,9 @@ What it does
     a 1B model with AdamW state would not fit.
 
 Run
-    python bench_mfu.py                        # one GPU: ~4-6 min on an H200 (3 compiles), bench_mfu.md
-    torchrun --nproc_per_node 1 bench.py --only mfu
-    python bench_mfu.py --smoke                # CPU: the tiny preset, 2 steps per row, one compiled
+    python -m bench.bench_mfu                  # one GPU: ~4-6 min on an H200 (3 compiles)
+    torchrun --nproc_per_node 1 -m bench.bench --only mfu
+    python -m bench.bench_mfu --smoke          # CPU: the tiny preset, 2 steps per row, one compiled
                                                # row (tests/test_bench.py; test_compile.py does the rest)
 
 Builds on: bench_ctx.py, ac.py, attention.py, cli.py, loss.py, model.py, precision.py, weights.py, zero.py
@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__" and not __package__:  # run by path: import the library from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,7 +49,7 @@ import model as M
 import precision as P
 import weights as W
 import zero as Z
-from bench_ctx import Ctx, md_row
+from bench.bench_ctx import Ctx, md_row
 
 CONFIGS = [(False, None), (False, "selective"), (False, "full"), (True, None), (True, "selective"), (True, "full")]
 SMOKE = CONFIGS[:3] + [(True, "full")]  # one compile: CPU compile time counts against the test suite
@@ -67,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--peak-tflops", type=float, default=None, help="override the GPU's dense bf16 peak")
     a("--no-hf", action="store_true", help="skip the transformers row")
     a("--smoke", action="store_true", help="CPU check of this script: tiny preset, seq 64, batch 2, 2 steps")
-    a("--out", default="bench_mfu.md")
+    a("--out", default=None, help="also write the report there; default: print only")
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.seq_len, args.steps, args.warmup = 2, 64, 2, 1
@@ -265,7 +268,7 @@ def sec_mfu(ctx: Ctx) -> None:
     """bench.py's mfu section: the check on rank 0's GPU (skipped without CUDA: see --smoke)."""
     title = "1B single-GPU bf16 tokens/s and MFU (bench_mfu.py)"
     if ctx.device.type != "cuda":
-        ctx.tables[title] = ["skipped (no CUDA): `python bench_mfu.py --smoke` checks the script on CPU"]
+        ctx.tables[title] = ["skipped (no CUDA): `python -m bench.bench_mfu --smoke` checks the script on CPU"]
     elif ctx.rank == 0:
         args = parse_args(["--batch", str(ctx.args.mfu_batch), "--seq-len", str(ctx.args.mfu_seq_len),
                            "--seed", str(ctx.args.seed)])
@@ -281,9 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     out = check(args, device)
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    text = f"# attotron GPU check\n\n`python bench_mfu.py {command}` ({time.time() - t0:.0f} s)\n\n" \
+    text = f"# attotron GPU check\n\n`python -m bench.bench_mfu {command}` ({time.time() - t0:.0f} s)\n\n" \
            + out["markdown"] + "\n"
-    Path(args.out).write_text(text)
+    if args.out:
+        Path(args.out).write_text(text)
     print(text, flush=True)
     return out
 

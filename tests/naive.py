@@ -1,0 +1,90 @@
+"""Textbook versions of three core algorithms, a few lines each, to read beside the production code.
+tests/test_naive.py asserts each equal to the production path.
+
+tp_mlp: Megatron's tensor-parallel MLP as the paper draws it. Two conjugate operators: f is the
+identity forward and an all-reduce backward; g is an all-reduce forward and the identity backward.
+The first matmul holds rows of W1 (column parallel), the second columns of W2 (row parallel).
+Production: tp.py's CopyToRegion / ReduceFromRegion, ColumnParallelLinear / RowParallelLinear.
+
+zero1_step: one ZeRO-1 optimizer step in its three phases: reduce-scatter the gradients, AdamW on
+this rank's slice of the flat fp32 parameters, all-gather the updated slices.
+Production: dp.ReduceScatterSync, precision.MixedPrecisionOptimizer.step, zero.ZeroOptimizer
+(buckets, overlap, weight-decay groups and clipping on top).
+
+one_f_one_b: the 1F1B order of one pipeline rank: warm-up forwards, then one forward and one
+backward at a time (steady state), then the remaining backwards (cool-down).
+Production: pp_schedules.one_f_one_b, built by the general _one_f_one_b_order (interleaved chunks and
+the zero-bubble split too), plus the messages.
+
+References: Shoeybi et al. 2019 (Megatron-LM, Fig. 3); Rajbhandari et al. 2020 (ZeRO);
+Narayanan et al. 2021 (1F1B as PipeDream-Flush).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _f(torch.autograd.Function):
+    """Identity forward, all-reduce backward: where a replicated input enters the split region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's dL/dx is a partial sum
+        return grad, None
+
+
+class _g(torch.autograd.Function):
+    """All-reduce forward, identity backward: where the partial outputs leave the split region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """x (..., H) replicated; w1 (I/tp, H) this rank's rows of W1; w2 (H, I/tp) its columns of W2."""
+    h = F.silu(_f.apply(x, group) @ w1.T)  # (..., I/tp): this rank's slice of the hidden features
+    return _g.apply(h @ w2.T, group)  # (..., H): the sum over ranks is the full product
+
+
+def zero1_step(params: list[torch.Tensor], master: torch.Tensor, opt: torch.optim.Optimizer,
+               group: dist.ProcessGroup | None = None) -> None:
+    """params hold this rank's local gradients; master is this rank's slice (S,) of the flat fp32
+    parameters (padded to a multiple of the dp size); opt is an AdamW over [master]."""
+    n = dist.get_world_size(group)
+    grads = torch.cat([p.grad.reshape(-1) for p in params])  # (Ψ,)
+    grads = F.pad(grads, (0, master.numel() * n - grads.numel()))  # (n·S,)
+    master.grad = torch.empty_like(master)
+    dist.reduce_scatter_tensor(master.grad, grads, group=group)  # 1. the dp sum of my slice only
+    opt.step()  # 2. AdamW on my slice only
+    full = torch.empty(master.numel() * n)  # (n·S,)
+    dist.all_gather_into_tensor(full, master.detach(), group=group)  # 3. every rank's updated slice
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def one_f_one_b(m: int, s: int, p: int) -> list[tuple[str, int]]:
+    """[("F" | "B", micro-batch), ...] of rank s of p, for m micro-batches."""
+    warmup = min(m, p - 1 - s)  # forwards in flight before the first backward comes back
+    order = [("F", i) for i in range(warmup)]  # warm-up
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(m - warmup, m)]  # cool-down: drain the backwards
+    return order

@@ -1,0 +1,273 @@
+"""Every CUDA-only branch and every collective / P2P path, run on CPU under the CUDA contract.
+
+The meta device stands in for CUDA (cuda_contract.on_meta points the library's kernel predicates at
+it), torch's fake process group carries the collectives (one fake rank of a larger world in this
+process), and cuda_contract.Contract asserts what the real kernels and ProcessGroupNCCL require.
+Each scenario also asserts, through `contract.seen`, that the branch it is about ran at all: a
+contract that checks nothing cannot pass here.
+
+Scenarios: pretraining and packed SFT in bf16 (flash via SDPA, varlen_attn, fused RMSNorm backward,
+fused AdamW, pinned non_blocking copies of 2-row micro-batches); TP and SP at 2 fake ranks; the cp
+ring forward + backward (the flash block kernels, P2P); ZeRO-0..3 with and without AC over two
+micro-batches at dp 2; the pipeline executor's P2P at pp 2; the compiled layer traced with
+torch.compile(backend="aot_eager") on meta (--compile --ac with packed rows and with --cp: what
+runs eagerly, and that the log line says so). Plus the host-side fixes: TF32 through one API, the
+GPU peak table, memory.py's CPU accounting only for a CPU meter.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cli
+import cp as CP
+import dp
+import feed
+import grid as G
+import model as M
+import ops
+import pp as PP
+import precision as P
+import train
+from cuda_contract import Contract, ContractError, fake_world, on_meta
+
+META = torch.device("meta")
+S = 32  # tokens per row
+
+
+class Rows:
+    """Pretraining rows: (S+1,) token ids; host_batch slices them into (b, S) views."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, 260, (S + 1,), generator=torch.Generator().manual_seed(i))
+
+
+class Packed(Rows):
+    """Packed SFT rows: two documents per row (positions restart at S/2 - 3)."""
+
+    def __getitem__(self, i: int) -> dict:
+        x = super().__getitem__(i)
+        cut = S // 2 - 3
+        pos = torch.cat([torch.arange(cut), torch.arange(S - cut)])
+        return {"input_ids": x[:-1], "labels": x[1:], "position_ids": pos}
+
+
+def one_step(argv: list[str], ds: Rows, world: int = 1, rank: int = 0) -> Counter:
+    """One training step of train.py's composition on the meta device, rows through feed's pinned
+    copies, the step's collectives on the fake group; returns what the contract checked."""
+    args = cli.parse_args(["--dtype", "bf16", "--batch-size", "8", "--seq-len", str(S), *argv])
+    grid = G.Grid(rank, world, META)
+    cfg = M.PRESETS[args.model]
+    assert not cli.validate(args, cfg, grid)
+    args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, world)
+    G.make_grid(grid, args.tp, args.pp, 30.0, 30.0, args.cp)
+    model, shards, init = train.build_model(args, cfg, grid)
+    opt = train.make_optimizer(args, model, shards, init, grid)
+    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
+    chunks = PP.stage_chunks(model, cli.layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
+    rows = list(range(args.batch_size // grid.data[1]))
+    with Contract() as contract:
+        micro = feed.to_device(feed.host_batch(ds, rows, args.micro_batches, grid), grid.device)
+        targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
+        PP.run_pipeline(chunks, actions, micro, grid.pp_group if args.pp > 1 else None, targets,
+                        no_sync=opt.no_sync, seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+        opt.finish()
+        # precision.step without its host read of the grad norm (a meta tensor has no value)
+        grads = opt._master_grads()
+        coef = torch.clamp(1.0 / (opt.grad_norm(grads) + 1e-6), max=1.0)
+        for chunk in opt._chunks(grads):
+            opt._step_chunk([i for i in chunk if grads[i] is not None], grads, coef)
+        opt._publish()
+        opt.teardown()  # the publish's all-gathers (ZeRO-1/2: due at the next forward) complete here
+    return contract.seen
+
+
+@pytest.fixture
+def meta(monkeypatch):
+    on_meta(monkeypatch)
+    return monkeypatch
+
+
+def test_pretraining_and_packed_sft_bf16(meta):
+    with fake_world(0, 1, meta):
+        seen = one_step(["--micro-batches", "2"], Rows())
+        assert seen["sdpa flash"] and seen["non_blocking copy"] >= 4 and seen["pin_memory"] >= 4
+        assert seen["aten::_fused_rms_norm_backward"] and seen["aten::_fused_adamw_"]
+        seen = one_step(["--micro-batches", "2", "--sft"], Packed())
+        layers = M.PRESETS["tiny"].num_hidden_layers  # 2 micro-batches through every layer
+        assert seen["torch_attn::_varlen_attn"] == seen["torch_attn::_varlen_attn_backward"] == 2 * layers
+
+
+def test_tp_and_sp_at_two_ranks(meta):
+    with fake_world(0, 2, meta):
+        seen = one_step(["--tp", "2"], Rows(), world=2)
+        assert seen["c10d::allreduce_"] or seen["_c10d_functional::all_reduce"]
+        seen = one_step(["--tp", "2", "--sp"], Rows(), world=2)
+        assert seen["_c10d_functional::reduce_scatter_tensor"] or seen["c10d::_reduce_scatter_base_"]
+
+
+def test_cp_ring_forward_and_backward(meta):
+    """The training step runs the ring's backward for real (its custom op's forward on meta is the
+    registered fake), so the forward ring runs directly too, on rank 1 of 2."""
+    layers = M.PRESETS["tiny"].num_hidden_layers
+    with fake_world(1, 2, meta):
+        seen = one_step(["--cp", "2"], Rows(), world=2, rank=1)
+        # rank 1 of 2: 3 blocks at ring step 0, 2 at step 1
+        assert seen["aten::_scaled_dot_product_flash_attention_backward"] == 5 * layers
+        assert seen["c10d::send"] and seen["c10d::recv_"]
+        q = torch.randn(2, 4, S // 2, 16, device=META, dtype=torch.bfloat16).transpose(1, 2).transpose(1, 2)
+        k = torch.randn(2, S // 2, 2, 16, device=META, dtype=torch.bfloat16).transpose(1, 2)  # strided
+        with Contract() as contract:
+            out, lse = CP._ring_forward(q, k, k, dist.group.WORLD, 0.25)
+        assert contract.seen["aten::_scaled_dot_product_flash_attention"] == 5 and lse.shape == q.shape[:3]
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_zero_stages_over_two_micro_batches(meta, ac):
+    with fake_world(1, 2, meta):
+        for stage in range(4):
+            seen = one_step(["--zero", str(stage), "--micro-batches", "2", *(["--ac"] if ac else [])],
+                            Rows(), world=2, rank=1)
+            gathers = seen["c10d::_allgather_base_"] + seen["_c10d_functional::all_gather_into_tensor"]
+            reductions = seen["c10d::allreduce_"] + seen["c10d::_reduce_scatter_base_"]
+            assert reductions and (gathers or stage == 0), (stage, seen)
+
+
+def test_pipeline_p2p(meta):
+    with fake_world(0, 2, meta):
+        seen = one_step(["--pp", "2", "--micro-batches", "2"], Rows(), world=2)
+        assert seen["c10d::send"] and seen["c10d::recv_"]
+
+
+# ------------------------------------------------------------------------------------- fixes
+def test_cp_flash_backward_dense_arguments(meta):
+    """Fails on the old cp.py: empty cum_seq tensors (the varlen branch) and a strided lse view."""
+    q = torch.randn(1, 2, 8, 16, device=META, dtype=torch.bfloat16)
+    lse = torch.randn(1, 2, 16, device=META).split(8, dim=2)[1]  # a chunk of the merged l: strided
+    with Contract() as contract:
+        CP._block_backward(q, q, q, q, q, lse, True, 0.25)
+    assert contract.seen["aten::_scaled_dot_product_flash_attention_backward"] == 1
+    with pytest.raises(ContractError, match="cum_seq"), Contract():
+        torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            q, q, q, q, q, lse.contiguous(), torch.empty(0, dtype=torch.int32, device=META),
+            torch.empty(0, dtype=torch.int32, device=META), 8, 8, 0.0, True,
+            torch.empty((), dtype=torch.int64, device=META), torch.empty((), dtype=torch.int64, device=META))
+
+
+def test_pinned_batches_are_contiguous(meta):
+    """Fails on the old feed.py: a 2-row micro-batch is a strided view, pinned as it is."""
+    grid = G.Grid(0, 1, META)
+    with Contract() as contract:
+        feed.to_device(feed.host_batch(Rows(), [0, 1, 2, 3], 2, grid), META)
+    assert contract.seen["non_blocking copy"] == 4
+
+
+def test_rms_norm_cuda_backward_runs(meta):
+    x = torch.randn(2, 3, 64, device=META, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(64, device=META, dtype=torch.bfloat16, requires_grad=True)
+    with Contract() as contract:
+        ops.rms_norm(x, w, 1e-6).sum().backward()
+    assert contract.seen["aten::_fused_rms_norm_backward"] == 1 and x.grad.shape == x.shape
+
+
+def test_fp32_gqa_takes_a_fused_kernel(meta):
+    """--dtype fp32 with GQA on CUDA: attention expands k/v, so SDPA's efficient kernel runs (the
+    contract refuses the math fallback that enable_gqa would take)."""
+    import attention
+    q = torch.randn(2, S, 4, 16, device=META)
+    k = torch.randn(2, S, 2, 16, device=META)
+    with Contract() as contract:
+        assert attention.attend(q, k, k, None).shape == q.shape
+    assert contract.seen["sdpa efficient"] == 1
+    with pytest.raises(ContractError, match="math fallback"), Contract():
+        torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                                                         is_causal=True, enable_gqa=True)
+
+
+def _meta_llama() -> M.Llama:
+    import weights as W
+    return W.materialize_buffers(M.build(M.PRESETS["tiny"]), META)  # parameters stay on meta
+
+
+def test_compiled_layer_on_meta(meta):
+    """The compiled layer, traced with aot_eager on meta: plain rows compile every layer (forward and
+    backward run); checkpointed layers whose attention runs eagerly (packed rows, the cp ring) would
+    break the graph inside the checkpoint, so compile_layers leaves them eager and names them."""
+    import ac as AC
+    torch._dynamo.reset()
+    model = _meta_llama()
+    assert M.compile_layers(model, backend="aot_eager") == []
+    x = torch.randint(0, 260, (2, S), device=META)
+    model(x, labels=x, reduction="sum").backward()
+    assert all(getattr(layer.forward, "compiled", False) for layer in model.model.layers.values())
+    layers = [str(i) for i in range(M.PRESETS["tiny"].num_hidden_layers)]
+    model = _meta_llama()
+    AC.apply_ac(model, "selective")
+    assert M.compile_layers(model, backend="aot_eager", packed=True) == layers
+    with fake_world(0, 2, meta):
+        model = _meta_llama()
+        CP.apply_cp(model, dist.group.WORLD)
+        AC.apply_ac(model, "full")
+        assert M.compile_layers(model, backend="aot_eager") == layers
+        model = _meta_llama()
+        CP.apply_cp(model, dist.group.WORLD)
+        assert M.compile_layers(model, backend="aot_eager") == []  # no checkpoint: two graphs a layer
+
+
+# ------------------------------------------------------------------------------------- host side
+def test_tf32_through_one_api():
+    """Fails on the old cli.py: the new per-backend setter makes every legacy reader raise."""
+    old = torch.get_float32_matmul_precision()
+    try:
+        args = cli.parse_args(["--dtype", "fp32"])
+        assert cli.device_defaults(args, torch.device("cuda")) == "fp32 with TF32 matmuls"
+        assert torch.get_float32_matmul_precision() == "high" and torch._C._get_cublas_allow_tf32()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H800", 989),
+    ("NVIDIA H800 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA GH200 480GB", 989),
+    ("NVIDIA H200 NVL", 835), ("NVIDIA B200", 2250), ("NVIDIA GB200", 2500), ("NVIDIA L40S", 362),
+    ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA GeForce RTX 4090", None)])
+def test_gpu_peak_names(name, want):
+    found = cli.gpu_peak(name)
+    assert (found and found[0]) == want
+
+
+def test_cpu_accounting_only_for_a_cpu_meter():
+    code = ("import memory as MEM; a = bool(MEM._FLAG); MEM.PeakMeter('cuda'); b = bool(MEM._FLAG); "
+            "MEM.PeakMeter('cpu'); print(a, b, MEM._FLAG)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).parents[1])).stdout.split()
+    assert out == ["False", "False", "[True]"]
+
+
+def test_bench_gpu_smoke(tmp_path):
+    """bench_gpu.py's plumbing on CPU (tiny sizes, CPU kernels): every check runs and passes, the
+    results file is written; without --smoke and without a GPU it refuses."""
+    import json
+    from bench import bench_gpu
+    out = tmp_path / "bench_gpu.json"
+    assert bench_gpu.main(["--smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["all_ok"] and len(report["results"]) == 6
+    assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_log_line_names_eager_layers(capsys):
+    """--compile --ac with packed rows: train.py's first log line says that the checkpointed layers
+    run eagerly (compile_layers leaves them so), not just "compiled layers"."""
+    train.main(["--sft", "--compile", "--ac", "--steps", "0", "--seq-len", "256"])
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
+    assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line
