@@ -181,6 +181,21 @@ def test_window_on_every_cpu_path_and_the_cuda_call(monkeypatch):
     assert_close(A.attend(q, k, v, None, window=9), rows, 1e-6)
 
 
+def test_window_cuda_paths_on_meta(monkeypatch):
+    """The windowed CUDA branches (flash varlen with window_size; plain rows as one document each)
+    run forward and backward on the meta device under tests/cuda_contract.py's rules."""
+    from cuda_contract import Contract, on_meta
+    on_meta(monkeypatch)
+    pos = torch.cat([torch.arange(n) for n in (5, 40, 19)])[None]  # (1, 64)
+    docs = A.Documents.from_position_ids(pos, device="meta")
+    q, k, v = (torch.randn(1, 64, h, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    with Contract() as contract:
+        for d in (docs, None):
+            A.attend(q, k, v, d, window=9).sum().backward()
+    assert contract.seen["torch_attn::_varlen_attn"] == contract.seen["torch_attn::_varlen_attn_backward"] == 2
+
+
 def test_export_loads_as_the_same_class_bit_equal(pair, tmp_path):
     case, ref, ours = pair
     W.save_hf(dict(ours.named_parameters()), ours.config, tmp_path)
