@@ -58,7 +58,9 @@ Invariants
       re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks run inside
       backward (a checkpoint recompute) gather but never free. A tied embedding stays gathered from
       the head's backward to the embedding's. The head's unit is freed by a hook on the model
-      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head.
+      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head. With virtual
+      pipeline stages (pp.stage_chunks) every chunk shares that hook; it acts for the chunk holding
+      the head only (tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice).
     - Tied embeddings with pp > 1: the tied copy is a unit of its own, of the same size and
       padding on both stages (zero.py's "Invariants").
 
@@ -191,6 +193,8 @@ class Zero3Optimizer(ZeroOptimizer):
     def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
         if _in_backward() or self._pinned:
             return  # a recompute inside backward (backward frees the unit), or inside gathered()
+        if module is not self.sites[s][-1] and getattr(module, "lm_head", None) is not self.sites[s][-1]:
+            return  # a virtual-stage chunk without the head: it shares the model's hook dicts
         ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
         for u in self.site_units[s]:
             if u not in ahead:
