@@ -8,8 +8,10 @@ What it does
                  same collectives run (as no-ops) in both cases; the device — CUDA + NCCL when
                  available, else CPU + gloo — is chosen here, once
     make_grid    every group of the layout, made at start-up by every rank in the same order (with
-                 setup's device_id, each NCCL communicator too), plus two gloo groups: checkpoint /
-                 export I/O waits (--io-timeout) and the pipeline's host-side check
+                 setup's device_id, each NCCL communicator too; `family`), a 2-rank group per
+                 pipeline neighbour pair (NCCL serializes a group's P2P: docs/pipeline-nccl.md),
+                 `solo` for every degree-1 dimension (no one-rank NCCL communicator), plus two gloo
+                 groups: checkpoint / export I/O waits (--io-timeout) and the pipeline's host check
     Grid         this rank, its device, its coordinates `at` (a checkpoint.Layout: what ZeRO shards
                  over and checkpoints record) and its groups
     stage        a context naming the training stage in which a collective failed or timed out, or
@@ -30,6 +32,9 @@ Invariants
     - rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank (tp peers are neighbours: the
       fastest links); every group exists before the first step, none starts lazily in a hook.
     - Groups are arguments: no global process-group object; train.py passes the Grid's groups down.
+    - Every rank makes the same new_group calls in the same order (the members-only solo group
+      aside), none of one rank on the default backend, and under eager init every rank runs the
+      same splits of the world communicator (tests/test_pp.py::test_grid_groups_and_neighbour_pairs).
 
 Builds on: checkpoint.py (Layout: the coordinates checkpoints record), pp.py (the tied-embedding ranks)
 """

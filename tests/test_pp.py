@@ -518,7 +518,7 @@ def test_pp4_and_pp2_dp2():
 
 
 # ----------------------------------------------------------------------------------------- issue 22
-LAYOUTS = [(2, 2, 1), (1, 4, 1), (1, 2, 2), (4, 1, 1), (1, 1, 1)]  # (tp, pp, cp) at 4 ranks
+GRID_LAYOUTS = [(2, 2, 1), (1, 4, 1), (1, 2, 2), (4, 1, 1), (1, 1, 1)]  # (tp, pp, cp) at 4 ranks
 
 
 def _grid_and_pairs(rank: int, world: int) -> dict:
@@ -536,7 +536,7 @@ def _grid_and_pairs(rank: int, world: int) -> dict:
     out, grids = {}, {}
     dist.new_group = recorded
     try:
-        for tp, p, cp in LAYOUTS:
+        for tp, p, cp in GRID_LAYOUTS:
             calls.clear()
             g = grids[tp, p, cp] = G.Grid(rank, world, torch.device("cpu"))
             G.make_grid(g, tp, p, cp=cp)
@@ -595,7 +595,7 @@ def test_grid_groups_and_neighbour_pairs():
     bit-identical to the one pp group (same ops, same values, only the communicator differs), and on
     CUDA the one pp group is refused instead of deadlocking."""
     results = run_ranks(_grid_and_pairs, 4)
-    for tp, p, cp in LAYOUTS:
+    for tp, p, cp in GRID_LAYOUTS:
         shared = None
         for rank, r in enumerate(results):
             calls, sizes, peers = r["calls", tp, p, cp]
