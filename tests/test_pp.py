@@ -17,6 +17,7 @@ same dY and X that one backward would), so they are held to the same bit-identit
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import weakref
 
@@ -544,6 +545,13 @@ def _grid_and_pairs(rank: int, world: int) -> dict:
                                                                      "cp_group", "pp_check")}
             peers = {s: dist.get_process_group_ranks(pg) for s, pg in g.pp_peers.items()}
             out["calls", tp, p, cp] = (list(calls), sizes, peers)
+        calls.clear()  # a gloo family that does not cover the world: completed to a partition
+        made = G.family([[0, 1]], world, datetime.timedelta(seconds=60), "gloo")
+        out["family"] = (list(calls), len(made), dist.get_world_size(made[0]) if rank < 2 else None)
+        try:
+            G.family([[0, 1], [1, 2]], world, datetime.timedelta(seconds=60), "gloo")
+        except ValueError as e:
+            out["overlap"] = str(e)
     finally:
         dist.new_group = new_group
     g = grids[1, 4, 1]
@@ -591,7 +599,9 @@ def test_grid_groups_and_neighbour_pairs():
     """Issue 22: make_grid, recorded at five layouts of 4 ranks. Every rank makes the same calls in
     the same order (the members-only solo group aside); no group of one rank on the default (NCCL)
     backend; under eager init every rank runs the same splits of the world communicator; the
-    pipeline's neighbour pairs are made (a ring at pp=4). Then pp=4 with v=2 on the pair groups is
+    pipeline's neighbour pairs are made (a ring at pp=4); a gloo family that leaves ranks out is
+    completed to a partition (one no-colour split on every rank) and overlapping lists are refused.
+    Then pp=4 with v=2 on the pair groups is
     bit-identical to the one pp group (same ops, same values, only the communicator differs), and on
     CUDA the one pp group is refused instead of deadlocking."""
     results = run_ranks(_grid_and_pairs, 4)
@@ -613,6 +623,10 @@ def test_grid_groups_and_neighbour_pairs():
         splits = [_splits(r["calls", tp, p, cp][0], k) for k, r in enumerate(results)]
         assert all(len(set(map(str, col))) == 1 for col in zip(*splits)), splits
         assert len({len(sp) for sp in splits}) == 1, splits
+    for k, r in enumerate(results):
+        calls, n, size = r["family"]
+        assert calls == [((0, 1), "gloo", False), ((2, 3), "gloo", False)] and n == 1 and size == (2 if k < 2 else None)
+        assert _splits(calls, k) == ["-"] and "must not overlap" in r["overlap"]  # one no-colour split each
     for r in results:
         assert r["same", "interleaved"] and r["same", "zb"]
         assert "pass peer_groups" in r["refused"]
