@@ -13,7 +13,8 @@ What it does
         and hooks the output's gradient;
       - that gradient hook (the site's backward comes next) gathers it again and starts the
         previous `prefetch` sites' — except the embedding's: a lookup's backward reads only the ids;
-      - once all its gradients are reduce-scattered (dp.ReduceScatterSync's on_reduced) it is freed.
+      - once the gradients of every backward begun on it are reduce-scattered (dp.ReduceScatterSync's
+        on_reduced) it is freed; until then no forward frees it (zb runs a W after later forwards).
     step() writes the updated masters, cast, into the persistent shards (gathered when next used).
     gathered() holds every unit full (evaluation); each_unit_gathered() one at a time (export.py).
 
@@ -101,6 +102,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
+        self._open: dict[int, int] = {}  # unit → backwards begun whose gradients are not reduced yet
         self._pinned = False  # inside gathered(): forwards keep everything gathered
         super().__init__(named_params, cfg, dtype, group, stage=3, **kw)
         head = getattr(model, "lm_head", None)
@@ -197,20 +199,23 @@ class Zero3Optimizer(ZeroOptimizer):
             return  # a virtual-stage chunk without the head: it shares the model's hook dicts
         ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
         for u in self.site_units[s]:
-            if u not in ahead:
+            if u not in ahead and not self._open.get(u):  # (zb: a W still to run needs it)
                 self._free(u)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             self.grad_handles.append(out.register_hook(partial(self._pre_backward, s)))
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
         for u in self.backward_units[s]:
+            self._open[u] = self._open.get(u, 0) + 1
             self._gather(u)
         for t in range(s - 1, max(s - 1 - self.prefetch, -1), -1):
             for u in self.backward_units[t]:
                 self._gather(u, wait=False)
 
     def _on_reduced(self, u: int) -> None:
-        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
+        self._open[u] = max(self._open.get(u, 0) - 1, 0)
+        if not self._open[u]:
+            self._free(u)  # all of the unit's grads are in: no backward needs its parameters
 
     # ---- the seam ----------------------------------------------------------------------------------
     def _publish(self) -> None:
