@@ -32,6 +32,8 @@ What it does
 Peak memory (adds to zero.py's "Peak memory", B being the largest unit): prefetch + 1 gathered
 units in forward, prefetch + 2 in backward (the unit whose grads are being reduced, this one, the
 ones prefetched); a tied embedding stays gathered from the head's backward to the embedding's.
+Under zb a unit stays gathered from a micro-batch's B to its W (W unpacks the saved views of its
+weights), so a chunk with Ws pending keeps its units gathered through the forwards in between.
 The embedding's own unit is not gathered for backward: a lookup's backward reads only the ids, so
 an untied embedding (or pipeline stage 0's copy) costs no all-gather of V·h per micro-batch there.
 Setup (from `init`): 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the first step) plus
