@@ -374,7 +374,8 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
             loss = PP.run_pipeline(chunks, actions, micro, pp_group, targets, no_sync=opt.no_sync,
-                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                                   peer_groups=grid.pp_peers)
         with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
             if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
