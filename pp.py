@@ -545,10 +545,11 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     stream per rank (see "Communication"): refused where that deadlocks (virtual stages, >= 3 stages).
     Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
     from the last stage to every pp peer; sum it over dp for the global loss.
-    pp_group None (or of size 1) runs the whole model locally without communication."""
+    pp_group None is the default group, as in torch.distributed (one stage when none is
+    initialized); a group of size 1 runs the whole model locally without communication."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    stage = dist.get_rank(pp_group) if pp_group is not None else 0
-    n = dist.get_world_size(pp_group) if pp_group is not None else 1
+    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
+    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
     v, param = len(chunks), next(chunks[0].parameters())
     peers = {a.peer for a in actions if isinstance(a, Comm)}
     if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
