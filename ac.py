@@ -3,7 +3,8 @@
 What it does
     `apply_ac(model, mode, every)` makes chosen decoder layers keep less for backward:
       - "full": a layer keeps only its inputs; backward reruns the whole layer forward first
-        (non-reentrant `torch.utils.checkpoint`, never debug mode).
+        (non-reentrant `torch.utils.checkpoint`, never debug mode). A layer given a KV cache
+        (transformers' default use_cache=True) raises: the rerun would update it twice.
       - "selective" (the default of `--ac`): the layer runs once, as without AC, but the outputs of
         its cheap modules (`recomputable`: leaves holding no matrix — the RMSNorms and the SwiGLU
         activation) are not kept: the saved-tensor hooks replace each saved view of them by a note,
@@ -16,9 +17,12 @@ What it does
         Under torch.compile (train.py --compile) the layer instead runs checkpoint with the op-level
         policy `SAVE_OPS` (outputs of matmuls, fused attention, collectives kept; elementwise ops
         recomputed), which the compiler applies once while tracing: no Python per op at run time.
+        Any model: the same rule picks LayerNorm, transformers' RMSNorm, an activation module (SiLU,
+        GELU); an op outside a module of its own (transformers' gate · up product) is kept.
       - `every=k`: only layers whose GLOBAL index is a multiple of k (0, k, 2k, ...) are checkpointed.
-        Layers live in `model.model.layers` keyed by global index, so a pipeline stage holding layers
-        "4".."7" checkpoints 4 and 6 at k=2: the choice does not depend on how pp splits the model.
+        The layers: `model.model.layers` (attotron's ModuleDict keyed by global index, so a pipeline
+        stage holding "4".."7" checkpoints 4 and 6 at k=2; transformers' ModuleList), or for any
+        other model the dotted path `layers=` names (e.g. "transformer.h"). tests/test_foreign.py.
     `remove_ac(model)` restores the plain layers. `SavedActivationMeter` counts what autograd keeps.
 
 Reference
@@ -228,6 +232,9 @@ def _compile_contexts() -> tuple[Any, Any]:
 
 
 # ------------------------------------------------------------------------------- wrapping layers
+_CACHES = ("cache", "past_key_values", "past_key_value")  # transformers' names for a layer's KV cache
+
+
 def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
     own = layer.__dict__.get("forward")  # an instance-level forward set by someone else, if any
     ref = weakref.ref(layer)  # no layer → closure → layer cycle: the model stays freeable by refcount
@@ -236,6 +243,9 @@ def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
         inner = own if own is not None else partial(type(ref()).forward, ref())  # (traceable by compile)
         if mode == "selective" and not torch.compiler.is_compiling():
             return _selective(inner, args, kwargs)
+        if any(kwargs.get(k) is not None for k in _CACHES) and torch.is_grad_enabled():
+            raise ValueError("full activation checkpointing reruns the layer in backward, which would update "
+                             "its KV cache twice: call the model with use_cache=False")
         # (compile traces checkpoint's context_fn only when it is a selective one: full passes none)
         policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
         return checkpoint(inner, *args, use_reentrant=False, debug=False,
@@ -248,36 +258,51 @@ def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
     layer.forward = forward  # an instance attribute: no new module, no change to any name
 
 
-def checkpointed(model: nn.Module) -> dict[str, str]:
+def decoder_layers(model: nn.Module, layers: str | None = None) -> dict[str, nn.Module]:
+    """{global index: layer}: `layers` (a dotted path to the model's layer list, e.g. "transformer.h")
+    or, found by itself, `model.model.layers` (attotron's ModuleDict keyed by global index, a pipeline
+    stage holding only some; transformers' ModuleList). Other keys: the layers' positions."""
+    found = model.get_submodule(layers) if layers is not None else \
+        getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
+        where = f"{layers!r} is {type(found).__name__}" if layers is not None else \
+            f"{type(model).__name__} has no model.layers"
+        raise ValueError(f"apply_ac needs the decoder layers as an nn.ModuleDict or nn.ModuleList: {where}; "
+                         f"pass layers= (the dotted path to them, e.g. layers='transformer.h')")
+    if isinstance(found, nn.ModuleDict) and all(name.isdigit() for name in found):
+        return dict(found.items())
+    ordered = found.values() if isinstance(found, nn.ModuleDict) else found
+    return {str(i): layer for i, layer in enumerate(ordered)}
+
+
+def checkpointed(model: nn.Module, layers: str | None = None) -> dict[str, str]:
     """{global layer index: mode} of the layers apply_ac wrapped."""
-    return {name: layer.forward.ac_mode for name, layer in model.model.layers.items()
+    return {name: layer.forward.ac_mode for name, layer in decoder_layers(model, layers).items()
             if hasattr(layer.forward, "ac_mode")}
 
 
 def apply_ac(model: nn.Module, mode: str = "selective", every: int = 1,
-             preserve_rng_state: bool = False) -> None:
-    """Checkpoint every `every`-th decoder layer of `model.model.layers` (by global index: 0, k, 2k,
-    ...) in `mode` ("full" or "selective"). Apply after tp/pp have transformed the model and
-    after materialize; before the optimizer, dp and zero wrap it."""
+             preserve_rng_state: bool = False, *, layers: str | None = None) -> None:
+    """Checkpoint every `every`-th decoder layer (by global index: 0, k, 2k, ...) in `mode` ("full"
+    or "selective"). The layers: `model.model.layers` (attotron, transformers) or the `layers` path
+    of any other model. Apply after tp/pp have transformed the model and after materialize; before
+    the optimizer, dp and zero wrap it."""
     if mode not in MODES:
         raise ValueError(f"ac mode {mode!r} is not one of {MODES}")
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"ac every={every!r}: expected an integer >= 1 (1 checkpoints every layer)")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
-        raise ValueError("apply_ac expects model.model.layers to be an nn.ModuleDict of decoder layers")
-    done = checkpointed(model)
+    done = checkpointed(model, layers)
     if done:
         raise ValueError(f"activation checkpointing is already applied to layers {sorted(done, key=int)}; "
                          f"call remove_ac(model) first")
-    for name, layer in layers.items():
+    for name, layer in decoder_layers(model, layers).items():
         if int(name) % every == 0:
             _wrap(layer, mode, preserve_rng_state)
 
 
-def remove_ac(model: nn.Module) -> None:
+def remove_ac(model: nn.Module, layers: str | None = None) -> None:
     """Undo apply_ac: every layer runs its plain forward again."""
-    for layer in model.model.layers.values():
+    for layer in decoder_layers(model, layers).values():
         forward = layer.__dict__.get("forward")
         if forward is None or not hasattr(forward, "ac_mode"):
             continue

@@ -46,6 +46,16 @@ Kernels
     travel with their n_kv heads (cp·nkv/nh of the bytes of full heads); each block expands them to
     the query heads and sums the gradients back.
 
+Which models (`apply_cp`)
+    attotron's Llama: every `attn_fn` becomes the ring; RoPE's table gets the global positions.
+    transformers' layout: the ring is registered in transformers' attention interface
+    (ALL_ATTENTION_FUNCTIONS) and named in the config's `_attn_implementation`; a pre-hook on
+    `model.model` feeds the global `position_ids`. It refuses a mask, dropout, a sliding window
+    shorter than the sequence, a KV cache longer than the queries. Any other model names its
+    `layers`, the `attention` module in each (its F.scaled_dot_product_attention call becomes the
+    ring) and the `positions` module (called with 0..s-1: a learned position embedding). Found no
+    attention, or a call the ring cannot compute: it raises. tests/test_foreign.py.
+
 Ring or Ulysses
     Built here: the ring. DeepSpeed-Ulysses instead all-to-alls (B, S/cp, heads) → (B, S, heads/cp)
     before attention and back after: 4 all-to-alls per layer of the activations, independent of cp in
@@ -71,10 +81,12 @@ Invariants
     - Packed documents (position ids restarting inside a row) and a layer's sliding window shorter
       than the sequence (Mistral, model.Attention.window) are rejected: the block masks here are
       causal only (tests/test_families.py).
+    - `group=None` is the default group, as in torch.distributed (tests/test_foreign.py).
 """
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 
 import torch
@@ -87,7 +99,8 @@ Group = dist.ProcessGroup | None
 
 # ------------------------------------------------------------------------------------- sharding
 def _cp_size_rank(group: Group) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
+    """(size, rank) in `group`; None is the default group (torch.distributed's meaning)."""
+    if not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -318,21 +331,23 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None,
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for zigzag-sharded q (B, nh, S/cp, hd), k, v
-    (B, nkv, S/cp, hd). On a group of one it is plain causal SDPA (exactly)."""
+    (B, nkv, S/cp, hd) over `group` (None: the default group). On a group of one it is plain causal
+    SDPA (exactly)."""
     cp, _ = _cp_size_rank(group)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = dist.group.WORLD if group is None else group
     return _ring_op(q, k, v, group.group_name, scale)[0]
 
 
 # ------------------------------------------------------------------------------------- the model
 def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
-                  group: dist.ProcessGroup, window: int | None = None) -> torch.Tensor:
+                  group: Group, window: int | None = None) -> torch.Tensor:
     """model.Attention.attn_fn under context parallelism: q (B, s, nh, hd), k, v (B, s, nkv, hd) of
     this rank's zigzag tokens → (B, s, nh, hd). window: the layer's sliding window, refused where
     it is shorter than the whole sequence (longer, it masks nothing)."""
@@ -347,26 +362,175 @@ def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: objec
     return y.transpose(1, 2)
 
 
-def _global_positions(rotary: nn.Module, args: tuple, *, cp: int, rank: int) -> tuple:
-    """Rotary pre-hook: the model numbers the s local tokens 0..s-1; RoPE needs their places in the
-    whole sequence. Local index p of chunk r (p < c = s/2) is r·c + p; of chunk 2cp−1−r it is
-    (2cp−1−r)·c + p − c."""
-    position_ids, *rest = args  # (B, s)
+def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:
+    """Pre-hook of the module that reads the positions (RoPE's table, a learned position embedding):
+    the model numbers the s local tokens 0..s-1; they need their places in the whole sequence. Local
+    index p of chunk r (p < c = s/2) is r·c + p; of chunk 2cp−1−r it is (2cp−1−r)·c + p − c."""
+    position_ids, *rest = args  # (B, s) or (s,)
     c = position_ids.shape[-1] // 2
+    local = torch.arange(2 * c, device=position_ids.device).expand_as(position_ids)  # 0..s-1
+    if check and not torch.equal(position_ids, local):
+        raise ValueError(f"apply_cp: {type(module).__name__} got positions other than 0..s-1; the "
+                         "ring maps the local 0..s-1 to global positions itself (no packed documents)")
     late = position_ids + (2 * cp - 2 - rank) * c
     return (torch.where(position_ids < c, position_ids + rank * c, late), *rest)
 
 
-def apply_cp(model: nn.Module, cp_group: Group) -> None:
-    """Context parallelism on a (meta or materialized) Llama, from outside: every attention's
-    `attn_fn` becomes the ring over cp_group, and RoPE sees each token's global position. The caller
-    feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`) without position_ids,
-    and sums the target count and the gradients over the cp ranks too (they hold the same
-    parameters, as dp replicas do). cp = 1: nothing changes."""
+def _ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False, *, group: Group, where: str) -> torch.Tensor:
+    """F.scaled_dot_product_attention inside a described model's attention module: the ring, if the
+    call is one the ring computes (causal, no mask, no dropout), else an error naming the module."""
+    if not is_causal or attn_mask is not None or dropout_p:
+        raise ValueError(f"apply_cp: {where} calls scaled_dot_product_attention with is_causal={is_causal}, "
+                         f"attn_mask={'given' if attn_mask is not None else None}, dropout_p={dropout_p}; "
+                         "the ring computes causal attention only (no mask, no dropout)")
+    return ring_attention(q, k, v, group, scale)
+
+
+class _SdpaToRing(torch.overrides.TorchFunctionMode):
+    """While a described attention module runs, its F.scaled_dot_product_attention becomes the ring
+    (host cost: one Python call per torch function that module calls)."""
+
+    def __init__(self, group: Group, where: str):
+        super().__init__()
+        self.group, self.where, self.calls = group, where, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            return _ring_sdpa(*args, **(kwargs or {}), group=self.group, where=self.where)
+        return func(*args, **(kwargs or {}))
+
+
+def _swap_sdpa(module: nn.Module, group: Group, where: str) -> None:
+    """Replace the module's forward (an instance attribute: no new module, no name changes) by one
+    that runs it under _SdpaToRing and raises if it computed its attention some other way."""
+    own, ref = module.__dict__.get("forward"), weakref.ref(module)  # weakref: no module → closure cycle
+
+    def forward(*args, **kwargs):
+        mode = _SdpaToRing(group, where)
+        with mode:
+            out = (own or partial(type(ref()).forward, ref()))(*args, **kwargs)
+        if mode.calls == 0:
+            raise ValueError(f"apply_cp: {where} ran without calling F.scaled_dot_product_attention, so "
+                             "its attention cannot be replaced by the ring")
+        return out
+    module.forward = forward
+
+
+def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             attention_mask: torch.Tensor | None, *, group: Group, calls: list[int], dropout: float = 0.0,
+             scaling: float | None = None, sliding_window: int | None = None,
+             **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface (modeling_utils.AttentionInterface): q (B, nh, s, hd),
+    k, v (B, nkv, s, hd) → ((B, s, nh, hd), no weights). Refuses what the ring does not compute."""
+    cp, _ = _cp_size_rank(group)
+    S = q.shape[2] * cp
+    bad = [f"{name}={value!r}" for name, value in kwargs.items()
+           if name not in _HF_IGNORED and value is not None and value is not False]
+    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
+        bad.append("non-causal attention")
+    if attention_mask is not None:
+        bad.append("an attention mask")
+    if dropout:
+        bad.append(f"attention dropout {dropout}")
+    if sliding_window is not None and sliding_window < S:
+        bad.append(f"sliding_window={sliding_window} < sequence length {S}")
+    if k.shape[2] != q.shape[2]:
+        bad.append(f"{k.shape[2]} keys for {q.shape[2]} queries (a KV cache)")
+    if bad:
+        raise ValueError(f"apply_cp: {type(module).__name__} asks for {', '.join(bad)}; the ring computes "
+                         "plain causal attention over the whole sequence only")
+    calls[0] += 1
+    y = ring_attention(q, k, v, group, scaling)  # (B, nh, s, hd)
+    return y.transpose(1, 2).contiguous(), None
+
+
+# keyword arguments transformers passes to an attention function that change nothing here
+# (is_causal is checked apart; output_attentions=True would ask for weights: refused)
+_HF_IGNORED = {"position_ids", "use_cache", "cache_position", "is_causal"}
+
+
+def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, rank: int,
+                  calls: list[int]) -> tuple:
+    """Pre-hook of transformers' backbone (model.model): the global zigzag position ids for RoPE."""
+    calls[0] = 0  # the ring's calls in this forward (_hf_ring counts, _hf_ring_ran checks)
+    if kwargs.get("position_ids") is not None:
+        raise ValueError("apply_cp: call the model without position_ids: it feeds each token's global "
+                         "position itself (packed documents are not supported)")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("apply_cp: the attention mask hides some tokens (padding?); the ring computes "
+                         "plain causal attention only")
+    x = kwargs.get("input_ids", args[0] if args else None)
+    x = kwargs.get("inputs_embeds") if x is None else x
+    s = x.shape[1]
+    kwargs["position_ids"] = shard_sequence(torch.arange(s * cp, device=x.device)[None], cp, rank)  # (1, s)
+    return args, kwargs
+
+
+def _hf_ring_ran(backbone: nn.Module, args: tuple, out: object, *, calls: list[int]) -> None:
+    if calls[0] < len(backbone.layers):
+        raise ValueError(f"apply_cp: {calls[0]} of {len(backbone.layers)} attention layers of "
+                         f"{type(backbone).__name__} called transformers' attention interface; the others "
+                         "cannot be replaced by the ring")
+
+
+def _transformers_layout(model: nn.Module) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return hasattr(getattr(model, "config", None), "_attn_implementation") and \
+        isinstance(layers, nn.ModuleList) and all(hasattr(layer, "self_attn") for layer in layers)
+
+
+def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
+             attention: str | None = None, positions: str | None = None) -> None:
+    """Context parallelism from outside: every attention becomes the ring over cp_group (None: the
+    default group) and the positions are the global ones. Found by itself on attotron's Llama (meta
+    or materialized: `attn_fn`, RoPE's table) and on transformers' layout (the attention interface,
+    position_ids). Any other model names the parts (dotted paths): `layers` (its layer list),
+    `attention` (in each layer, the module that calls F.scaled_dot_product_attention(is_causal=True))
+    and `positions` (the module called with the local positions 0..s-1, e.g. a learned position
+    embedding). The caller feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`)
+    without position_ids, and sums the target count and the gradients over the cp ranks too (they
+    hold the same parameters, as dp replicas do). A model whose attention cannot be swapped raises.
+    cp = 1: checked, then nothing changes."""
     cp, rank = _cp_size_rank(cp_group)
-    if cp == 1:
-        return
-    for module in model.modules():
-        if hasattr(module, "attn_fn"):
-            module.attn_fn = partial(_ring_attn_fn, group=cp_group, window=getattr(module, "window", None))
-    model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
+    if layers is not None:
+        if attention is None or positions is None:
+            raise ValueError("apply_cp on a described model needs attention= (the module in each layer "
+                             "that calls F.scaled_dot_product_attention) and positions= (the module "
+                             "called with the positions 0..s-1)")
+        found = model.get_submodule(layers)
+        targets = [(f"{layers}.{name}.{attention}", layer.get_submodule(attention))
+                   for name, layer in found.named_children()]
+        position_module = model.get_submodule(positions)
+        if cp > 1:
+            for where, module in targets:
+                _swap_sdpa(module, cp_group, where)
+            hook = partial(_global_positions, cp=cp, rank=rank, check=True)
+            position_module.register_forward_pre_hook(hook)
+    elif _transformers_layout(model):
+        if cp > 1:
+            calls = [0]  # one entry per model: its own count of the ring's calls
+            name = f"attotron_ring_{id(calls)}"
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # only for its models
+            ALL_ATTENTION_FUNCTIONS.register(name, partial(_hf_ring, group=cp_group, calls=calls))
+            for layer in model.model.layers:
+                layer.self_attn.config._attn_implementation = name  # (one config object, usually)
+            hook = partial(_hf_positions, cp=cp, rank=rank, calls=calls)
+            model.model.register_forward_pre_hook(hook, with_kwargs=True)
+            model.model.register_forward_hook(partial(_hf_ring_ran, calls=calls))
+    elif any(hasattr(m, "attn_fn") for m in model.modules()) and \
+            hasattr(getattr(model, "model", None), "rotary_emb"):
+        if cp > 1:
+            for module in model.modules():
+                if hasattr(module, "attn_fn"):
+                    module.attn_fn = partial(_ring_attn_fn, group=cp_group,
+                                             window=getattr(module, "window", None))
+            model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
+    else:
+        raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
+                         "attotron's Llama nor transformers' layout): pass layers=, attention= and "
+                         "positions= (dotted paths, e.g. layers='transformer.h', attention='attn', "
+                         "positions='transformer.wpe')")

@@ -33,7 +33,8 @@ Overlapped parameter all-gather (stages 1-2; Megatron's distributed optimizer, o
     all-gathers that complete the flats in place (NCCL detects the in-place form: no shard buffer)
     then run in a fixed order: the order in which a forward first reads the buckets (the
     embedding's first, the head's last; `sites`). A forward pre-hook on each site (embedding, each
-    decoder layer, the final norm for norm + head) launches them in that order up to the last
+    decoder layer, the final norm for norm + head; `find_parts`: attotron's Llama, transformers'
+    layout, or the dotted paths a user names) launches them in that order up to the last
     bucket it reads, waits for those, and keeps the next `inflight` in flight: the all-gather of
     layer k+1 runs while layer k computes, and only the first bucket's is exposed. They start at
     the first pre-hook, not in step(): on a GPU the host gets there long before the device is
@@ -122,6 +123,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable
 
@@ -246,8 +248,10 @@ class ZeroOptimizer(DataParallel):
     for them."""
 
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group,
-                 stage: int, reduce_every_micro_batch: bool = False, model: nn.Module | None = None, **kw):
+                 stage: int, reduce_every_micro_batch: bool = False, model: nn.Module | None = None,
+                 parts: Parts | None = None, **kw):
         self.stage = stage
+        self.parts = find_parts(model) if parts is None and model is not None else parts
         self.per_micro_batch = stage == 3 or (stage == 2 and reduce_every_micro_batch)
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gathers: collections.deque = collections.deque()  # (bucket, work) launched, not yet waited
@@ -255,8 +259,8 @@ class ZeroOptimizer(DataParallel):
         super().__init__(named_params, cfg, dtype, group, **kw)
         self._launched = self._landed = len(self._order)  # in self._order; the flats are complete now
         if model is not None and self.world > 1:
-            for s, site in enumerate(sites(model)):
-                first = model if site[0] is model.lm_head else site[0]  # lm_head is not called: see sites()
+            for s, site in enumerate(sites(self.parts)):
+                first = model if site[0] is self.parts.head else site[0]  # maybe not called: see sites()
                 self.module_handles.append(first.register_forward_pre_hook(partial(self._wait_site, s)))
 
     def _gather_order(self, model: nn.Module | None) -> tuple[list[int], list[int]]:
@@ -268,7 +272,7 @@ class ZeroOptimizer(DataParallel):
             return list(reversed(range(len(self.buckets)))), []
         bucket_of = {id(self.params[i]): b for b, bk in enumerate(self.buckets) for i in bk.index}
         need = [[bucket_of[id(p)] for mod in site for p in mod.parameters() if id(p) in bucket_of]
-                for site in sites(model)]
+                for site in sites(self.parts)]
         order = [b for b in range(len(self.buckets)) if not any(b in n for n in need)]
         stray = len(order)
         for n in need:
@@ -340,6 +344,8 @@ class ZeroOptimizer(DataParallel):
         """Write the master pieces of bucket b, cast to the compute dtype, into its shard (one
         foreach launch for the bucket, not a copy kernel per parameter)."""
         index = [i for i in self.buckets[b].index if self.pieces[i].n]
+        if not index:  # this rank owns only padding of a tiny bucket
+            return
         with torch.no_grad():
             torch._foreach_copy_([shard[self.pieces[i].shard_start:self.pieces[i].shard_start + self.pieces[i].n]
                                   for i in index], [self.master[i] for i in index])
@@ -393,13 +399,48 @@ class ZeroOptimizer(DataParallel):
         super().teardown()
 
 
-def sites(model: nn.Module) -> list[list[nn.Module]]:
+@dataclass
+class Parts:
+    """The modules ZeRO's hooks follow: embedding, decoder layers, final norm, head (None or empty
+    where a pipeline stage holds none)."""
+    embed: nn.Module | None
+    layers: list[nn.Module]
+    norm: nn.Module | None
+    head: nn.Module | None
+
+
+def find_parts(model: nn.Module, embed: str | None = None, layers: str | None = None,
+               norm: str | None = None, head: str | None = None) -> Parts:
+    """The parts of attotron's Llama or of transformers' layout (model.model.embed_tokens, .layers,
+    .norm, model.lm_head), found by themselves; of any other model, from dotted paths (`layers`
+    required, e.g. embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
+    head="lm_head"; a part not named is absent)."""
+    if layers is None:
+        if (embed, norm, head) != (None, None, None):
+            raise ValueError("a described model names its decoder layers too (layers=...)")
+        inner = getattr(model, "model", None)
+        found = getattr(inner, "layers", None)
+        if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
+            raise ValueError(f"{type(model).__name__} is neither attotron's Llama nor transformers' "
+                             "layout (model.model.layers): name its parts, e.g. embed='transformer.wte', "
+                             "layers='transformer.h', norm='transformer.ln_f', head='lm_head'")
+        listed = found.values() if isinstance(found, nn.ModuleDict) else found
+        return Parts(getattr(inner, "embed_tokens", None), list(listed), getattr(inner, "norm", None),
+                     getattr(model, "lm_head", None))
+    get = lambda path: None if path is None else model.get_submodule(path)  # noqa: E731
+    found = get(layers)
+    if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(f"layers={layers!r} is a {type(found).__name__}, not an nn.ModuleList or nn.ModuleDict")
+    listed = found.values() if isinstance(found, nn.ModuleDict) else found
+    return Parts(get(embed), list(listed), get(norm), get(head))
+
+
+def sites(parts: Parts) -> list[list[nn.Module]]:
     """The modules whose forward first reads each group of parameters, in forward order: [embedding],
-    each decoder layer, [final norm, lm_head] — whichever this pipeline stage holds. The head's site
-    starts at the norm: the loss reads lm_head.weight chunk by chunk without calling lm_head."""
-    m = model.model
-    out = ([[m.embed_tokens]] if m.embed_tokens is not None else []) + [[layer] for layer in m.layers.values()]
-    head = [mod for mod in (m.norm, model.lm_head) if mod is not None]
+    each decoder layer, [final norm, head] — whichever this pipeline stage holds. The head's site
+    starts at the norm: attotron's loss reads lm_head.weight chunk by chunk without calling lm_head."""
+    out = ([[parts.embed]] if parts.embed is not None else []) + [[layer] for layer in parts.layers]
+    head = [mod for mod in (parts.norm, parts.head) if mod is not None]
     return out + ([head] if head else [])
 
 
@@ -410,7 +451,9 @@ def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
                norm_groups: Iterable[dist.ProcessGroup] = (),
                counted: Callable[[str], bool] = lambda name: True,
                tied: nn.Parameter | None = None, embed_group: Group = None,
-               init: Init | None = None, device: torch.device | str | None = None) -> DataParallel:
+               init: Init | None = None, device: torch.device | str | None = None,
+               embed: str | None = None, layers: str | None = None, norm: str | None = None,
+               head: str | None = None) -> DataParallel:
     """The step object for ZeRO `stage` 0-2 (0 = plain DP) over `dp_group`, built on a model whose
     parameters hold their fp32 values (after materialize, tp, ac) — or on a meta-device model with
     `init` (weights.param_reader: fp32 elements [start, stop) of a parameter's flattened local values)
@@ -421,15 +464,19 @@ def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
     (and stage 1-2 all-gathers) in flight at once; reduce_every_micro_batch: stage 2 reduce-scatters
     each micro-batch instead of once per step.
     tied: this pipeline stage's copy of an embedding tied across the first and last stage (None
-    elsewhere; pp.tied_copy(model) gives it): step() sums its gradient over `embed_group`."""
+    elsewhere; pp.tied_copy(model) gives it): step() sums its gradient over `embed_group`.
+    embed, layers, norm, head: the parts of a model that is neither attotron's Llama nor in
+    transformers' layout (find_parts); stages 1-2 hook them to overlap the parameter all-gathers.
+    The forward may return anything (a tensor, a ModelOutput, a tuple)."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2 here (stage 3: zero3.apply_zero), got {stage}")
     named = trainable(model, bucket_mb, inflight, tied, embed_group)
     kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
               tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device)
+    parts = find_parts(model, embed, layers, norm, head)
     if stage == 0:
         return DataParallel(named, cfg, dtype, dp_group, **kw)
-    return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, **kw)
+    return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, parts=parts, **kw)
 
 
 def trainable(model: nn.Module, bucket_mb: float, inflight: int, tied: nn.Parameter | None,

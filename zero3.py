@@ -13,7 +13,8 @@ What it does
         and hooks the output's gradient;
       - that gradient hook (the site's backward comes next) gathers it again and starts the
         previous `prefetch` sites' — except the embedding's: a lookup's backward reads only the ids;
-      - once all its gradients are reduce-scattered (dp.ReduceScatterSync's on_reduced) it is freed.
+      - once the gradients of every backward begun on it are reduce-scattered (dp.ReduceScatterSync's
+        on_reduced) it is freed; until then no forward frees it (zb runs a W after later forwards).
     step() writes the updated masters, cast, into the persistent shards (gathered when next used).
     gathered() holds every unit full (evaluation); each_unit_gathered() one at a time (export.py).
 
@@ -24,6 +25,14 @@ What it does
     persistent_bytes, formula_bytes and peak_extras live here: the memory account of every stage
     (zero.py's table and extras in bytes; what tests/test_memory.py and bench_theory.py check).
 
+    What ZeRO-3 needs of the model. Its parts: attotron's Llama and transformers' layout are found
+    by themselves, any other model names them (embed=, layers=, norm=, head=: dotted paths). Each
+    part is called as a module (hooks gather and free it); a parameter outside the parts (a learned
+    position embedding) is a unit of its own, read only inside its module's forward. The outputs of
+    a layer and of the model hold the tensors backward starts from: a tensor, or a tuple, list or
+    dict of them (a ModelOutput, the GPT's (logits, loss)); the first of their gradients gathers the
+    unit for backward. An output without one (under grad) raises. tests/test_foreign.py.
+
     Building: on a meta-device model with `init=weights.param_reader(...)`, each unit's shard and
     fp32 master pieces are filled from only the elements this rank owns (from safetensors only the
     rows that hold them): no rank ever holds the model in full.
@@ -31,6 +40,8 @@ What it does
 Peak memory (adds to zero.py's "Peak memory", B being the largest unit): prefetch + 1 gathered
 units in forward, prefetch + 2 in backward (the unit whose grads are being reduced, this one, the
 ones prefetched); a tied embedding stays gathered from the head's backward to the embedding's.
+Under zb a unit stays gathered from a micro-batch's B to its W (W unpacks the saved views of its
+weights), so a chunk with Ws pending keeps its units gathered through the forwards in between.
 The embedding's own unit is not gathered for backward: a lookup's backward reads only the ids, so
 an untied embedding (or pipeline stage 0's copy) costs no all-gather of V·h per micro-batch there.
 Setup (from `init`): 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the first step) plus
@@ -58,7 +69,9 @@ Invariants
       re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks run inside
       backward (a checkpoint recompute) gather but never free. A tied embedding stays gathered from
       the head's backward to the embedding's. The head's unit is freed by a hook on the model
-      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head.
+      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head. With virtual
+      pipeline stages (pp.stage_chunks) every chunk shares that hook; it acts for the chunk holding
+      the head only (tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice).
     - Tied embeddings with pp > 1: the tied copy is a unit of its own, of the same size and
       padding on both stages (zero.py's "Invariants").
 
@@ -78,11 +91,20 @@ import precision as P
 import zero
 from dp import Bucket, Group, launch, layout, remove_handles
 from precision import OptimConfig
-from zero import DataParallel, Init, Named, ZeroOptimizer, _place, sites
+from zero import DataParallel, Init, Named, Parts, ZeroOptimizer, _place, find_parts, sites
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    """The tensors of a forward's output: itself, or inside a tuple, list or dict (a ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    return [t for o in out for t in _tensors(o)] if isinstance(out, (tuple, list)) else []
 
 
 class Zero3Optimizer(ZeroOptimizer):
@@ -94,43 +116,50 @@ class Zero3Optimizer(ZeroOptimizer):
     `prefetch` = how many sites ahead (forward) / behind (backward) are gathered asynchronously."""
 
     def __init__(self, model: nn.Module, named_params: Named, cfg: OptimConfig, dtype: torch.dtype,
-                 group: Group, prefetch: int = 1, **kw):
+                 group: Group, prefetch: int = 1, parts: Parts | None = None, **kw):
         self.model, self.prefetch = model, prefetch
+        self.parts = find_parts(model) if parts is None else parts
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
+        self._open: dict[int, int] = {}  # unit → backwards begun whose gradients are not reduced yet
         self._pinned = False  # inside gathered(): forwards keep everything gathered
-        super().__init__(named_params, cfg, dtype, group, stage=3, **kw)
-        head = getattr(model, "lm_head", None)
+        super().__init__(named_params, cfg, dtype, group, stage=3, parts=self.parts, **kw)
+        head = self.parts.head
         for s, site in enumerate(self.sites):
-            # the head's site ends with the model's own forward: the loss reads lm_head.weight
+            # the head's site ends with the model's own forward: attotron's loss reads lm_head.weight
             # without calling lm_head (loss.linear_cross_entropy), so lm_head's hook would not run
             end = model if head is not None and site[-1] is head else site[-1]
             self.module_handles.append(site[0].register_forward_pre_hook(partial(self._pre_forward, s)))
             self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))
 
     def _buckets(self) -> list[Bucket]:
-        self.sites = sites(self.model)
+        self.sites = sites(self.parts)
         where = {id(p): i for i, p in enumerate(self.params)}
+        # a parameter outside the parts (a learned position embedding) is a unit of its own, its site
+        # the module holding it (placed after the embedding's: where position embeddings run)
+        inside = {id(p) for site in self.sites for mod in site for p in mod.parameters()}
+        holders = [mod for mod in self.model.modules()
+                   if any(id(p) in where and id(p) not in inside for p in mod.parameters(recurse=False))]
+        first = int(self.parts.embed is not None)
+        self.sites[first:first] = [[mod] for mod in holders]
         units: list[list[int]] = []
         owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
         self.site_units: list[list[int]] = []
-        for site in self.sites:
-            mine = [where[id(p)] for mod in site for p in mod.parameters() if id(p) in where]
+        for site in self.sites:  # a holder's site: its own parameters only (it may be the model)
+            mine = [where[id(p)] for mod in site
+                    for p in mod.parameters(recurse=all(mod is not h for h in holders)) if id(p) in where]
             new = [i for i in dict.fromkeys(mine) if i not in owner]
             for unit in ([i for i in new if i != self.tied], [i for i in new if i == self.tied]):
                 if unit:  # the tied copy is a unit of its own
                     owner.update({i: len(units) for i in unit})
                     units.append(unit)
             self.site_units.append(sorted({owner[i] for i in mine}))
-        # what each site's backward reads: the embedding's backward reads only the ids (a lookup's
+        # what each site's backward reads: an embedding's backward reads only the ids (a lookup's
         # gradient is scattered by index), so its unit is not gathered again for backward
-        lookup = [getattr(self.model.model, "embed_tokens", None)]
-        self.backward_units = [[] if site == lookup else units for site, units in zip(self.sites, self.site_units)]
-        stray = [n for i, n in enumerate(self.names) if i not in owner]
-        if stray:
-            raise ValueError(f"ZeRO-3 units cover embed_tokens, layers, norm and lm_head only; "
-                             f"parameters outside them: {stray[:5]}")
+        lookup = lambda site: site == [self.parts.embed] or (  # noqa: E731
+            len(site) == 1 and isinstance(site[0], nn.Embedding))
+        self.backward_units = [[] if lookup(site) else units for site, units in zip(self.sites, self.site_units)]
         self._full = [False] * len(units)
         return [layout(u, self.params, pad_to=self.world) for u in units]
 
@@ -191,22 +220,38 @@ class Zero3Optimizer(ZeroOptimizer):
     def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
         if _in_backward() or self._pinned:
             return  # a recompute inside backward (backward frees the unit), or inside gathered()
+        if module is not self.sites[s][-1] and getattr(module, "lm_head", None) is not self.sites[s][-1]:
+            return  # a virtual-stage chunk without the head: it shares the model's hook dicts
         ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
         for u in self.site_units[s]:
-            if u not in ahead:
+            if u not in ahead and not self._open.get(u):  # (zb: a W still to run needs it)
                 self._free(u)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            self.grad_handles.append(out.register_hook(partial(self._pre_backward, s)))
+        # the site's backward starts at the first gradient of any of its outputs (a tensor, or in a
+        # tuple or a ModelOutput: the layer's hidden states, the model's (logits, loss))
+        outs, fired = [t for t in _tensors(out) if t.requires_grad], []
+        if not outs and self.backward_units[s] and torch.is_grad_enabled():
+            raise ValueError(f"ZeRO-3: {type(module).__name__}'s forward returned no tensor that requires "
+                             "grad (in a tensor, tuple, list or dict), so its unit cannot be gathered for backward")
+        for t in outs:
+            self.grad_handles.append(t.register_hook(partial(self._pre_backward_once, s, fired)))
+
+    def _pre_backward_once(self, s: int, fired: list, grad: torch.Tensor) -> None:
+        if not fired:  # one output's gradient of this call is enough
+            fired.append(True)
+            self._pre_backward(s, grad)
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
         for u in self.backward_units[s]:
+            self._open[u] = self._open.get(u, 0) + 1
             self._gather(u)
         for t in range(s - 1, max(s - 1 - self.prefetch, -1), -1):
             for u in self.backward_units[t]:
                 self._gather(u, wait=False)
 
     def _on_reduced(self, u: int) -> None:
-        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
+        self._open[u] = max(self._open.get(u, 0) - 1, 0)
+        if not self._open[u]:
+            self._free(u)  # all of the unit's grads are in: no backward needs its parameters
 
     # ---- the seam ----------------------------------------------------------------------------------
     def _publish(self) -> None:
@@ -256,22 +301,28 @@ def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
                norm_groups: Iterable[dist.ProcessGroup] = (),
                counted: Callable[[str], bool] = lambda name: True,
                tied: nn.Parameter | None = None, embed_group: Group = None,
-               init: Init | None = None, device: torch.device | str | None = None) -> DataParallel:
+               init: Init | None = None, device: torch.device | str | None = None,
+               embed: str | None = None, layers: str | None = None, norm: str | None = None,
+               head: str | None = None) -> DataParallel:
     """The step object for ZeRO `stage` 0-3 over `dp_group`: stages 0-2 from zero.apply_zero (the
     same arguments, documented there), stage 3 a Zero3Optimizer, checked the same way and built on
     the meta device reading only this rank's shard. prefetch: units gathered ahead (stage 3);
-    reduce_every_micro_batch is stage 2's (stage 3 always reduces each micro-batch)."""
+    reduce_every_micro_batch is stage 2's (stage 3 always reduces each micro-batch). embed,
+    layers, norm, head: a model's parts when it is neither attotron's Llama nor in transformers'
+    layout (zero.find_parts)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
               tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device)
+    described = dict(embed=embed, layers=layers, norm=norm, head=head)
     if stage < 3:
         return zero.apply_zero(model, stage, dp_group, cfg, dtype,
-                               reduce_every_micro_batch=reduce_every_micro_batch, **kw)
+                               reduce_every_micro_batch=reduce_every_micro_batch, **kw, **described)
+    parts = find_parts(model, **described)
     named = zero.trainable(model, bucket_mb, inflight, tied, embed_group)
-    return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, **kw)
+    return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, parts=parts, **kw)
 
 
 def persistent_bytes(opt: DataParallel) -> dict[str, int]:

@@ -1,0 +1,492 @@
+"""Mixture of experts: a top-k router, dropless SwiGLU experts and expert parallelism (EP).
+
+What it does
+    `MoE` replaces a decoder layer's MLP. A linear router scores every token against E experts; each
+    token goes to its top-k experts, and the experts' outputs come back weighted by the router's
+    probabilities. Nothing is dropped: an expert takes however many tokens chose it.
+      route        fp32 softmax over the logits, top-k, optional renormalization of the k weights
+      dispatch     the N·k (token, expert) pairs sorted by expert (a stable sort), so each expert's
+                   tokens are one contiguous block; int32 offsets mark the blocks
+      experts      SwiGLU per expert on its block: one `grouped_mm` for all experts where the kernel
+                   runs (`grouped_mm_runs`), a plain loop of matmuls otherwise; the same numbers
+      combine      each output row times its weight, back in token order, summed over the k
+    The weights are laid out as transformers 5 keeps them in memory: `gate.weight` (E, H),
+    `experts.gate_up_proj` (E, 2I, H) with gate rows first, `experts.down_proj` (E, H, I). A
+    transformers block's state_dict loads into `MoE` as a copy.
+    Losses: `load_balancing_loss` (Switch: E·Σ_i f_i·P_i, pooled over layers exactly as
+    transformers' `load_balancing_loss_func`) and `router_z_loss` (ST-MoE); `router_loss` applies
+    the config's coefficients. `record_router_logits` collects every router's logits of a forward.
+    Expert parallelism (`shard_experts`): the E experts are split over the ep ranks of a group. A
+    layer sends each (token, expert) row to the rank that holds the expert by an all-to-all with
+    variable splits (the counts travel first), runs its local experts, and sends the rows back.
+
+Core idea
+    Sorting by expert turns "each token picks k experts" into "each expert multiplies one
+    contiguous block": grouped GEMMs, no padding, no capacity factor. Under EP the sort by global
+    expert id also sorts by destination rank (rank p holds experts [p·E/ep, (p+1)·E/ep)), so the
+    send buffer needs no second permutation.
+
+Reference
+    Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021, "Switch Transformers" (eq. 4-6,
+    the load-balancing loss); Zoph et al. 2022, "ST-MoE" (router z-loss); Lepikhin et al. 2020,
+    "GShard" (expert parallelism by all-to-all); Gale et al. 2022, "MegaBlocks" (dropless). Numerics
+    follow transformers/models/{mixtral,qwen3_moe,olmoe}/modeling_*.py.
+
+Run
+    python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
+
+Invariants
+    - fp32: output, router logits and every gradient equal transformers' Mixtral, Qwen3-MoE and
+      OLMoE sparse blocks within 1e-6, an expert with no token included (test_block_matches_hf);
+      bf16: bit-equal to their grouped_mm path (test_bf16_bit_equal_to_hf_grouped_mm).
+    - The grouped_mm and loop experts agree, forward and backward, also for a stride-0 incoming
+      gradient (test_grouped_mm_equals_loop).
+    - load_balancing_loss equals transformers' over several layers, with and without a padding
+      mask (test_load_balancing_loss_matches_hf); recomputation under activation checkpointing
+      does not count a router twice (test_router_logits_once_under_checkpoint).
+    - ep = 2 and ep = 4 give ep = 1's outputs and gradients (no 2x expert gradient), and the
+      router's gradients are identical on every rank (test_ep_matches_single_process).
+    - Host syncs per layer: ep = 1 with grouped_mm none; the loop one (the counts size its slices);
+      ep > 1 exactly one in forward (the exchanged counts size the all-to-all buffers), none in
+      backward (the splits are kept) (counted in test_ep_matches_single_process).
+    - ep = 1 is the same code path: `shard_experts` at degree 1 changes no number.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+Group = dist.ProcessGroup | None
+
+
+@dataclass
+class MoEConfig:
+    hidden: int
+    intermediate: int  # per expert (Qwen3-MoE's moe_intermediate_size)
+    num_experts: int
+    top_k: int
+    renormalize: bool = True  # Mixtral always; Qwen3-MoE and OLMoE: config.norm_topk_prob
+    # the combine weights' dtype: Mixtral keeps them fp32, Qwen3-MoE / OLMoE cast to the logits'
+    fp32_weights: bool = True
+    aux_loss_coef: float = 0.0  # config.router_aux_loss_coef
+    z_loss_coef: float = 0.0
+    experts_impl: str = "auto"  # "auto" (grouped_mm where it runs) | "grouped_mm" | "loop"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.experts_impl not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(f"experts_impl={self.experts_impl!r}: use auto, grouped_mm or loop")
+
+    @classmethod
+    def from_hf(cls, config: Any, **overrides: Any) -> MoEConfig:
+        """The MoE block of a transformers Mixtral, Qwen3-MoE or OLMoE config; keyword overrides
+        replace any field (experts_impl="loop", z_loss_coef=...)."""
+        kind = config.model_type
+        if kind not in ("mixtral", "qwen3_moe", "olmoe"):
+            raise ValueError(f"model_type {kind!r}: moe.py knows mixtral, qwen3_moe and olmoe")
+        if getattr(config, "router_jitter_noise", 0.0):
+            raise ValueError("router_jitter_noise > 0 is not implemented (Mixtral trains without)")
+        mixtral = kind == "mixtral"
+        fields = dict(hidden=config.hidden_size,
+                      intermediate=getattr(config, "moe_intermediate_size", config.intermediate_size),
+                      num_experts=config.num_local_experts if mixtral else config.num_experts,
+                      top_k=config.num_experts_per_tok,
+                      renormalize=True if mixtral else config.norm_topk_prob,
+                      fp32_weights=mixtral, aux_loss_coef=config.router_aux_loss_coef)
+        return cls(**{**fields, **overrides})
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, E) logits -> the top-k experts of each token (N, k) and their weights (N, k).
+    The softmax runs in fp32 whatever the logits' dtype (as all three families)."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights if fp32_weights else weights.to(logits.dtype), experts
+
+
+class Router(nn.Module):
+    """The linear gate: `weight` (E, H) as transformers' `*TopKRouter.weight`. Returns (logits,
+    weights, experts) in transformers' order, so its logits can be recorded by a forward hook."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # (N, E) in x's dtype
+        weights, experts = route(logits, self.cfg.top_k, self.cfg.renormalize, self.cfg.fp32_weights)
+        return logits, weights, experts
+
+
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `grouped_mm(x, w)` has a kernel for these tensors. CPU (torch >= 2.9): any float
+    dtype, but every stride and the data pointers 16-byte aligned. CUDA: bf16 on sm80+. Meta
+    (the contract tests): always, so the grouped branch is traced there."""
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "meta":
+        return True
+    if x.device.type == "cuda":
+        return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.device.type != "cpu":
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+               for t in (x, w))
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's CPU backward rejects
+    the stride-0 gradient that `.sum().backward()` sends."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up of the fused projection h = [gate | up] (M, 2I) -> (M, I), autograd's exact
+    numbers. The backward writes both halves of dh into one (M, 2I) buffer, where chunk's
+    backward would allocate and concatenate two."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)  # (M, I) each
+        s = F.silu(gate)
+        ctx.save_for_backward(h, s)
+        return s * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        h, s = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        dh = torch.empty_like(h)  # (M, 2I)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        torch.mul(grad, s, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return dh
+
+
+def experts_grouped(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert's block of x (M, H), rows sorted by expert with counts (E,) rows each,
+    as two grouped GEMMs. No host sync: the int32 offsets stay on the device."""
+    offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's block
+    h = _ContiguousGrad.apply(_grouped_mm(x, gate_up.transpose(1, 2), offs=offs))  # (M, 2I)
+    a = _SwiGLU.apply(h)  # (M, I)
+    return _ContiguousGrad.apply(_grouped_mm(a, down.transpose(1, 2), offs=offs))  # (M, H)
+
+
+def experts_loop(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+    """The same as `experts_grouped`, one matmul pair per expert; counts are host ints."""
+    outs = []
+    # unbind: one backward node stacks all experts' grads (indexing gate_up[e] would add a full
+    # (E, 2I, H) zero tensor per expert in backward). An expert without rows still multiplies its
+    # empty block: its gradient is then zeros, not None, as grouped_mm's (dp.py needs one).
+    for xe, gu, dn in zip(x.split(list(counts)), gate_up.unbind(0), down.unbind(0)):
+        outs.append(_SwiGLU.apply(xe @ gu.t()) @ dn.t())  # (n, 2I) -> (n, I) -> (n, H)
+    return torch.cat(outs)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two fused 3-D weights, transformers 5's in-memory layout. Under EP this
+    rank holds experts [first, first + E_local) and the weights' first dimension is E_local."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, H, I = cfg.num_experts, cfg.hidden, cfg.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # rows [:I] gate, [I:] up
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        for w in (self.gate_up_proj, self.down_proj):
+            nn.init.normal_(w, std=0.02)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        impl = self.cfg.experts_impl
+        runs = grouped_mm_runs(x, self.gate_up_proj) and grouped_mm_runs(x, self.down_proj)
+        if impl == "grouped_mm" and not runs:
+            raise RuntimeError(f"grouped_mm has no kernel for {x.dtype} on {x.device} at these "
+                               "strides; use experts_impl='loop' or 'auto'")
+        return impl == "grouped_mm" or (impl == "auto" and runs)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                host_counts: list[int] | None = None) -> torch.Tensor:
+        """x (M, H) sorted by local expert, counts (E_local,) on the device; host_counts the same
+        as ints when the caller already has them (EP), so the loop costs no extra sync."""
+        if self.use_grouped(x):
+            return experts_grouped(x, counts, self.gate_up_proj, self.down_proj)
+        return experts_loop(x, host_counts if host_counts is not None else counts.tolist(),
+                            self.gate_up_proj, self.down_proj)
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many (token, expert) pairs each expert got: (E,) int64, on the device with no sync
+    (bincount would sync on CUDA to find its length)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
+class _Gather(torch.autograd.Function):
+    """out = x[index // k], index a permutation of range(len(x)·k). Backward gathers the gradient
+    by the inverse permutation and sums each source row's k copies: no zero-filled scatter-add
+    (what indexing's backward does, not knowing the index is a permutation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x[index // k] if k > 1 else x[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad[inverse]  # (len(x)·k, H) in source order
+        if ctx.k > 1:
+            grad = grad.view(-1, ctx.k, grad.shape[-1]).sum(dim=1)  # (len(x), H)
+        return grad, None, None, None
+
+
+def permutation(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse) of the flattened (N·k,) expert ids: order sorts them by expert (stable:
+    ties keep token order), inverse undoes it."""
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
+
+
+class MoE(nn.Module):
+    """The sparse MoE block: x (..., H) -> (..., H). `gate` and `experts` are named as in
+    transformers' `*SparseMoeBlock`, so `load_state_dict(hf_block.state_dict())` is a copy."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.ep_group: Group = None  # set by shard_experts; None with ep_size 1: no exchange
+        self.ep_size = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, H)
+        _, weights, experts = self.gate(x)  # (N, k), (N, k)
+        k = experts.shape[1]
+        order, inverse = permutation(experts)  # (N·k,) each: the pairs sorted by expert, and back
+        rows = _Gather.apply(x, order, inverse, k)  # (N·k, H) each pair's token, sorted
+        counts = expert_counts(experts, self.cfg.num_experts)  # (E,)
+        if self.ep_size == 1:
+            y = self.experts(rows, counts)  # (N·k, H)
+        else:
+            y = exchange_and_run(rows, counts, self.experts, self.ep_size, self.ep_group)
+        y = _Gather.apply(y, inverse, order, 1) * weights.reshape(-1, 1)  # (N·k, H) token order
+        # sum over the k slots in slot order: deterministic (index_add_ would race on CUDA), in the
+        # weights' dtype (fp32 for Mixtral) before the cast back, as transformers' grouped_mm path
+        return y.view(-1, k, shape[-1]).sum(dim=1).to(x.dtype).view(shape)
+
+
+# --- refinement: expert parallelism (all-to-all dispatch, the groups, gradient reduction) ---
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; the backward sends the gradient the reverse way
+    (swapped splits, kept from forward: no host sync in backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: Group) -> torch.Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        out = grad.new_empty(sum(out_splits), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), out_splits, in_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts, ep: int,
+                     group: Group) -> torch.Tensor:
+    """rows (M, H) sorted by global expert, counts (E,): send each row to the rank holding its
+    expert, run the local experts there, bring the results back in the same order (M, H).
+    One host sync: the exchanged counts must reach the host to size the receive buffer."""
+    local = counts.numel() // ep
+    send = counts.view(ep, local)  # (ep, E_local) my rows for each rank's experts
+    recv = torch.empty_like(send)  # (ep, E_local) each source's rows for my experts
+    dist.all_to_all_single(recv, send, group=group)  # the counts first
+    per_expert = recv.sum(0)  # (E_local,)
+    host = torch.cat([send.sum(1), recv.sum(1), per_expert]).tolist()  # the one sync
+    send_splits, recv_splits, host_counts = host[:ep], host[ep:2 * ep], host[2 * ep:]
+    got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H) by (source, expert)
+    # regroup by local expert: a stable sort keeps each source's rows in order
+    ids = torch.arange(local, device=rows.device).repeat(ep)  # (ep·E_local,)
+    ids = torch.repeat_interleave(ids, recv.reshape(-1), output_size=got.shape[0])  # (R,)
+    order, inverse = permutation(ids)  # (R,) each
+    y = experts(_Gather.apply(got, order, inverse, 1), per_expert, host_counts)  # (R, H)
+    return _AllToAll.apply(_Gather.apply(y, inverse, order, 1), send_splits, recv_splits, group)
+
+
+@dataclass
+class EPGroups:
+    """ep: the ranks that exchange tokens (each holds 1/ep of the experts); replica: the ranks that
+    hold the same experts as this one (its expert gradients are summed there)."""
+    ep: Group
+    replica: Group
+    ep_size: int
+    ep_rank: int
+
+
+def ep_groups(ep: int, group: Group = None) -> EPGroups:
+    """Split `group` (None: the default group) of n ranks into n/ep blocks of ep consecutive ranks
+    (the token exchange; consecutive ranks share a node on GPUs) and ep strided replica groups.
+    Collective: every rank of `group` must call it, in the same order."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(
+        range(dist.get_world_size()))
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    if ep < 1 or n % ep:
+        raise ValueError(f"ep={ep} must divide the {n} ranks of the group")
+    mine = {}
+    for b in range(n // ep):  # every rank creates every group, in one order (new_group's rule)
+        g = dist.new_group(ranks[b * ep:(b + 1) * ep])
+        if b == me // ep:
+            mine["ep"] = g
+    for j in range(ep):
+        g = dist.new_group(ranks[j::ep])
+        if j == me % ep:
+            mine["replica"] = g
+    return EPGroups(ep=mine["ep"], replica=mine["replica"], ep_size=ep, ep_rank=me % ep)
+
+
+def moe_blocks(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_experts(model: nn.Module, groups: EPGroups) -> nn.Module:
+    """Keep on this rank only its 1/ep of every MoE block's experts and route through the ep
+    group. In place; returns the model. At ep = 1 it keeps every expert and changes nothing."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError("shard_experts: the model has no moe.MoE block")
+    for block in blocks:
+        E, ep = block.cfg.num_experts, groups.ep_size
+        if E % ep:
+            raise ValueError(f"ep={ep} must divide num_experts={E}")
+        local = E // ep
+        first = groups.ep_rank * local
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(block.experts, name)
+            setattr(block.experts, name, nn.Parameter(w.detach()[first:first + local].clone()))
+        block.ep_group, block.ep_size = groups.ep, ep
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters sharded by EP (the experts' weights); everything else is replicated."""
+    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+
+
+def grad_reduce_plan(model: nn.Module, dp_group: Group,
+                     groups: EPGroups) -> list[tuple[list[nn.Parameter], Group]]:
+    """Which parameters sum their gradients over which group: the experts over the ranks holding
+    the same experts (their gradient already holds the ep peers' tokens, brought by the
+    all-to-all backward), everything else — the routers included — over all of dp. Summing the
+    experts over dp as well would count the ep peers' tokens twice (the 2x gradient bug)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    return [(dense, dp_group), (expert_parameters(model), groups.replica)]
+
+
+# --- refinement: the router losses and recording the routers' logits ---
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch's auxiliary loss E·Σ_i f_i·P_i, as transformers' load_balancing_loss_func: f_i is
+    the number of top-k picks of expert i and P_i the sum of its router probability, both summed
+    over every layer's rows and divided by the rows of all layers together (so Σ f_i = k: a
+    perfectly balanced router scores k). The softmax runs in the logits' dtype, as theirs.
+    attention_mask (B, S) of 0/1: padding rows count for nothing, in every layer."""
+    device = router_logits[0].device
+    picks = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:  # each (B·S, E)
+        probs = torch.softmax(logits, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)  # (B·S, k)
+        keep = (torch.ones(logits.shape[0], device=device) if attention_mask is None
+                else attention_mask.reshape(-1).to(device=device, dtype=torch.float32))  # (B·S,)
+        picks = picks + torch.zeros_like(picks).scatter_add_(
+            0, chosen.reshape(-1), keep.repeat_interleave(top_k))
+        prob = prob + (probs.float() * keep[:, None]).sum(0)
+        rows = rows + keep.sum()
+    return num_experts * torch.sum((picks / rows) * (prob / rows))
+
+
+def router_z_loss(router_logits: Sequence[torch.Tensor],
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's z-loss: the mean over all layers' rows of logsumexp(logits)², in fp32. It keeps
+    the logits small, which the softmax's fp32 rounding and bf16 logits need."""
+    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
+    rows = torch.zeros_like(total)
+    for logits in router_logits:
+        z = torch.logsumexp(logits.float(), dim=-1) ** 2  # (B·S,)
+        keep = torch.ones_like(z) if attention_mask is None else attention_mask.reshape(-1).to(z)
+        total = total + (z * keep).sum()
+        rows = rows + keep.sum()
+    return total / rows
+
+
+def router_loss(router_logits: Sequence[torch.Tensor], cfg: MoEConfig,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """What the routers add to the training loss: the config's coefficients times the losses."""
+    loss = cfg.aux_loss_coef * load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k,
+                                                   attention_mask)
+    if cfg.z_loss_coef:
+        loss = loss + cfg.z_loss_coef * router_z_loss(router_logits, attention_mask)
+    return loss
+
+
+@contextlib.contextmanager
+def record_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
+    """Collect each router's logits of the forwards run inside, in module order: one slot per
+    router, which a later call of the same router overwrites. So the recompute of activation
+    checkpointing (a second forward of the layer, in backward) cannot count a router twice."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    slots: list[torch.Tensor | None] = [None] * len(routers)
+
+    def keep(i: int):
+        def hook(module: nn.Module, args: tuple, out: tuple) -> None:
+            slots[i] = out[0]
+        return hook
+
+    handles = [r.register_forward_hook(keep(i)) for i, r in enumerate(routers)]
+    try:
+        yield slots
+    finally:
+        for h in handles:
+            h.remove()
