@@ -6,6 +6,7 @@ What it does
     Together the ranks compute exactly the single-process model.
     It returns the shard map {parameter name: Shard}: `weights.materialize` reads slices with it.
     Models: attotron's Llama (on meta), transformers' decoders, any other described by `Parts`.
+    Qwen3's per-head q/k norms stay replicated (ReplicatedRMSNorm); their gradients are summed over tp.
 
 The core idea
     A block (attention, MLP) is column layers, then one row layer.
@@ -294,6 +295,21 @@ class VocabParallelHead(ColumnParallelLinear):
         return gather_from_region(super().forward(x), self.group)[..., :self.vocab_size]  # (..., V)
 
 
+class ReplicatedRMSNorm(nn.Module):
+    """An RMSNorm (ops.rms_norm, as model.RMSNorm) whose replicated weight meets part of the input.
+    Qwen3's per-head q/k norms see this rank's heads only.
+    Under sequence parallelism a norm sees its S/tp tokens only.
+    So the weight enters through f: backward all-reduces its gradient over tp."""
+
+    def __init__(self, norm: nn.Module, group: Group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(norm.weight.shape[0], device="meta"))  # materialize fills it
+        self.eps, self.group = norm.eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # as model.RMSNorm
+
+
 # ------------------------------------------------------------------------------------- loss, logits
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                         reduction: str = "mean", *, group: Group, vocab_size: int,
@@ -542,6 +558,9 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
             _set(layer, attr, _get(layer, attr) // tp)
         if ours:
             a, m = layer.self_attn, layer.mlp
+            for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
+                if getattr(a, name, None) is not None:
+                    setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
             if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
                 a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
             else:  # f once per block: see _enter_region
@@ -720,20 +739,12 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
         return reduce_scatter_to_sequence_region(self._lookup(ids), self.group)  # (B, S/tp, H)
 
 
-class SequenceParallelRMSNorm(nn.Module):
-    """An RMSNorm of this rank's S/tp tokens (ops.rms_norm, as model.RMSNorm).
-    Its output is all-gathered for the column layers after it: (B, S/tp, H) → (B, S, H).
-    The replicated weight sees only this rank's tokens, so it enters through f.
-    Backward then all-reduces its gradient over tp."""
-
-    def __init__(self, norm: nn.Module, group: Group):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(norm.weight.shape[0], device="meta"))  # materialize fills it
-        self.eps, self.group = norm.eps, group
+class SequenceParallelRMSNorm(ReplicatedRMSNorm):
+    """The RMSNorm of this rank's S/tp tokens (its weight enters through f, as ReplicatedRMSNorm's).
+    Its output is all-gathered for the column layers after it: (B, S/tp, H) → (B, S, H)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # (B, S/tp, H) as model.RMSNorm
-        return gather_from_sequence_region(y, self.group)  # (B, S, H)
+        return gather_from_sequence_region(super().forward(x), self.group)  # (B, S/tp, H) → (B, S, H)
 
 
 def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> tuple | None:
