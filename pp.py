@@ -466,7 +466,7 @@ class _Run:
         mb = self.microbatches[a.microbatch]
         kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
         x = mb["input_ids"] if self.first(a.chunk) else self.received(F, key).requires_grad_()
-        with self.entering(c, key, a.chunk), self.timed(a):
+        with self.around_forward(a), self.timed(a):
             if self.last(a.chunk):
                 out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / self.denominator
                 self.loss += out.detach()
@@ -476,7 +476,7 @@ class _Run:
             self.inputs[key] = x
         self.outputs[key] = out
 
-    def entering(self, chunk: nn.Module, key: tuple, c: int) -> ContextManager:
+    def around_forward(self, a: Action) -> ContextManager:
         return contextlib.nullcontext()  # (zb cuts the embedding off here)
 
     def backward(self, a: Action, k: int) -> torch.Tensor | None:
@@ -509,7 +509,6 @@ class _Run:
         return self.loss
 
 
-# ----------------------------------------------------------------------------------------- B/W split
 # --- refinement: the B/W split (zero bubble). B computes only the input's gradient; W the rest, later.
 # B = torch.autograd.backward(out, grad, inputs=[x]): autograd runs only the nodes between out and x.
 # Each node computes only the outputs towards x: a linear's backward makes dX = dY·W, not dW.
@@ -525,8 +524,10 @@ class _ZeroBubbleRun(_Run):
         self.pending: dict[tuple, list] = {}  # what W needs
         self.embeds: dict[tuple, tuple] = {}  # virtual stage 0: the embedding's share of W
 
-    def entering(self, chunk: nn.Module, key: tuple, c: int) -> ContextManager:
-        return self.cut_embedding(chunk, key) if self.first(c) else contextlib.nullcontext()
+    def around_forward(self, a: Action) -> ContextManager:
+        if not self.first(a.chunk):
+            return contextlib.nullcontext()
+        return self.cut_embedding(self.chunks[a.chunk], (a.microbatch, a.chunk))
 
     @contextlib.contextmanager
     def cut_embedding(self, chunk: nn.Module, key: tuple):
@@ -644,7 +645,6 @@ def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] |
         torch.autograd.backward(roots, grads, inputs=ps)
 
 
-# ----------------------------------------------------------------------------------------- input checks
 # --- refinement: input checks. A wrong input raises the same error on every stage, never a hang.
 def serialized_p2p(device: torch.device) -> bool:
     """Whether one process group's P2P on `device` runs on one stream per rank, in posting order.

@@ -31,11 +31,12 @@ Reference
     Interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM). Zero bubble: Qi et al. 2023 (ZB-H1).
 
 Invariants
-    - The textbook order is the general one at v = 1 (test_naive.py::test_textbook_1f1b_equals_the_general_schedule).
-    - Each simulated bubble equals `bubble_formula` (test_pp_schedules.py::test_simulated_schedules).
-    - 1F1B holds p-s micro-batches in flight, zb (v-1)·g + p chunks (the same test).
-    - No schedule deadlocks on NCCL's streams (test_pp_schedules.py::test_no_deadlock_on_nccl_streams).
-    - The simulator names every wrong schedule (test_pp_schedules.py::test_simulator_reports_errors).
+    - textbook_1f1b is the general order at v = 1 (tests/test_naive.py::test_textbook_1f1b_equals_the_general_schedule).
+    - Each simulated bubble equals `bubble_formula` (tests/test_pp_schedules.py::test_simulated_schedules).
+    - Rank s holds at most p-s micro-batches under 1F1B (the same test).
+      Under zb: (v-1)·g + p chunks, g the first round's size.
+    - No schedule deadlocks on NCCL's streams (tests/test_pp_schedules.py::test_no_deadlock_on_nccl_streams).
+    - The simulator names every wrong schedule (tests/test_pp_schedules.py::test_simulator_reports_errors).
 
 More: docs/pp.md (rounds, warm-up sizes, the communication model), docs/pipeline-nccl.md.
 """
