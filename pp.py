@@ -332,6 +332,18 @@ def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
             for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
 
 
+def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
+    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
+    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
+    me, out = dist.get_rank(), {}
+    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
+    for pair in neighbour_pairs(pipelines):
+        group = dist.new_group(pair)  # every rank, every pair, the same order
+        if me in pair:
+            out.update({stage[r]: group for r in pair if r != me})
+    return out
+
+
 def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> None:
     """Sum the two tied copies' gradients (first and last stage), so both take the same step.
     A no-op on other stages. Summing is linear: it may run before or after a dp all-reduce.
