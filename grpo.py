@@ -13,7 +13,8 @@ What it does
     A group whose rewards are all equal (all right or all wrong) teaches nothing: its advantages are
     exactly 0 (set so, not left to r − mean, which may round to ±1 ulp), never NaN.
     The loss per reply token t of reply i, with ρ = exp(log π(t) − log π_old(t)):
-        ℓ = −min(ρ·A_i, clip(ρ, 1 − ε_clip, 1 + ε_clip)·A_i) + β_KL · (exp(q) − q − 1),  q = log π_ref − log π
+        ℓ = −min(ρ·A_i, clip(ρ, 1 − ε_clip, 1 + ε_clip)·A_i) + β_KL · (exp(q) − q − 1)
+    with q = log π_ref − log π
     (the KL term: Schulman's k3 estimator, ≥ 0, unbiased for KL(π‖π_ref); β_KL = 0: off). The step
     loss is Σ ℓ over every reply token of the step / the GLOBAL count of reply tokens (all dp ranks),
     as the SFT loss is normalized (precision.normalized_loss), so a long reply does not weigh less
