@@ -36,6 +36,8 @@ Invariants
       test_loss_formula); tokens outside the clip range get no gradient from the surrogate.
     - rollout draws G replies per prompt, reproducible from the seed, reply masks ending at the end
       token (tests/test_grpo.py::test_rollout_and_reward).
+    - At tp2 the loss and gradients on fixed rollouts equal the single process's within 1e-5
+      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts).
 """
 from __future__ import annotations
 

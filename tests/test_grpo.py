@@ -6,6 +6,8 @@
   the surrogate gives no gradient to a token whose ratio is outside the clip range on its side.
 - Rollouts: G replies per prompt from a tiny model, reproducible from the seed, labels covering the
   reply up to its end token; the verifier by import path.
+- tp2 against the single process on fixed rollouts: the loss and the replicated (norm) parameters'
+  gradients within 1e-5 relative (fp32; tp reorders a few sums).
 """
 import math
 
@@ -15,6 +17,7 @@ import torch
 import grpo
 import model as M
 import weights as W
+from dist import run_ranks
 
 
 def test_advantages():
@@ -84,3 +87,38 @@ def test_rollout_and_reward():
         grpo.load_verifier("grpo")
     with pytest.raises(ValueError, match="no_such"):
         grpo.load_verifier("grpo:no_such")
+
+
+def _grpo_step(model: M.Llama, ro: "grpo.Rollout", adv: torch.Tensor) -> tuple[float, dict]:
+    """One GRPO loss on fixed rollouts (old = the policy's own detached log-probs, a KL to a
+    perturbed reference) and the gradients of the replicated parameters (the norms)."""
+    logp = grpo.token_logps(model, ro.ids[:, :-1], ro.labels)
+    mask = ro.labels != -100
+    loss, _ = grpo.grpo_loss(logp, logp.detach() + 0.05 * mask, adv, mask, total_tokens=int(mask.sum()),
+                             kl_beta=0.1, ref_logp=logp.detach() - 0.1)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if "norm" in n}
+
+
+def _tp_grpo(rank: int, world: int, hf_dir: str, ro: "grpo.Rollout", adv: torch.Tensor) -> tuple:
+    import tp as T
+    model = M.build(W.load_config(hf_dir))
+    W.materialize(model, "cpu", hf_dir=hf_dir, shards=T.apply_tp(model, None))
+    return _grpo_step(model, ro, adv)
+
+
+def test_tp2_equals_single_process_on_fixed_rollouts(tmp_path):
+    cfg = M.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        initializer_range=0.3)
+    model = W.materialize(M.build(cfg), "cpu", seed=0)
+    W.save_hf(model.state_dict(), cfg, tmp_path)
+    prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
+    ro = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=-1, seed=7, temperature=1.5)
+    adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])).flatten()
+    want_loss, want_grads = _grpo_step(model, ro, adv)
+    assert want_loss != 0 and len(want_grads) == 5 and all(g.abs().max() > 0 for g in want_grads.values())
+    for loss, grads in run_ranks(_tp_grpo, 2, str(tmp_path), ro, adv):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for n, g in want_grads.items():
+            assert (grads[n] - g).abs().max() <= 1e-5 * g.abs().max(), n
