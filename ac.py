@@ -25,13 +25,14 @@ Run
     torchrun --nproc_per_node 1 train.py --model small --ac                     # selective
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --ac-mode full --ac-every 2
 
-Invariants
-    - Gradients are bit-identical with and without AC, in every mode (tests/test_ac.py).
-    - Names and state_dict keys do not change. `remove_ac` restores the layers (tests/test_ac.py).
-    - Bytes kept equal the formulas of docs/ac.md, byte for byte (tests/test_ac.py).
-    - Hooks on a layer fire once per forward (tests/test_ac.py).
-    - Dropout in a layer needs preserve_rng_state=True. The default skips it (tests/test_ac.py).
-    - Full AC refuses a KV cache: the rerun would update it twice (tests/test_foreign.py).
+Invariants (tests/test_ac.py unless named)
+    - Gradients are bit-identical with and without AC, in every mode (test_gradients_bit_identical).
+    - Names and state_dict keys do not change (test_names_unchanged_remove_restores_and_bad_input).
+    - `remove_ac` restores the plain layers (the same test).
+    - Bytes kept equal docs/ac.md's formulas, byte for byte (test_saved_bytes_match_docstring_formulas).
+    - Hooks on a layer fire once per forward (test_hooks_layer_once_submodules_again).
+    - Dropout needs preserve_rng_state=True. The default skips it (test_rng_dropout_needs_...).
+    - Full AC refuses a KV cache: the rerun would update it twice (test_foreign.py).
 
 Reading order
     The public functions come first: `apply_ac`, `remove_ac`. Then `_wrap`, the core.

@@ -24,13 +24,14 @@ Reference
 Run
     torchrun --nproc_per_node 4 train.py --cp 2 --tp 2 --seq-len 512
 
-Invariants
-    - cp = 1 is plain causal SDPA, exactly. `shard_sequence` returns its input.
-    - Exact: output and gradients equal one-process SDPA, fp32 ≤ 1e-5 (tests/test_cp.py).
-    - Each ring step costs every rank the same blocks (tests/test_cp.py, the zigzag test).
-    - Packed documents raise: the blocks are causal only (tests/test_validation.py for the CLI).
-    - A mask, dropout or a short sliding window raises (tests/test_foreign.py).
-    - `group=None` is the default group, as in torch.distributed (tests/test_foreign.py).
+Invariants (tests/test_cp.py unless named)
+    - cp = 1 is plain causal SDPA, bit for bit (test_ring_attention_equals_sdpa_cp2_cp4_gqa).
+    - The ring's output and gradients equal one-process SDPA, fp32 ≤ 1e-5 (the same test).
+    - Every ring step costs every rank the same work (test_zigzag_blocks_cover_...).
+    - `shard_sequence` at cp = 1 returns its input (test_shard_roundtrip_and_errors).
+    - A mask or a short sliding window raises (test_foreign.py::test_cp_copied_alone).
+    - `group=None` is the default group, as in torch.distributed (the same test).
+    - Packed documents raise: the blocks are causal only. The CLI refuses --cp --sft.
 
 Reading order
     The public functions come first: `shard_sequence`, `ring_attention`, `apply_cp`.
@@ -147,7 +148,7 @@ def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: objec
         raise ValueError("context parallelism does not support packed documents (position ids that "
                          "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
     y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
-    return y.transpose(1, 2)
+    return y.transpose(1, 2)  # (B, s, nh, hd)
 
 
 def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:
@@ -218,7 +219,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
                 lse[i] = new
         _wait(works)
         kv = nxt if nxt is not None else kv
-    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)  # (B, nh, s, d), (B, nh, s)
 
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -227,9 +228,10 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """dq, dk, dv of this rank's shard, by a second ring. docs/cp.md derives it."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // 2
+    # early and late chunks: (B, nh, c, d) each; l's are (B, nh, c)
     qs, os_, ls, dos = q.split(c, 2), o.split(c, 2), l.split(c, 2), dout.contiguous().split(c, 2)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dqs = dq.split(c, dim=2)
+    dqs = dq.split(c, dim=2)  # views of dq, (B, nh, c, d) each
     kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, s, d): travels as in forward
     hop: tuple = ([], None)  # last step's dK/dV hop: (works, the buffer it receives)
     for step in range(cp):
@@ -364,7 +366,7 @@ def _save(ctx, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    q, k, v, o, l = ctx.saved_tensors  # no dlse: l is an output only for backward's sake
+    q, k, v, o, l = ctx.saved_tensors  # dlse is unused: l is an output only for backward's sake
     return (*_ring_backward(dout, q, k, v, o, l, _resolve(ctx.group_name), ctx.scale), None, None)
 
 
