@@ -30,6 +30,7 @@ Invariants (tests/test_cp.py unless named)
     - Every ring step costs every rank the same work (test_zigzag_blocks_cover_...).
     - `shard_sequence` at cp = 1 returns its input (test_shard_roundtrip_and_errors).
     - A mask or a short sliding window raises (test_foreign.py::test_cp_copied_alone).
+      So does a Llama layer's short window, model.Attention.window (test_families.py).
     - `group=None` is the default group, as in torch.distributed (the same test).
     - Packed documents raise: the blocks are causal only. The CLI refuses --cp --sft.
 
@@ -130,7 +131,8 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
         if cp > 1:
             for module in model.modules():
                 if hasattr(module, "attn_fn"):
-                    module.attn_fn = partial(_ring_attn_fn, group=cp_group)
+                    module.attn_fn = partial(_ring_attn_fn, group=cp_group,
+                                             window=getattr(module, "window", None))
             model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
     else:
         raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
@@ -140,13 +142,19 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
 
 
 def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
-                  group: Group) -> torch.Tensor:
+                  group: Group, window: int | None = None) -> torch.Tensor:
     """model.Attention.attn_fn under cp: this rank's zigzag tokens in, (B, s, nh, hd) out.
 
-    q is (B, s, nh, hd); k and v are (B, s, nkv, hd)."""
+    q is (B, s, nh, hd); k and v are (B, s, nkv, hd).
+    `window` is the layer's sliding window. Shorter than the whole sequence, it is refused.
+    Longer, it masks nothing."""
     if docs is not None:
         raise ValueError("context parallelism does not support packed documents (position ids that "
                          "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
+    if window is not None and window < q.shape[1] * dist.get_world_size(group):
+        raise ValueError(f"context parallelism does not support a sliding window (sliding_window={window}) "
+                         f"shorter than the sequence ({q.shape[1] * dist.get_world_size(group)} tokens): "
+                         f"the ring's blocks are causal only; use --cp 1 or a shorter sequence")
     y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
     return y.transpose(1, 2)  # (B, s, nh, hd)
 

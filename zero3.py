@@ -13,7 +13,8 @@ What it does
         and hooks the output's gradient;
       - that gradient hook (the site's backward comes next) gathers it again and starts the
         previous `prefetch` sites' — except the embedding's: a lookup's backward reads only the ids;
-      - once all its gradients are reduce-scattered (dp.ReduceScatterSync's on_reduced) it is freed.
+      - once the gradients of every backward begun on it are reduce-scattered (dp.ReduceScatterSync's
+        on_reduced) it is freed; until then no forward frees it (zb runs a W after later forwards).
     step() writes the updated masters, cast, into the persistent shards (gathered when next used).
     gathered() holds every unit full (evaluation); each_unit_gathered() one at a time (export.py).
 
@@ -39,6 +40,8 @@ What it does
 Peak memory (adds to zero.py's "Peak memory", B being the largest unit): prefetch + 1 gathered
 units in forward, prefetch + 2 in backward (the unit whose grads are being reduced, this one, the
 ones prefetched); a tied embedding stays gathered from the head's backward to the embedding's.
+Under zb a unit stays gathered from a micro-batch's B to its W (W unpacks the saved views of its
+weights), so a chunk with Ws pending keeps its units gathered through the forwards in between.
 The embedding's own unit is not gathered for backward: a lookup's backward reads only the ids, so
 an untied embedding (or pipeline stage 0's copy) costs no all-gather of V·h per micro-batch there.
 Setup (from `init`): 6Ψ/N (fp32 master + compute shard; Adam's m, v appear at the first step) plus
@@ -66,7 +69,9 @@ Invariants
       re-gathers them, so autograd's saved views of a unit stay valid. Forward hooks run inside
       backward (a checkpoint recompute) gather but never free. A tied embedding stays gathered from
       the head's backward to the embedding's. The head's unit is freed by a hook on the model
-      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head.
+      itself: the loss reads lm_head.weight chunk by chunk without calling lm_head. With virtual
+      pipeline stages (pp.stage_chunks) every chunk shares that hook; it acts for the chunk holding
+      the head only (tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice).
     - Tied embeddings with pp > 1: the tied copy is a unit of its own, of the same size and
       padding on both stages (zero.py's "Invariants").
 
@@ -117,6 +122,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
+        self._open: dict[int, int] = {}  # unit → backwards begun whose gradients are not reduced yet
         self._pinned = False  # inside gathered(): forwards keep everything gathered
         super().__init__(named_params, cfg, dtype, group, stage=3, parts=self.parts, **kw)
         head = self.parts.head
@@ -214,9 +220,11 @@ class Zero3Optimizer(ZeroOptimizer):
     def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
         if _in_backward() or self._pinned:
             return  # a recompute inside backward (backward frees the unit), or inside gathered()
+        if module is not self.sites[s][-1] and getattr(module, "lm_head", None) is not self.sites[s][-1]:
+            return  # a virtual-stage chunk without the head: it shares the model's hook dicts
         ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
         for u in self.site_units[s]:
-            if u not in ahead:
+            if u not in ahead and not self._open.get(u):  # (zb: a W still to run needs it)
                 self._free(u)
         # the site's backward starts at the first gradient of any of its outputs (a tensor, or in a
         # tuple or a ModelOutput: the layer's hidden states, the model's (logits, loss))
@@ -234,13 +242,16 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
         for u in self.backward_units[s]:
+            self._open[u] = self._open.get(u, 0) + 1
             self._gather(u)
         for t in range(s - 1, max(s - 1 - self.prefetch, -1), -1):
             for u in self.backward_units[t]:
                 self._gather(u, wait=False)
 
     def _on_reduced(self, u: int) -> None:
-        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
+        self._open[u] = max(self._open.get(u, 0) - 1, 0)
+        if not self._open[u]:
+            self._free(u)  # all of the unit's grads are in: no backward needs its parameters
 
     # ---- the seam ----------------------------------------------------------------------------------
     def _publish(self) -> None:
