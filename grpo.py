@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -148,3 +148,185 @@ def load_verifier(path: str) -> Callable[[str, str], float]:
     if not callable(fn):
         raise ValueError(f"verifier {path!r} is not callable")
     return fn
+
+
+# --- refinement: the trainer's glue (train.py --grpo): prompts, a step's rollouts as micro-batches
+@dataclass
+class PromptSet:
+    """Prompts (token ids, ending with the generation prompt) and the gold answer each is scored
+    against. `len` and `check_vocab` as train.py asks of a data set; the sampler draws prompt indices."""
+    prompts: list[list[int]]
+    golds: list[str]
+    dropped: int = 0  # prompts longer than --seq-len − --grpo-max-new
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        top = max(max(p) for p in self.prompts)
+        if top >= model_vocab_size:
+            raise ValueError(f"the GRPO prompts hold token id {top} but the model's vocab_size is {model_vocab_size}")
+
+
+def load_prompts(path: str) -> list[tuple[list, str]]:
+    """JSONL, one {"prompt": text or chat turns, "answer": gold} a line → [(turns, gold)]."""
+    import json
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                obj = json.loads(line)
+                if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
+                    raise ValueError(f"{path}:{n}: expected an object with 'prompt' and 'answer'")
+                p = obj["prompt"]
+                out.append(([{"role": "user", "content": p}] if isinstance(p, str) else p, str(obj["answer"])))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
+    """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups), and
+    the built-in set's held-out chats for train.py's exact-match eval (none with --data)."""
+    import data
+    import sft
+    tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
+    if args.data:
+        items, eval_set = load_prompts(args.data), []
+    else:
+        chats, eval_set = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0, seed=args.seed)
+        items = [(c[:-1], c[-1]["content"]) for c in chats]
+    encoded = [(tpl.render(turns, True), gold) for turns, gold in items]
+    fits = [(p, g) for p, g in encoded if len(p) + args.grpo_max_new <= args.seq_len]
+    if not fits:
+        raise ValueError(f"no GRPO prompt fits --seq-len {args.seq_len} with --grpo-max-new {args.grpo_max_new}")
+    ds = PromptSet([p for p, _ in fits], [g for _, g in fits], len(encoded) - len(fits))
+    if grid.rank == 0:
+        print(f"GRPO: {len(ds)} prompts, {args.grpo_group} replies each per step"
+              + (f", {ds.dropped} longer than --seq-len − --grpo-max-new dropped" if ds.dropped else ""), flush=True)
+    return ds, tpl, eval_set
+
+
+class GRPOLoss:
+    """The model's `loss_fn(hidden, weight, labels, reduction)` under GRPO: the layout's own loss
+    (`base`: loss.py's chunked cross entropy, or tp's vocab-parallel one) per token, then grpo_loss
+    ("sum": Σ ℓ, which the pipeline divides by the step's global reply-token count). `batch` holds
+    the micro-batch's grpo_old, grpo_adv (and grpo_ref), set by the pre-hook of `Trainer`; without
+    them (the no-grad log-prob passes) it is `base` itself. `sums` (clipped tokens, Σ KL) for the log."""
+
+    def __init__(self, base: Callable[..., torch.Tensor], clip_eps: float, kl_beta: float):
+        self.base, self.clip_eps, self.kl_beta = base, clip_eps, kl_beta
+        self.batch: dict[str, torch.Tensor] | None = None
+        self.sums = torch.zeros(2, dtype=torch.float64)
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 reduction: str = "mean") -> torch.Tensor:
+        if self.batch is None:
+            return self.base(hidden, weight, labels, reduction)
+        if reduction != "sum":
+            raise ValueError(f"the GRPO loss is a sum over reply tokens (the pipeline divides), got {reduction!r}")
+        logp = -self.base(hidden, weight, labels, "none").view(labels.shape)  # (B, S)
+        b, mask = self.batch, labels != IGNORE_INDEX
+        loss, stats = grpo_loss(logp, b["grpo_old"], b["grpo_adv"], mask, 1, self.clip_eps, self.kl_beta,
+                                b.get("grpo_ref"))
+        n = mask.sum().double().cpu()
+        self.sums += torch.stack([stats.clip_fraction.double().cpu(), stats.kl.double().cpu()]) * n
+        return loss
+
+
+KEYS = ("grpo_old", "grpo_adv", "grpo_ref")
+
+
+class Trainer:
+    """One GRPO step's data: `rollout_batch` turns the sampler's prompt indices into micro-batches
+    (rollouts, rewards, advantages, old and reference log-probs); `stats` is its log. Built after
+    tp (it wraps the model's loss_fn) and after the optimizer has materialized the parameters.
+    The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards, run with
+    torch.func.functional_call: one more copy of the weights per rank, no second module."""
+
+    def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):
+        self.model, self.args, self.tpl, self.device = model, args, tpl, device
+        self.verifier = load_verifier(args.verifier)
+        self.loss = GRPOLoss(model.loss_fn, args.grpo_clip, args.grpo_kl)
+        model.loss_fn = self.loss
+        model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
+        self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
+                    else None)
+        self.local = torch.zeros(5, dtype=torch.float64)  # Σr, Σr², replies, right (r >= 1), reply tokens
+
+    def _take_keys(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        batch = {k: kwargs.pop(k) for k in KEYS if k in kwargs}
+        self.loss.batch = batch or None
+        return args, kwargs
+
+    def logps(self, ids: torch.Tensor, labels: torch.Tensor, ref: bool = False) -> torch.Tensor:
+        """(B, S) per-token log-probs under the policy now (the old ones) or the reference."""
+        if not ref:
+            return token_logps(self.model, ids, labels)
+        out = torch.func.functional_call(self.model, self.ref, (ids,), {"labels": labels, "reduction": "none"})
+        return -out.view(labels.shape)
+
+    def score(self, ro: Rollout, gold: str) -> torch.Tensor:
+        """(G,) rewards: the verifier on each decoded reply, its end token removed (a reply cut at
+        --grpo-max-new is scored as it stands: the verifier decides)."""
+        end = self.tpl.end_id
+        return torch.tensor([float(self.verifier(self.tpl.decode(r[:-1] if r and r[-1] == end else r), gold))
+                             for r in ro.replies()])
+
+    @torch.no_grad()
+    def rollout_batch(self, opt: Any, ds: PromptSet, rows: list[int], step: int,
+                      micro_batches: int) -> list[dict[str, torch.Tensor]]:
+        """This dp rank's prompts → G replies each (reply j of prompt r draws with the seed of
+        (--seed, step, r, j): the same in every layout), scored, as right-padded rows split into
+        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref)."""
+        a = self.args
+        opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
+        ros, rewards = [], []
+        for r in rows:
+            prompt = torch.tensor([ds.prompts[r]], device=self.device)  # (1, S_r)
+            ro = rollout(self.model, prompt, a.grpo_group, a.grpo_max_new, self.tpl.end_id,
+                         seed=hash((a.seed, step, r)) % 2**63, temperature=a.grpo_temperature)
+            ros.append(ro)
+            rewards.append(self.score(ro, ds.golds[r]))
+        return self.batch(ros, torch.stack(rewards), micro_batches)
+
+    @torch.no_grad()
+    def batch(self, ros: list[Rollout], rewards: torch.Tensor, micro_batches: int) -> list[dict[str, torch.Tensor]]:
+        """Fixed rollouts (P of G replies) and their rewards (P, G) → the step's micro-batches."""
+        L = max(ro.labels.shape[1] for ro in ros)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, L - t.shape[1]), value=v)  # noqa: E731
+        ids = torch.cat([pad(ro.ids[:, :-1], self.tpl.pad_id) for ro in ros])  # (P·G, L)
+        labels = torch.cat([pad(ro.labels, IGNORE_INDEX) for ro in ros])  # (P·G, L)
+        adv = group_advantages(rewards).flatten().to(self.device)  # (P·G,)
+        mask = labels != IGNORE_INDEX
+        r = rewards.flatten().double()
+        self.loss.sums.zero_()
+        self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())), (r >= 1).sum().double(),
+                                  mask.sum().double().cpu()])
+        micro = []
+        for i, l, g in zip(ids.chunk(micro_batches), labels.chunk(micro_batches), adv.chunk(micro_batches)):
+            mb = {"input_ids": i, "labels": l, "grpo_adv": g, "grpo_old": self.logps(i, l)}
+            if self.ref is not None:
+                mb["grpo_ref"] = self.logps(i, l, ref=True)
+            micro.append(mb)
+        return micro
+
+    def stats(self, group: Any = None) -> dict[str, float]:
+        """The step's log over every dp rank (one all-reduce of 7 numbers; none on a group of one):
+        reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
+        reply length (tokens, the end token included), mean KL and clip fraction per reply token."""
+        import torch.distributed as dist
+        t = torch.cat([self.local, self.loss.sums]).to(self.device)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        s, s2, n, right, tokens, clipped, kl = t.tolist()
+        mean = s / n
+        return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5, "accuracy": right / n,
+                "reply_len": tokens / n, "kl": kl / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1)}
+
+
+def stats_text(s: dict[str, float]) -> str:
+    """The step line's GRPO part."""
+    return (f"reward {s['reward_mean']:.3f} ± {s['reward_std']:.3f} · acc {s['accuracy']:.1%} · "
+            f"reply {s['reply_len']:.1f} tok · kl {s['kl']:.4f} · clip {s['clip_fraction']:.1%}")
