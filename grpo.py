@@ -1,6 +1,5 @@
-"""GRPO's parts: G sampled replies per prompt, a verifier's reward, group-normalized advantages, the
-clipped token-level surrogate. (The training loop, `train.py --grpo`, is not built yet:
-docs/post-training.md.)
+"""GRPO: G sampled replies per prompt, a verifier's reward, group-normalized advantages, the clipped
+token-level surrogate, and the trainer's glue of `train.py --grpo`.
 
 What it does
     Group Relative Policy Optimization replaces PPO's value model by the other replies to the same
@@ -24,10 +23,17 @@ Reference
     Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1); Schulman et al. 2017 (PPO's clipped surrogate);
     Schulman 2020, "Approximating KL Divergence" (k3); Yu et al. 2025, "DAPO" (token-level loss).
 
-Run
-    (the trainer is not built yet; the parts are used as in tests/test_grpo.py)
+    The trainer (refinement below): each step the policy itself samples in the training process (no
+    weight sync), `Trainer.rollout_batch` scores, normalizes and takes the old log-probs (no grad;
+    one update per rollout batch, so the ratio starts at 1), and the loss runs through the model's
+    `loss_fn` seam (GRPOLoss), as dpo.py's does. Layouts: dp, tp, ZeRO-0..2 (cli.py refuses the rest).
 
-Builds on: model.py (generate: the KV cache and per-sample seeds)
+Run
+    python train.py --grpo --init-from DIR --grpo-group 8 [--grpo-kl 0.04] [--verifier pkg.mod:fn]
+    torchrun --nproc_per_node 4 train.py --grpo --init-from DIR --tp 2 --zero 1 --data prompts.jsonl
+
+Builds on: model.py (generate: the KV cache and per-sample seeds); the trainer's glue: sft.py and
+    data.py (the built-in arithmetic questions, the chat template)
 
 Invariants
     - Advantages equal the formula; an all-equal group gives exactly 0 (tests/test_grpo.py::
@@ -37,7 +43,9 @@ Invariants
     - rollout draws G replies per prompt, reproducible from the seed, reply masks ending at the end
       token (tests/test_grpo.py::test_rollout_and_reward).
     - At tp2 the loss and gradients on fixed rollouts equal the single process's within 1e-5
-      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts).
+      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
+      losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
+      test_trainer_layouts_equal_single_process_on_fixed_rollouts).
 """
 from __future__ import annotations
 
