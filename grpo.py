@@ -32,8 +32,8 @@ Run
     python train.py --grpo --init-from DIR --grpo-group 8 [--grpo-kl 0.04] [--verifier pkg.mod:fn]
     torchrun --nproc_per_node 4 train.py --grpo --init-from DIR --tp 2 --zero 1 --data prompts.jsonl
 
-Builds on: model.py (generate: the KV cache and per-sample seeds); the trainer's glue: sft.py and
-    data.py (the built-in arithmetic questions, the chat template)
+Builds on: model.py (generate: the KV cache, per-sample seeds); the glue: sft.py, data.py
+    (the built-in arithmetic questions, the chat template)
 
 Invariants
     - Advantages equal the formula; an all-equal group gives exactly 0 (tests/test_grpo.py::
