@@ -237,8 +237,8 @@ class GRPOLoss:
         b, mask = self.batch, labels != IGNORE_INDEX
         loss, stats = grpo_loss(logp, b["grpo_old"], b["grpo_adv"], mask, 1, self.clip_eps, self.kl_beta,
                                 b.get("grpo_ref"))
-        n = mask.sum().double().cpu()
-        self.sums += torch.stack([stats.clip_fraction.double().cpu(), stats.kl.double().cpu()]) * n
+        n = mask.sum().double()  # on the device: the log's one all-reduce reads it (no host sync here)
+        self.sums = self.sums.to(logp.device) + torch.stack([stats.clip_fraction, stats.kl]).double() * n
         return loss
 
 
@@ -309,7 +309,7 @@ class Trainer:
         adv = group_advantages(rewards).flatten().to(self.device)  # (P·G,)
         mask = labels != IGNORE_INDEX
         r = rewards.flatten().double()
-        self.loss.sums.zero_()
+        self.loss.sums = torch.zeros(2, dtype=torch.float64)
         self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())), (r >= 1).sum().double(),
                                   mask.sum().double().cpu()])
         micro = []
@@ -325,7 +325,7 @@ class Trainer:
         reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
         reply length (tokens, the end token included), mean KL and clip fraction per reply token."""
         import torch.distributed as dist
-        t = torch.cat([self.local, self.loss.sums]).to(self.device)
+        t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
         s, s2, n, right, tokens, clipped, kl = t.tolist()
