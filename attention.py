@@ -14,6 +14,9 @@ What it does
       Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
       (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
                                    per layer call; for tests and custom masks, never for training
+    A sliding window (`attend(..., window=W)`, Mistral's: query i sees keys i - W < j <= i) applies on
+    every path: flash's window_size (W - 1, 0) on CUDA (plain rows become one document each); on CPU
+    a (W-band) mask per length group longer than W, or over the row (S², CPU only).
 
 Run
     torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: feed.get_batch builds Documents)
@@ -188,22 +191,46 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return y.transpose(1, 2)  # (b, s, nh, hd)
 
 
+def window_mask(n: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(n, n) bool, the sliding window within one sequence: query i sees keys i - window < j <= i
+    (transformers' sliding mask; flash's window_size (window - 1, 0))."""
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]  # (n, n) query index - key index
+    return (gap >= 0) & (gap < window)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           docs: Documents | torch.Tensor | None) -> torch.Tensor:
+           docs: Documents | torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """Causal attention within documents. q (B, S, nh, hd), k and v (B, S, nkv, hd), RoPE applied;
     returns (B, S, nh, hd). docs: None (one document per row), Documents, or a dense boolean
-    (B, 1, S, S) mask (the reference path)."""
-    if docs is None or isinstance(docs, torch.Tensor):
-        return _sdpa(q, k, v, docs)
+    (B, 1, S, S) mask (the reference path). window: a sliding window (model.Attention binds its
+    layer's), applied on every path; one at least as long as every document changes nothing."""
     B, S, nh, hd = q.shape
+    if window is not None and window >= (docs.max_len if isinstance(docs, Documents) else S):
+        window = None  # no query reaches past its window: plain causal attention, bit for bit
+    if docs is None or isinstance(docs, torch.Tensor):
+        if window is None:
+            return _sdpa(q, k, v, docs)
+        if docs is None and use_varlen(q):  # flash's window, each row one sequence: no S² mask
+            cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)  # (B+1,)
+            y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, S, S,
+                            window_size=(window - 1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
+            return y.view(B, S, nh, hd)
+        band = window_mask(S, window, q.device)  # (S, S), broadcast over rows and heads
+        return _sdpa(q, k, v, band if docs is None else docs & band)
     if use_varlen(q):
         cu = docs.cu_seqlens
         y = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, docs.max_len,
-                        docs.max_len, window_size=(-1, 0), enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
+                        docs.max_len, window_size=(-1, 0) if window is None else (window - 1, 0),
+                        enable_gqa=nh != k.shape[2])  # (B·S, nh, hd)
         return y.view(B, S, nh, hd)
     groups, gather, scatter = docs.plan(q.device)
     qs, ks, vs = (t.flatten(0, 1).index_select(0, gather) for t in (q, k, v))  # (slots, heads, hd)
     sizes = [n * lb for n, lb in groups]
-    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts), None).reshape(n * lb, nh, hd)
+
+    def group_mask(lb: int) -> torch.Tensor | None:  # lb <= window: every real query sees all its keys
+        return None if window is None or lb <= window else window_mask(lb, window, q.device)
+
+    ys = [_sdpa(*(t.view(n, lb, *t.shape[1:]) for t in parts), group_mask(lb)).reshape(n * lb, nh, hd)
           for (n, lb), *parts in zip(groups, qs.split(sizes), ks.split(sizes), vs.split(sizes))]
     return torch.cat(ys).index_select(0, scatter).view(B, S, nh, hd)  # (B, S, nh, hd)

@@ -13,14 +13,16 @@ Run
 How the mask is found (character spans, not token prefixes)
     For every assistant turn k the TEXT is rendered twice: turns[:k] with the generation prompt
     ("before") and turns[:k+1] ("after"). The reply is the characters from the end of "before" up to
-    and including the end-of-turn token's text, which is searched backwards from the end of "after":
-    what the model must write after the generation prompt, and nothing the template adds after the
-    end token (ChatML's "\\n"). The whole chat is then tokenized ONCE and the character spans mapped to
-    tokens through the fast tokenizer's offsets. Rule: a token is a target iff it holds at least one
-    reply character, so a token straddling a boundary (a BPE merge across the end of the generation
-    prompt) is a target. The ids are exactly the tokenizer's own rendering of the whole chat
-    (apply_chat_template), which token-prefix checks cannot promise: a byte-level BPE splits "\\n\\n"
-    at the end of a text differently from "\\n\\n" + more text (Llama-3's generation prompt ends so).
+    and including the end-of-turn token's text, which is searched backwards from the end of the part
+    of "after" the whole chat shares: what the model must write after the generation prompt, and
+    nothing the template adds after the end token (ChatML's "\\n"), nor what it adds only where a
+    chat stops (Phi-3's eos, written when no generation prompt is asked). The whole chat is then
+    tokenized ONCE and the character spans mapped to tokens through the fast tokenizer's offsets.
+    Rule: a token is a target iff it holds at least one reply character, so a token straddling a
+    boundary (a BPE merge across the end of the generation prompt) is a target. The ids are exactly
+    the tokenizer's own rendering of the whole chat (apply_chat_template), which token-prefix checks
+    cannot promise: a byte-level BPE splits "\\n\\n" at the end of a text differently from "\\n\\n" +
+    more text (Llama-3's generation prompt ends so).
     A slow tokenizer (no offsets) encodes the text piece by piece, split at the span boundaries: the
     mask is exact, but no token crosses a boundary, so the ids may differ from its whole-text ids.
 
@@ -152,12 +154,16 @@ def chat_template(tok: Any, reply_end: str | None = None) -> ChatTemplate:
                 continue
             before, after = text(turns[:k], True), text(turns[:k + 1], False)
             _require_prefix(before, after, f"the generation prompt after turns[:{k}]", ValueError)
-            _require_prefix(after, full, f"turns[:{k + 1}]", TemplateRewritesTurns)
-            stop = after.rfind(end_text, len(before))
+            # the last end token that the whole chat shares with turns[:k+1]: what a template adds
+            # only where the chat stops (Phi-3's eos after the last message) is not in the chat
+            stop = after.rfind(end_text, len(before), _common_prefix(after, full))
             if stop < 0:
-                raise ValueError(f"assistant turn {k}: the template renders no {end_text!r} (the reply's end "
-                                 f"token, {source}) after the reply: {after[len(before):][:80]!r}; pass "
-                                 f"--reply-end TOKEN")
+                stop = after.rfind(end_text, len(before))
+                if stop < 0:
+                    raise ValueError(f"assistant turn {k}: the template renders no {end_text!r} (the reply's "
+                                     f"end token, {source}) after the reply: {after[len(before):][:80]!r}; "
+                                     f"pass --reply-end TOKEN")
+                _require_prefix(after[:stop + len(end_text)], full, f"turns[:{k + 1}]", TemplateRewritesTurns)
             spans.append((len(before), stop + len(end_text)))
         return _tokens_of_spans(tok, full, spans)
 
@@ -191,9 +197,14 @@ def _detect_end(tok: Any, text: Callable[[Conversation, bool], str], tokens: Cal
     return found
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _require_prefix(short: str, long: str, what: str, error: type) -> None:
     if not long.startswith(short):
-        i = next((i for i, (a, b) in enumerate(zip(short, long)) if a != b), min(len(short), len(long)))
+        i = _common_prefix(short, long)
         raise error(f"chat template is not prefix-stable: the text of {what} is not a prefix of the longer "
                     f"rendering (first difference at character {i}: {short[i:i + 30]!r} vs "
                     f"{long[i:i + 30]!r}); the reply cannot be located in it")

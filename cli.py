@@ -182,7 +182,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
                       f"--pp {args.pp}")
         return errors
     dp_size = grid.world // (args.tp * args.cp * args.pp)
-    errors += validate_cp(args)
+    errors += validate_cp(args, cfg)
     try:
         TP.tp_validate(cfg, args.tp, seq_len=args.seq_len if args.sp else None)
     except ValueError as e:
@@ -295,8 +295,9 @@ def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
                         head=PP.head_cost(cfg, args.seq_len))
 
 
-def validate_cp(args: argparse.Namespace) -> list[str]:
-    """Context parallelism: zigzag chunks of equal length, and no packed documents."""
+def validate_cp(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
+    """Context parallelism: zigzag chunks of equal length, no packed documents, no sliding window
+    shorter than the sequence."""
     errors = []
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         errors.append(f"--cp {args.cp}: --seq-len {args.seq_len} must be a multiple of 2·cp = {2 * args.cp} "
@@ -304,6 +305,10 @@ def validate_cp(args: argparse.Namespace) -> list[str]:
     if args.cp > 1 and args.sp and args.seq_len // args.cp % args.tp:
         errors.append(f"--cp {args.cp} with --sp: each rank's seq-len/cp = {args.seq_len // args.cp} tokens "
                       f"must split into --tp {args.tp} equal shards")
+    windows = {cfg.window(i) for i in range(cfg.num_hidden_layers)} - {None}
+    if args.cp > 1 and windows and min(windows) < args.seq_len:
+        errors.append(f"--cp {args.cp} with sliding_window={min(windows)} < --seq-len {args.seq_len}: the "
+                      f"ring's block masks are causal only; use --cp 1 (or --seq-len <= the window)")
     if args.cp > 1 and args.sft:
         errors.append("--cp with --sft: SFT rows are packed documents (and the eval generates whole "
                       "sequences), which context parallelism does not support; use --cp 1")

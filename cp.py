@@ -78,8 +78,9 @@ Invariants
       (is_causal=True)` itself, and `shard_sequence` returns its input.
     - Exact: the ring's output and gradients equal single-process causal SDPA up to float summation
       order (tests/test_cp.py, fp32 ≤ 1e-5).
-    - Packed documents (position ids restarting inside a row) are rejected: the block masks here
-      are causal only.
+    - Packed documents (position ids restarting inside a row) and a layer's sliding window shorter
+      than the sequence (Mistral, model.Attention.window) are rejected: the block masks here are
+      causal only (tests/test_families.py).
     - `group=None` is the default group, as in torch.distributed (tests/test_foreign.py).
 """
 from __future__ import annotations
@@ -346,12 +347,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
 # ------------------------------------------------------------------------------------- the model
 def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
-                  group: Group) -> torch.Tensor:
+                  group: Group, window: int | None = None) -> torch.Tensor:
     """model.Attention.attn_fn under context parallelism: q (B, s, nh, hd), k, v (B, s, nkv, hd) of
-    this rank's zigzag tokens → (B, s, nh, hd)."""
+    this rank's zigzag tokens → (B, s, nh, hd). window: the layer's sliding window, refused where
+    it is shorter than the whole sequence (longer, it masks nothing)."""
     if docs is not None:
         raise ValueError("context parallelism does not support packed documents (position ids that "
                          "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
+    if window is not None and window < q.shape[1] * dist.get_world_size(group):
+        raise ValueError(f"context parallelism does not support a sliding window (sliding_window={window}) "
+                         f"shorter than the sequence ({q.shape[1] * dist.get_world_size(group)} tokens): "
+                         f"the ring's blocks are causal only; use --cp 1 or a shorter sequence")
     y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
     return y.transpose(1, 2)
 
@@ -520,7 +526,8 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
         if cp > 1:
             for module in model.modules():
                 if hasattr(module, "attn_fn"):
-                    module.attn_fn = partial(_ring_attn_fn, group=cp_group)
+                    module.attn_fn = partial(_ring_attn_fn, group=cp_group,
+                                             window=getattr(module, "window", None))
             model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
     else:
         raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "

@@ -177,8 +177,9 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
     targets = dp.global_count(sum(P.count_targets(m["labels"]) for mb in micro for m in mb), grid.dp_group)
     total = torch.zeros((), dtype=torch.float32, device=grid.device)
     for mb in micro:
-        total += PP.run_pipeline(chunks, fwd, mb, grid.pp_group if args.pp > 1 else None, targets,
-                                 seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+        total += PP.run_pipeline(chunks, fwd, mb, grid.pp_group, targets,
+                                 seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                                 peer_groups=grid.pp_peers)
     if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
         dist.all_reduce(total, group=grid.dp_group)
     return total.item()

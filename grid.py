@@ -8,8 +8,10 @@ What it does
                  same collectives run (as no-ops) in both cases; the device — CUDA + NCCL when
                  available, else CPU + gloo — is chosen here, once
     make_grid    every group of the layout, made at start-up by every rank in the same order (with
-                 setup's device_id, each NCCL communicator too), plus two gloo groups: checkpoint /
-                 export I/O waits (--io-timeout) and the pipeline's host-side check
+                 setup's device_id, each NCCL communicator too; `family`), a 2-rank group per
+                 pipeline neighbour pair (NCCL serializes a group's P2P: docs/pipeline-nccl.md),
+                 `solo` for every degree-1 dimension (no one-rank NCCL communicator), plus two gloo
+                 groups: checkpoint / export I/O waits (--io-timeout) and the pipeline's host check
     Grid         this rank, its device, its coordinates `at` (a checkpoint.Layout: what ZeRO shards
                  over and checkpoints record) and its groups
     stage        a context naming the training stage in which a collective failed or timed out, or
@@ -30,6 +32,9 @@ Invariants
     - rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank (tp peers are neighbours: the
       fastest links); every group exists before the first step, none starts lazily in a hook.
     - Groups are arguments: no global process-group object; train.py passes the Grid's groups down.
+    - Every rank makes the same new_group calls in the same order (the members-only solo group
+      aside), none of one rank on the default backend, and under eager init every rank runs the
+      same splits of the world communicator (tests/test_pp.py::test_grid_groups_and_neighbour_pairs).
 
 Builds on: checkpoint.py (Layout: the coordinates checkpoints record), pp.py (the tied-embedding ranks)
 """
@@ -40,7 +45,7 @@ import datetime
 import os
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,6 +68,7 @@ class Grid:
     io_group: dist.ProcessGroup | None = None  # gloo, --io-timeout: checkpoint and export I/O waits
     cp_group: dist.ProcessGroup | None = None
     pp_check: dist.ProcessGroup | None = None  # gloo, the pp group's ranks: run_pipeline's host-side check
+    pp_peers: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # neighbour stage → its 2-rank group
     cp: int = 1  # context-parallel degree; `at` counts dp · cp replicas (see make_grid)
 
     @property
@@ -106,21 +112,24 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
     reduction per step), then pp (point-to-point between stages: the slowest links will do). The
     cp ranks hold the same parameters as dp replicas do and reduce gradients with them, so `at` —
     what ZeRO shards over and checkpoints record — counts dp·cp replicas, index dp_rank·cp + cp_rank,
-    and grid.dp_group spans them all. Every rank creates every group, in the same order (new_group
-    is collective), and keeps the ones it belongs to: all of them here, before any training (with
-    setup's device_id, each NCCL communicator is made now, by splitting the default one). Then two
-    gloo groups: checkpoint/export I/O waits (long timeout) and the pipeline's host-side check."""
+    and grid.dp_group spans them all. Every group is made now, before any training, by `family`
+    (see there: every rank the same calls, in the same order); a degree-1 dimension gets `solo`,
+    this rank alone. Then the pipeline's neighbour pairs (pp.neighbour_pairs: on NCCL each needs a
+    communicator of its own) and two gloo groups: checkpoint/export I/O waits (long timeout) and
+    the pipeline's host-side check."""
     w = grid.world
     dpn = w // (tp * pp)  # dp · cp
     grid.at = CK.Layout(tp, dpn, pp, grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn))
     grid.cp = cp
+    timeout = datetime.timedelta(seconds=timeout_s)
+    one: list[dist.ProcessGroup] = []  # solo, made at the first degree-1 dimension
 
     def mine(rank_lists: list[list[int]], backend: str | None = None) -> dist.ProcessGroup | None:
-        found = None
-        for ranks in rank_lists:
-            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
-            found = g if grid.rank in ranks else found
-        return found
+        if all(len(r) == 1 for r in rank_lists):  # degree 1: no communicator, no split of the world's
+            one[:] = one or [solo(grid.rank, timeout)]
+            return one[0]
+        groups = family(rank_lists, w, timeout, backend)
+        return next((g for r, g in zip(rank_lists, groups) if grid.rank in r), None)
 
     at = lambda p, d, t: CK.Layout(tp, dpn, pp, t, d, p).rank  # noqa: E731
     grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
@@ -129,9 +138,41 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
     grid.pp_group = mine(pp_lists)
     grid.cp_group = mine([[at(p, d + c, t) for c in range(cp)] for p in range(pp)
                           for d in range(0, dpn, cp) for t in range(tp)])
-    grid.embed_group = mine(PP.tied_embedding_ranks(w, pp))
+    grid.embed_group = mine(PP.tied_embedding_ranks(w, pp)) if pp > 1 else None
+    pairs = PP.neighbour_pairs(pp_lists)
+    stage = {r: s for ranks in pp_lists for s, r in enumerate(ranks)}
+    grid.pp_peers = {stage[r]: g for ranks, g in zip(pairs, family(pairs, w, timeout)) if grid.rank in ranks
+                     for r in ranks if r != grid.rank}
     grid.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=io_timeout_s))
     grid.pp_check = mine(pp_lists, backend="gloo")
+
+
+def family(rank_lists: list[list[int]], world: int, timeout: datetime.timedelta,
+           backend: str | None = None) -> list[dist.ProcessGroup | None]:
+    """One group per list: every rank calls dist.new_group for every list, in this order, and gets
+    its own (the others are NON_GROUP_MEMBER). Under eager init (setup's device_id) torch makes each
+    new group by ncclCommSplit of the world's communicator, a collective of all ranks: an NCCL
+    group's members split with a colour, every other rank with none (distributed_c10d.py,
+    _new_process_group_helper) — one split per call on every rank, whatever the membership. A
+    gloo group's members split nothing, its non-members still run the no-colour split: so a gloo
+    family is made as a partition of the world (the ranks in no list form one group more), and
+    every rank runs the same number of splits. Lists of a gloo family must not overlap."""
+    lists = [list(r) for r in rank_lists]
+    if backend == "gloo":
+        seen = [r for ranks in lists for r in ranks]
+        if len(seen) != len(set(seen)):
+            raise ValueError(f"a gloo family's lists must not overlap (each rank in at most one): {lists}")
+        rest = [r for r in range(world) if r not in set(seen)]
+        lists += [rest] if rest else []
+    return [dist.new_group(r, timeout=timeout, backend=backend) for r in lists][:len(rank_lists)]
+
+
+def solo(rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """The group of this rank alone, for every degree-1 dimension: gloo, members only
+    (use_local_synchronization: the other ranks do not call it, and it splits no communicator). The
+    code that takes a group runs no collective on a group of one (tests/test_step_comm.py), so it
+    never carries data: it answers size 1 and rank 0, and costs no NCCL communicator."""
+    return dist.new_group([rank], timeout=timeout, backend="gloo", use_local_synchronization=True)
 
 
 class StageError(RuntimeError):

@@ -1,15 +1,19 @@
-"""A compact Llama whose parameter names equal transformers' `LlamaForCausalLM`.
+"""A compact Llama, and the families built like it, with transformers' parameter names.
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
     lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
-    spellings); files live in weights.py (`load_config`, `materialize` from safetensors or a seeded
-    init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and ours loads in
-    `AutoModelForCausalLM.from_pretrained`.
+    spellings) of four families, `model_type` llama, qwen2, qwen3 and mistral: one model, with a
+    named switch for each difference (FAMILIES) — q/k/v biases without the o bias (qwen2), a
+    per-head q/k RMSNorm before RoPE (qwen3), a sliding window on the layers that have one (mistral;
+    qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
+    safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
+    ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
-    (SwiGLU); numerics follow transformers/models/llama/modeling_llama.py.
+    (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
+    numerics follow transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
@@ -34,6 +38,8 @@ Invariants
       the cross-entropy over vocabulary chunks with a hand-written backward.
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
+    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
+      and a window shorter than the sequence (tests/test_families.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
@@ -46,7 +52,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -58,8 +64,36 @@ from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm 
 
 
 # ----------------------------------------------------------------------------------------- config
+# The families: transformers' model_type → (its CausalLM class, the switches the family fixes).
+# One model serves all four; a switch the family leaves out is read from config.json.
+#   llama    attention_bias (q, k, v and o), mlp_bias
+#   qwen2    q/k/v biases, no o bias (qkv_bias); a sliding window on the layers layer_types names
+#   qwen3    a per-head RMSNorm of q and k before RoPE (qk_norm), head_dim explicit (default 128);
+#            attention_bias (all four); the window as qwen2
+#   mistral  a sliding window on every layer whenever sliding_window is set
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False, sliding_window=None, layer_types=None)),
+    "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, qk_norm=False, attention_bias=False, mlp_bias=False)),
+    "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, mlp_bias=False)),
+    "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False,
+                                           mlp_bias=False, layer_types=None)),
+}
+# transformers' class defaults of the keys a config.json may omit, where they differ by family
+_DEFAULTS = {
+    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
+    "qwen2": dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
+    "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
+                    sliding_window=4096),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass
 class LlamaConfig:
+    """One config for the four FAMILIES (the name is the first of them). The family switches:
+    qkv_bias (q/k/v biases without attention_bias's o bias), qk_norm (per-head q/k RMSNorm),
+    sliding_window with layer_types (which layers slide; None: all of them)."""
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -72,63 +106,110 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # None, or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v and o
     mlp_bias: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    model_type: str = "llama"  # a key of FAMILIES: what export writes back
+    qkv_bias: bool = False  # q, k, v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of every q and k head, before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query sees the last sliding_window positions, its own included
+    layer_types: tuple[str, ...] | None = None  # per layer one of LAYER_TYPES; None: all slide (Mistral)
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
-        """Read an HF Llama `config.json` dict; missing keys, wrong types and unsupported values raise
-        one error naming them all."""
+        """Read an HF `config.json` dict of a family in FAMILIES (transformers 4.x and 5 spellings, the
+        family's defaults for omitted keys); missing keys, wrong types and unsupported values raise one
+        error naming them all, each with its key and value."""
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         bad = _hf_type_errors(d)
         if bad:
             raise ValueError("; ".join(bad))
-        if d.get("model_type", "llama") != "llama":
-            bad.append(f"model_type={d.get('model_type')!r} (only 'llama')")
+        family = d.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported model family: model_type={family!r} (supported: "
+                             f"{', '.join(map(repr, FAMILIES))})")
+        defaults = _DEFAULTS[family]
         if d.get("hidden_act", "silu") != "silu":
             bad.append(f"hidden_act={d['hidden_act']!r} (only 'silu')")
         if d.get("pretraining_tp", 1) not in (1, None):
             bad.append(f"pretraining_tp={d['pretraining_tp']} (only 1)")
+        if d.get("attention_dropout", 0.0) != 0:
+            bad.append(f"attention_dropout={d['attention_dropout']} (only 0.0)")
         # transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_theta + rope_scaling
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not _NUM[0](theta):
             bad.append(f"rope_theta must be {_NUM[1]}, got {theta!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
+        if any(isinstance(v, dict) for v in rope.values()):
+            bad.append(f"rope_parameters={rope} (one RoPE per layer type: only one for all layers)")
+        elif rope_type not in ("default", "llama3"):
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
+        window, layer_types = _read_window(d, family, bad)
         if bad:
-            raise ValueError("unsupported Llama config values: " + "; ".join(bad))
+            raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
+        read = dict(attention_bias=d.get("attention_bias", False), mlp_bias=d.get("mlp_bias", False),
+                    sliding_window=window, layer_types=layer_types)
         cfg = cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads,
+            head_dim=d.get("head_dim", defaults["head_dim"]) or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", defaults["max_position_embeddings"]),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": "llama3"},
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False), mlp_bias=d.get("mlp_bias", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
+            **{**read, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
         )
         cfg.validate()
         return cfg
 
     def to_hf(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
+        """config.json of this family: every key its transformers class reads."""
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                "tie_word_embeddings", "initializer_range", "bos_token_id", "eos_token_id")
+        d = {k: getattr(self, k) for k in keys}
+        if self.model_type == "qwen2" and self.head_dim == self.hidden_size // self.num_attention_heads:
+            del d["head_dim"]  # not a Qwen2Config field (transformers reads it only where given)
         d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default",
                                 **(self.rope_scaling or {})}
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "torch_dtype": "float32", **d}
+        if self.model_type in ("llama", "qwen3"):
+            d["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):  # transformers derives the window from these four
+            types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
+            sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+            d |= {"use_sliding_window": bool(sliding),
+                  "sliding_window": self.sliding_window if sliding else None,
+                  "max_window_layers": sliding[0] if sliding else self.num_hidden_layers,
+                  "layer_types": types}
+        return {"architectures": [FAMILIES[self.model_type][0]], "model_type": self.model_type,
+                "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": "float32", **d}
+
+    def layer_type(self, layer: int) -> str:
+        """"sliding_attention" or "full_attention": what decoder layer `layer` runs."""
+        if self.sliding_window is None:
+            return "full_attention"
+        return "sliding_attention" if self.layer_types is None else self.layer_types[layer]
+
+    def window(self, layer: int) -> int | None:
+        """Decoder layer `layer`'s sliding window (a query attends to the positions p - window < j <= p,
+        transformers' sliding mask), or None: plain causal attention."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -141,9 +222,49 @@ class LlamaConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type={self.model_type!r}: not one of {', '.join(map(repr, FAMILIES))}")
+        switches = FAMILIES[self.model_type][1]
+        fixed = [f"{k}={getattr(self, k)!r}" for k, v in switches.items() if getattr(self, k) != v]
+        if fixed:
+            raise ValueError(f"model_type={self.model_type!r} has {', '.join(fixed)}: the family fixes "
+                             f"{switches}")
+        if self.sliding_window is not None and not self.sliding_window >= 1:
+            raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
+                             f"({self.num_hidden_layers})")
 
     def num_params(self) -> int:
         return sum(math.prod(s) for s in global_shapes(self).values())
+
+
+def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers' family class derives them from config.json.
+    Mistral: every layer slides whenever sliding_window is set. Qwen2/3: only with use_sliding_window,
+    and then the layers from max_window_layers on (or those layer_types names)."""
+    types = d.get("layer_types")
+    if family == "llama":  # LlamaConfig has no window: transformers ignores these keys
+        return None, None
+    if family == "mistral":
+        if types is not None:
+            bad.append(f"layer_types={types} (transformers' Mistral ignores it: a Ministral checkpoint?)")
+        return d.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]), None
+    window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    if types is None:
+        first = d.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(d["num_hidden_layers"])]
+    if len(types) != d["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
+        bad.append(f"layer_types={types} (one of {', '.join(LAYER_TYPES)} per layer, "
+                   f"num_hidden_layers={d['num_hidden_layers']})")
+    elif "sliding_attention" in types and window is None:
+        bad.append(f"layer_types={types} with sliding_window=None (use_sliding_window="
+                   f"{d.get('use_sliding_window', False)}): sliding layers without a window")
+    if window is None or "sliding_attention" not in types:
+        return None, None
+    return window, tuple(types)
 
 
 # config.json keys read here: (required, type check, what the check means)
@@ -162,7 +283,10 @@ _HF_KEYS = {
     "rope_parameters": (False, lambda v: v is None or isinstance(v, dict), "an object or null"),
     "rope_scaling": (False, lambda v: v is None or isinstance(v, dict), "an object or null"),
     "tie_word_embeddings": (False, *_BOOL), "attention_bias": (False, *_BOOL), "mlp_bias": (False, *_BOOL),
-    "bos_token_id": (False, *_ID),
+    "bos_token_id": (False, *_ID), "use_sliding_window": (False, *_BOOL),
+    "sliding_window": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
+    "max_window_layers": (False, lambda v: _ID[0](v) and v is not None, "an integer >= 0"),
+    "layer_types": (False, lambda v: v is None or isinstance(v, list), "a list or null"),
     "eos_token_id": (False, lambda v: _ID[0](v) or isinstance(v, list) and len(v) > 0
                      and all(_ID[0](x) and x is not None for x in v), "a token id, a list of them or null"),
 }
@@ -206,9 +330,13 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                    p + "mlp.down_proj.weight": (h, i)}
-        if cfg.attention_bias:
+        if cfg.attention_bias or cfg.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
         if cfg.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
                        p + "mlp.down_proj.bias": (h,)}
@@ -267,17 +395,27 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """GQA with RoPE. The family switches: q/k/v biases (attention_bias or qkv_bias), an o bias
+    (attention_bias), a per-head RMSNorm of q and k before RoPE (qk_norm), a sliding window."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
-        hd, b = cfg.head_dim, cfg.attention_bias
+        hd, b = cfg.head_dim, cfg.attention_bias or cfg.qkv_bias
         self.head_dim = hd
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=b)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        # Qwen3: one (hd,) weight shared by every head (tp replicates it; each rank's heads add to its grad)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # this layer's sliding window (None: causal); attn_fn honours it, and so must any file that
+        # swaps attn_fn (cp.py reads `window` to refuse what its ring cannot mask)
+        self.window = cfg.window(layer)
         # the seam for other attention algorithms (ring attention): (q, k, v, docs) → output, all
         # (B, S, heads, hd) with RoPE applied; see attention.attend
-        self.attn_fn: Callable[..., torch.Tensor] = attend
+        self.attn_fn: Callable[..., torch.Tensor] = (attend if self.window is None
+                                                      else functools.partial(attend, window=self.window))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Documents | torch.Tensor | None) -> torch.Tensor:
@@ -287,6 +425,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
+        if self.q_norm is not None:  # over hd, per head
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         y = self.attn_fn(q, k, v, docs)  # (B, S, nh, hd)
         return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
@@ -314,10 +454,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -333,7 +473,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = Rotary(cfg)
 

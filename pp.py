@@ -73,12 +73,16 @@ The B/W split (zb), with autograd
     checkpointing: each W group would recompute the checkpointed layer (train.py rejects it).
 
 Communication
-    A `Comm` is one batch_isend_irecv with one peer. A receive is waited on right before the
-    computation that reads it; a send never during the step (its work keeps the buffer alive;
-    completed ones are dropped at each Comm, the rest waited at the end). The stage output is sent
-    whole by every tp rank: with --sp stages already exchange (B, S/tp, H) shards (Megatron's
-    scatter/gather for free); without it, sending 1/tp and all-gathering would put an all-gather on
-    the critical path of every message — a gain only across slow links, where --sp is the answer.
+    A `Comm` is one batch_isend_irecv with one peer, on that pair's own 2-rank group (peer_groups,
+    grid.pp_peers): NCCL runs a group's batches on one stream per rank in posting order, so on the
+    one pp group a rank's send to one neighbour would hold up its receive from the other, and
+    virtual stages (interleaved, zb v >= 2) at >= 3 stages deadlock (pp_schedules' "Communication
+    model", docs/pipeline-nccl.md). A receive is waited on right before the computation that reads
+    it; a send never during the step (its work keeps the buffer alive; completed ones are dropped
+    at each Comm, the rest waited at the end). The stage output is sent whole by every tp rank: with
+    --sp stages already exchange (B, S/tp, H) shards (Megatron's scatter/gather for free); without
+    it, sending 1/tp and all-gathering would put an all-gather on the critical path of every message
+    — a gain only across slow links, where --sp is the answer.
 
 Builds on: pp_schedules.py (actions, schedules, simulator)
 """
@@ -88,7 +92,7 @@ import contextlib
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -356,6 +360,15 @@ def tied_embedding_ranks(world_size: int, num_stages: int) -> list[list[int]]:
     return [[i, (num_stages - 1) * stride + i] for i in range(stride)]
 
 
+def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Global ranks of the 2-rank group of each neighbour pair, stages (s, s+1) and, with 3 or more
+    stages, (p-1, 0): virtual stages go round the ranks. pipelines: each pipeline's global ranks by
+    stage. Every rank must call dist.new_group for every returned list, in this order, and pass its
+    own to run_pipeline as peer_groups ({the other one's stage: group}; grid.make_grid does)."""
+    return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
+            for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
+
+
 def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> None:
     """Sum the two tied copies' gradients (first and last stage) so both take the same step; a no-op
     on other stages. Summing is linear, so it may run before or after a dp all-reduce, but it needs
@@ -451,11 +464,17 @@ def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] |
 
 
 # ----------------------------------------------------------------------------------------- executor
+def serialized_p2p(device: torch.device) -> bool:
+    """Whether the P2P of one process group on `device` runs on one stream per rank, in posting
+    order: NCCL (CUDA) does (pp_schedules' "Communication model"); gloo (CPU) does not."""
+    return device.type == "cuda"
+
+
 KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
 
 
 def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: dist.ProcessGroup | None,
-                stage: int, n: int, v: int, device: torch.device, seq_shards: int) -> None:
+                stage: int, n: int, v: int, device: torch.device, seq_shards: int, extra: str = "") -> None:
     """Local checks, then one tiny all_gather so that every pp peer raises the same error rather
     than some of them waiting forever for a message of another shape. The header holds host values
     only: over a gloo group on the host (device cpu) the check never waits for the GPU."""
@@ -476,6 +495,7 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: di
         bad_peer = isinstance(a, Comm) and not (0 <= a.peer < n and a.peer != stage)
         if not problem and (bad_peer or any(not (0 <= x.microbatch < m and 0 <= x.chunk < v) for x in pieces)):
             problem = f"action {a} does not fit {m} micro-batches and {v} chunk(s) on stage {stage} of {n}"
+    problem = problem or extra
     bs = shape if len(shape) == 2 else (0, 0)
     header = [m, *bs, int(not problem)]
     rows = [header]
@@ -503,7 +523,8 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
                  microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
                  step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
                  seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
-                 check_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                 check_group: dist.ProcessGroup | None = None,
+                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Run this rank's `actions` over `microbatches` (dicts with (B, S) input_ids and labels; every
     other key, e.g. position_ids, goes to the model as a keyword; identical on every pp peer),
     accumulating gradients in .grad.
@@ -519,16 +540,26 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     check_group: a gloo group of the same ranks as pp_group (train.py's grid.pp_check): the peers'
     agreement check (_check_step) then runs on the host, so the step needs no GPU sync for it;
     None: over pp_group, on the parameters' device (on CUDA a device→host read every step).
+    peer_groups: {neighbour stage: the 2-rank group of the pair} (grid.pp_peers, pp.neighbour_pairs):
+    each pair's messages on a communicator of its own. None: all on pp_group, which NCCL runs on one
+    stream per rank (see "Communication"): refused where that deadlocks (virtual stages, >= 3 stages).
     Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
     from the last stage to every pp peer; sum it over dp for the global loss.
-    pp_group None (or of size 1) runs the whole model locally without communication."""
+    pp_group None is the default group, as in torch.distributed (one stage when none is
+    initialized); a group of size 1 runs the whole model locally without communication."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    stage = dist.get_rank(pp_group) if pp_group is not None else 0
-    n = dist.get_world_size(pp_group) if pp_group is not None else 1
+    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
+    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
     v, param = len(chunks), next(chunks[0].parameters())
+    peers = {a.peer for a in actions if isinstance(a, Comm)}
+    if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
+        raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
+                         f"stream per rank): pass peer_groups, a 2-rank group per neighbour pair (grid.pp_peers)")
+    missing = "" if peer_groups is None or peers <= set(peer_groups) else \
+        f"it talks to stages {sorted(peers)}, peer_groups has {sorted(peer_groups)}"
     denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) else max(int(step_targets), 1)
     _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
-                param.device if check_group is None else torch.device("cpu"), seq_shards)
+                param.device if check_group is None else torch.device("cpu"), seq_shards, missing)
     rows, seq = microbatches[0]["input_ids"].shape
     act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
     first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
@@ -574,6 +605,8 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
     for k, a in enumerate(actions):
         if isinstance(a, Comm):
             sends[:] = [ws for ws in sends if not all(w.is_completed() for w in ws)]
+            group, peer = (pp_group, a.peer) if peer_groups is None else \
+                (peer_groups[a.peer], 1 - dist.get_rank(peer_groups[a.peer]))  # (in a pair: the other one)
             ops, tensors = [], []
             for msg in a.msgs:
                 key = (msg.microbatch, msg.chunk)
@@ -581,8 +614,8 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
                     t = (outputs[key].detach() if msg.payload == F else in_grads.pop(key)).contiguous()
                 else:
                     t = torch.empty(act_shape, dtype=param.dtype, device=param.device)  # (B, S, H)
-                ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=pp_group,
-                                      group_peer=a.peer))
+                ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group,
+                                      group_peer=peer))
                 tensors.append(t)
             works = dist.batch_isend_irecv(ops)
             for j, (msg, t) in enumerate(zip(a.msgs, tensors)):

@@ -38,15 +38,24 @@ Bubble (idle share of p · step time; balanced chunks of cost f, b, w each, free
     zb            idle (p-1)(f+b-w) per rank, busy v·m(f+b+w)     f=b=w=1, p=4, m=8: 11.1% (3 of 27:
                   a third of 1F1B's idle time, in a shorter step); v=2: 5.9%
 
-Communication model (what the simulator checks: NCCL's semantics)
-    NCCL carries the messages between two ranks on one stream per pair: batches complete in the
-    order they were posted, and a send completes only once the peer posted the matching receive.
-    Two ranks that each send first and receive later wait for each other forever. So `add_comm`
-    puts all messages of the step in ONE global order (the time each is produced in a unit-cost
-    run) and both ranks of a pair post theirs in that order: a send right after the computation
-    that produced it, a receive right before the computation that reads it, or earlier when a later
-    message to the same peer must go first. A receive closes its batch (sends posted before it ride
-    along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its input's whole batch.
+Communication model (what the simulator checks: NCCL as torch 2.13 drives it)
+    torch runs every batched P2P of a process group on that group's one NCCL communicator, and each
+    communicator on one stream per rank (ProcessGroupNCCL.cpp, pointToPoint: a batch, or any P2P
+    under eager init, takes the group's device key; "we use a single stream per communicator").
+    So a rank's batches on one communicator complete in posting order, whichever peer they go to,
+    and a send completes only once the peer posted the matching receive. `simulate` keeps one
+    stream per (rank, communicator): `pair_groups`, one 2-rank group per neighbour pair (what
+    pp.run_pipeline uses; grid.make_grid makes them), or `one_group`, all messages on the pp group.
+    On one group, interleaved and zb with v >= 2 at p >= 3 deadlock (forward-only too): a rank's
+    send to its next neighbour holds up its receive from the previous one, round the ring of
+    virtual stages. gloo never serializes, so only the simulator shows it (docs/pipeline-nccl.md).
+    Within a pair, two ranks that each send first and receive later wait for each other forever.
+    So `add_comm` puts all messages of the step in ONE global order (the time each is produced in
+    a unit-cost run) and both ranks of a pair post theirs in that order: a send right after the
+    computation that produced it, a receive right before the computation that reads it, or earlier
+    when a later message to the same peer must go first. A receive closes its batch (sends posted
+    before it ride along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its
+    input's whole batch.
 
 Run
     python pp.py --show zb --pp 4 --micro-batches 8 --virtual-stages 2
@@ -62,9 +71,19 @@ import argparse
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 F, B, W = "F", "B", "W"  # forward; backward (input gradient, or all of it without W); weight gradient
+
+
+def pair_groups(rank: int, peer: int) -> tuple[int, int]:
+    """The communicator of a message under pp.run_pipeline: one 2-rank group per neighbour pair."""
+    return min(rank, peer), max(rank, peer)
+
+
+def one_group(rank: int, peer: int) -> str:
+    """Every message on the one pp group: NCCL runs all of a rank's batches on one stream."""
+    return "pp"
 
 
 @dataclass(frozen=True)
@@ -179,13 +198,14 @@ def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]
 def _with_messages(s: int, order: Sequence[Action], queues: dict, p: int, v: int) -> list[Step]:
     """Rank s's compute order with its messages posted in the pair order of `queues`."""
     posted = {peer: 0 for (r, peer) in queues if r == s}  # messages posted so far, per peer
+    where = {peer: {msg: k for k, msg in enumerate(queues[s, peer])} for peer in posted}  # msg → index
     done: set[Action] = set()
     steps: list[Step] = []
     batch: dict[int, list[Msg]] = {}  # peer → messages to post at this point
 
     def post_through(peer: int, msg: Msg) -> None:
         queue = queues[s, peer]
-        while posted[peer] <= queue.index(msg):  # and every message before it, in order
+        while posted[peer] <= where[peer][msg]:  # and every message before it, in order
             nxt = queue[posted[peer]]
             if nxt.send and Action(nxt.payload, nxt.microbatch, nxt.chunk) not in done:
                 raise ValueError(f"rank {s}: {nxt} is due before it is computed")
@@ -301,40 +321,44 @@ class _Posted:
 
 def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: float = 2,
              w_cost: float = 1, comm_cost: float = 0,
-             weights: Sequence[Sequence[float]] | None = None, free_messages: bool = False) -> SimResult:
+             weights: Sequence[Sequence[float]] | None = None, free_messages: bool = False,
+             communicator: Callable[[int, int], Hashable] = pair_groups, backward: bool = True) -> SimResult:
     """Run every rank's list together against a virtual clock, with NCCL's semantics (module
-    docstring): a Comm is posted at once; between two ranks, Comms complete in posting order; the
-    n-th send from a to b meets the n-th receive posted by b, comm_cost after both are at the head
-    of their pair streams; a computation waits for the Comm that brought its input. F, B, W cost
+    docstring): a Comm is posted at once on its rank's stream of communicator(rank, peer); on one
+    stream, Comms complete in posting order; the n-th send from a to b meets the n-th receive
+    posted by b, comm_cost after both are at the head of their streams; a computation waits for
+    the Comm that brought its input. communicator: pair_groups (one 2-rank group per neighbour
+    pair, what pp.run_pipeline uses) or one_group (every message on the pp group). F, B, W cost
     f/b/w_cost (times weights[rank][chunk]). free_messages: compute orders without Comms, an input is
-    there when its producer finished. Raises ValueError on a wrong schedule (an input never
+    there when its producer finished. backward=False: a forward_only schedule (only Fs are due).
+    Raises ValueError on a wrong schedule (an input never
     received, B before F, twice the same F, a message meeting another one, a missing action) and
     RuntimeError naming every rank's stuck action on deadlock."""
     p = len(schedules)
     acts = [a for sch in schedules for a in sch if isinstance(a, Action)]
     v, m = 1 + max((a.chunk for a in acts), default=0), 1 + max((a.microbatch for a in acts), default=-1)
-    cost = {k: Fraction(c) if isinstance(c, int) else c for k, c in ((F, f_cost), (B, b_cost), (W, w_cost))}
+    cost = {F: f_cost, B: b_cost, W: w_cost}  # (ints add exactly; the bubble is a Fraction)
     with_w = [any(isinstance(a, Action) and a.kind == W for a in sch) for sch in schedules]
     pc, clock, in_flight, peak = [0] * p, [0] * p, [0] * p, [0] * p
     done: list[dict[Action, float]] = [{} for _ in range(p)]
     arrives: list[dict[Msg, _Posted]] = [{} for _ in range(p)]  # posted receive → its Comm
-    streams: dict[tuple[int, int], list[_Posted]] = {}  # (rank, peer) → Comms in posting order
-    heads: dict[tuple[int, int], int] = {}
+    streams: dict[tuple, list[_Posted]] = {}  # (rank, communicator) → Comms in posting order
+    heads: dict[tuple, int] = {}
     lanes: dict[tuple[int, int, bool], list[tuple[_Posted, int]]] = {}  # (src, dst, send?) → messages
     timeline: list[list] = [[] for _ in range(p)]
 
-    def need(ok: bool, s: int, a: Step, why: str) -> None:
-        if not ok:
-            raise ValueError(f"stage {s} action #{pc[s]} {a}: {why}")
+    def fail(s: int, a: Step, why: str) -> None:
+        raise ValueError(f"stage {s} action #{pc[s]} {a}: {why}")
 
     def post(s: int, c: Comm) -> None:
-        need(0 <= c.peer < p and c.peer != s, s, c, f"no stage {c.peer} to talk to")
+        if not (0 <= c.peer < p and c.peer != s):
+            fail(s, c, f"no stage {c.peer} to talk to")
         posted = _Posted(s, c, clock[s], [], {})
-        streams.setdefault((s, c.peer), []).append(posted)
+        streams.setdefault((s, communicator(s, c.peer)), []).append(posted)
         for k, msg in enumerate(c.msgs):
             if msg.send:
-                need(Action(msg.payload, msg.microbatch, msg.chunk) in done[s], s, c,
-                     f"sends {msg.payload}{msg.microbatch} before it exists")
+                if Action(msg.payload, msg.microbatch, msg.chunk) not in done[s]:
+                    fail(s, c, f"sends {msg.payload}{msg.microbatch} before it exists")
             else:
                 arrives[s][msg] = posted
             src, dst = (s, c.peer) if msg.send else (c.peer, s)
@@ -349,8 +373,8 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
                     raise ValueError(f"stage {src} sends {sent} to stage {dst}, which receives {got} in its "
                                      f"place (messages between two stages must be posted in one order)")
 
-    def head(key: tuple[int, int]) -> _Posted | None:
-        """The Comm at the head of a pair stream (with its start time), or None."""
+    def head(key: tuple) -> _Posted | None:
+        """The Comm at the head of a stream (with its start time), or None."""
         stream, i = streams.get(key, []), heads.setdefault(key, 0)
         if i >= len(stream):
             return None
@@ -359,19 +383,20 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
         return stream[i]
 
     def resolve() -> bool:
-        """Complete the messages whose both ends are at the heads of their pair streams."""
+        """Complete the messages whose both ends are at the heads of their streams."""
         changed = True
         while changed:
             changed = False
             for key in list(streams):
                 while (c := head(key)) is not None:
+                    s, peer = c.rank, c.comm.peer
                     for k, msg in enumerate(c.comm.msgs):
-                        src, dst = key if msg.send else key[::-1]
+                        src, dst = (s, peer) if msg.send else (peer, s)
                         theirs = lanes.get((src, dst, not msg.send), [])
                         if k in c.times or c.lane_pos[k] >= len(theirs):
                             continue
                         other, j = theirs[c.lane_pos[k]]
-                        if head(key[::-1]) is other:
+                        if head((peer, key[1])) is other:
                             c.times[k] = other.times[j] = max(c.start, other.start) + comm_cost
                     if len(c.times) < len(c.comm.msgs):
                         break
@@ -380,15 +405,16 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
 
     def ready(s: int, a: Action) -> float | None:
         """When a's input is there (None: not known yet)."""
-        need(a not in done[s], s, a, "computed twice")
-        need(a.kind != B or Action(F, a.microbatch, a.chunk) in done[s], s, a, "backward before forward")
-        need(a.kind != W or Action(B, a.microbatch, a.chunk) in done[s], s, a, "weight gradient before backward")
+        if a in done[s]:
+            fail(s, a, "computed twice")
+        if a.kind != F and Action(B if a.kind == W else F, a.microbatch, a.chunk) not in done[s]:
+            fail(s, a, "weight gradient before backward" if a.kind == W else "backward before forward")
         for peer, recv in _sources(a, s, p, v):  # (at most one)
             if free_messages:
                 t = done[peer].get(Action(a.kind, a.microbatch, (a.chunk * p + s + (1 if a.kind == B else -1)) // p))
             else:
-                need(recv in arrives[s], s, a, f"{'input activation' if a.kind == F else 'output gradient'} "
-                                               f"not received")
+                if recv not in arrives[s]:
+                    fail(s, a, f"{'input activation' if a.kind == F else 'output gradient'} not received")
                 t = arrives[s][recv].done
             return None if t is None else max(clock[s], t)
         return clock[s]
@@ -421,7 +447,7 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
     if unmatched:
         raise RuntimeError(f"messages never received: {'; '.join(unmatched)}")
     for s in range(p):
-        kinds = (F, B, W) if with_w[s] else (F, B)
+        kinds = (F, B, W) if with_w[s] else (F, B) if backward else (F,)
         want = {Action(k, i, c) for k in kinds for i in range(m) for c in range(v)}
         if set(done[s]) != want:
             raise ValueError(f"stage {s}: missing {sorted(map(str, want - set(done[s])))} (each micro-batch "

@@ -16,6 +16,8 @@ What it does
                               plan from their own `config.base_model_tp_plan`; meta or materialized
       any other model         `Parts(embed=, layers=, head=, plan=, heads=)`: dotted paths and the plan
     Those two gather the head's logits (VocabParallelHead), so the model's own loss runs unchanged.
+    Qwen3's per-head q/k norms (attotron's Llama) become ReplicatedRMSNorm: the weight replicated, its
+    gradient all-reduced over tp (each rank's heads give part of it).
     Each block (attention, MLP) pairs column layers with one row layer; a reader sees every collective
     in the autograd Functions below, each with its backward:
       copy_to_region      forward identity           backward all-reduce    (input of column layers)
@@ -386,11 +388,11 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_region(h, self.group)
 
 
-class SequenceParallelRMSNorm(nn.Module):
-    """An RMSNorm of this rank's S/tp tokens (ops.rms_norm, as model.RMSNorm), then all-gathered to
-    the full sequence for the column-parallel layers after it: (B, S/tp, H) → (B, S, H). The
-    replicated weight sees only this rank's tokens, so it enters through copy_to_region: backward
-    all-reduces its gradient over tp."""
+class ReplicatedRMSNorm(nn.Module):
+    """An RMSNorm (ops.rms_norm, as model.RMSNorm) whose replicated weight meets only this rank's
+    part of the input — Qwen3's per-head q/k norms see this rank's heads; under sequence parallelism
+    a norm sees its S/tp tokens: the weight enters through copy_to_region, so backward all-reduces
+    its gradient over tp."""
 
     def __init__(self, norm: nn.Module, group: Group):
         super().__init__()
@@ -398,8 +400,15 @@ class SequenceParallelRMSNorm(nn.Module):
         self.eps, self.group = norm.eps, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # (B, S/tp, H) as model.RMSNorm
-        return gather_from_sequence_region(y, self.group)  # (B, S, H)
+        return rms_norm(x, copy_to_region(self.weight, self.group), self.eps)  # as model.RMSNorm
+
+
+class SequenceParallelRMSNorm(ReplicatedRMSNorm):
+    """The RMSNorm of this rank's S/tp tokens, then all-gathered to the full sequence for the
+    column-parallel layers after it: (B, S/tp, H) → (B, S, H)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence_region(super().forward(x), self.group)  # (B, S/tp, H) → (B, S, H)
 
 
 def _enter_region(block: nn.Module, args: tuple, *, group: Group) -> tuple:
@@ -658,6 +667,9 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
             _set(layer, attr, _get(layer, attr) // tp)
         if ours:
             a, m = layer.self_attn, layer.mlp
+            for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
+                if getattr(a, name, None) is not None:
+                    setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
             if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
                 a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
             else:

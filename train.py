@@ -341,7 +341,6 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     chunks = PP.stage_chunks(model, cli.layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
     for chunk in chunks:
         meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
-    pp_group = grid.pp_group if args.pp > 1 else None
 
     log = grid.rank == 0
     metrics = open_metrics(args.metrics, start) if args.metrics and log else None
@@ -373,8 +372,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
-            loss = PP.run_pipeline(chunks, actions, micro, pp_group, targets, no_sync=opt.no_sync,
-                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+            loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
+                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                                   peer_groups=grid.pp_peers)
         with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
             if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)

@@ -9,9 +9,10 @@ What it does
     flattened local values — so zero3.apply_zero(init=...) builds sharded state directly (reading
     from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
     the buffers alone. `save_hf` writes full tensors as an HF directory that
-    `AutoModelForCausalLM.from_pretrained` loads (config.json, generation_config.json, safetensors,
-    the tokenizer); `load_config` reads its config.json (one error naming the file and every bad key)
-    and `load_hf` the whole model. The pieces serve a streaming export too (export.py
+    `AutoModelForCausalLM.from_pretrained` loads as the same family (config.json with its
+    architectures and model_type, generation_config.json, safetensors, the tokenizer); `load_config`
+    reads a config.json of any of model.FAMILIES (one error naming the file and every bad key and
+    value) and `load_hf` the whole model. The pieces serve a streaming export too (export.py
     writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
     file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
     `finish_hf` / `commit_export` stage an export beside its folder and swap it in.

@@ -19,7 +19,8 @@ Phase map (one micro-batch, then the step)
     gather        Zero3Optimizer._pre_forward, the site's forward pre-hook.
     free          Zero3Optimizer._post_forward, its forward hook. It hooks the output's gradient.
     gather again  Zero3Optimizer._pre_backward, when that gradient arrives. Never an embedding's.
-    reduce, free  dp.ReduceScatterSync reduces every micro-batch. Zero3Optimizer._on_reduced frees.
+    reduce, free  dp.ReduceScatterSync reduces every micro-batch. Zero3Optimizer._on_reduced frees,
+                  once every backward begun on the unit is reduced. (zb runs a W after later forwards.)
     step          zero.py's phases 1 and 2. Zero3Optimizer._publish writes the persistent shards.
     Refinement: the next `prefetch` sites gather asynchronously, ahead in forward, behind in backward.
     What stage 3 needs of a model, and its cross-feature notes: docs/zero.md#zero-3-units-gathered-only-while-they-run.
@@ -40,6 +41,8 @@ Invariants
       Test: tests/test_foreign.py::test_dp_and_zero_stages_copied_alone.
     - The peak stays within the formula plus zero_memory.peak_extras. Test: tests/test_memory.py::test_zero_peaks_dp2.
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
+    - Virtual pipeline stages share the head's end-of-site hook. It acts for the chunk holding the head.
+      Test: tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice.
 
 Builds on: zero.py, dp.py, precision.py
 """
@@ -85,6 +88,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self.module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
+        self._open: dict[int, int] = {}  # unit → backwards begun whose gradients are not reduced yet
         self._pinned = False  # inside gathered(): forwards keep everything gathered
         super().__init__(named_params, cfg, dtype, group, stage=3, parts=self.parts, **kw)
         head = self.parts.head
@@ -128,9 +132,11 @@ class Zero3Optimizer(ZeroOptimizer):
     def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
         if _in_backward() or self._pinned:
             return  # a recompute inside backward (backward frees the unit), or inside gathered()
+        if module is not self.sites[s][-1] and getattr(module, "lm_head", None) is not self.sites[s][-1]:
+            return  # a virtual-stage chunk without the head: it shares the model's hook dicts
         ahead = set(self._units(range(s + 1, s + 1 + self.prefetch)))
         for u in self.site_units[s]:
-            if u not in ahead:
+            if u not in ahead and not self._open.get(u):  # (zb: a W still to run needs it)
                 self._free(u)
         # the site's backward starts at the first gradient of any of its outputs (a tensor, or in a
         # tuple or a ModelOutput: the layer's hidden states, the model's (logits, loss))
@@ -148,13 +154,16 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
         for u in self.backward_units[s]:
+            self._open[u] = self._open.get(u, 0) + 1
             self._gather(u)
         for t in range(s - 1, max(s - 1 - self.prefetch, -1), -1):
             for u in self.backward_units[t]:
                 self._gather(u, wait=False)
 
     def _on_reduced(self, u: int) -> None:
-        self._free(u)  # all of the unit's grads are in: backward needs its parameters no more
+        self._open[u] = max(self._open.get(u, 0) - 1, 0)
+        if not self._open[u]:
+            self._free(u)  # all of the unit's grads are in: no backward needs its parameters
 
     # ---- the seam: the step writes the persistent shards ------------------------------------
     def _publish(self) -> None:

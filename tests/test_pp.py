@@ -17,6 +17,7 @@ same dY and X that one backward would), so they are held to the same bit-identit
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import weakref
 
@@ -515,3 +516,117 @@ def test_pp4_and_pp2_dp2():
             assert loss_err <= TOL and grad_err <= TOL and exact, (rank, key, r[key])
         for key in [k for k in r if k[0] in ("adamw", "dp")]:
             assert_adamw(r[key], key, rank)
+
+
+# ----------------------------------------------------------------------------------------- issue 22
+GRID_LAYOUTS = [(2, 2, 1), (1, 4, 1), (1, 2, 2), (4, 1, 1), (1, 1, 1)]  # (tp, pp, cp) at 4 ranks
+
+
+def _grid_and_pairs(rank: int, world: int) -> dict:
+    """grid.make_grid at every layout with dist.new_group recorded; then interleaved and zb (v=2)
+    at pp=4 on the neighbour-pair groups against the same steps on the one pp group."""
+    import grid as G
+    import pp as PP
+    calls, new_group = [], dist.new_group
+
+    def recorded(ranks=None, *args, **kw):
+        calls.append((tuple(ranks) if ranks is not None else None, kw.get("backend"),
+                      kw.get("use_local_synchronization", False)))
+        return new_group(ranks, *args, **kw)
+
+    out, grids = {}, {}
+    dist.new_group = recorded
+    try:
+        for tp, p, cp in GRID_LAYOUTS:
+            calls.clear()
+            g = grids[tp, p, cp] = G.Grid(rank, world, torch.device("cpu"))
+            G.make_grid(g, tp, p, cp=cp)
+            sizes = {k: dist.get_world_size(getattr(g, k)) for k in ("tp_group", "dp_group", "pp_group",
+                                                                     "cp_group", "pp_check")}
+            peers = {s: dist.get_process_group_ranks(pg) for s, pg in g.pp_peers.items()}
+            out["calls", tp, p, cp] = (list(calls), sizes, peers)
+        calls.clear()  # a gloo family that does not cover the world: completed to a partition
+        made = G.family([[0, 1]], world, datetime.timedelta(seconds=60), "gloo")
+        out["family"] = (list(calls), len(made), dist.get_world_size(made[0]) if rank < 2 else None)
+        try:
+            G.family([[0, 1], [1, 2]], world, datetime.timedelta(seconds=60), "gloo")
+        except ValueError as e:
+            out["overlap"] = str(e)
+    finally:
+        dist.new_group = new_group
+    g = grids[1, 4, 1]
+    for schedule in ("interleaved", "zb"):
+        mbs = batches(4, seed=40)
+        runs = []
+        for peer_groups in (None, g.pp_peers):
+            model = stage_model(CFG8, rank, 4, v=2)
+            chunks = stage_chunks(model, partition(8, 8), rank, 4)
+            loss = run_pipeline(chunks, SCHEDULES[schedule](4, rank, 4, 2), mbs, g.pp_group, targets(mbs),
+                                check_group=g.pp_check, peer_groups=peer_groups)
+            runs.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        out["same", schedule] = runs[0][0] == runs[1][0] and all(torch.equal(a, runs[1][1][n])
+                                                                 for n, a in runs[0][1].items())
+    serialized = PP.serialized_p2p
+    PP.serialized_p2p = lambda device: True  # as on CUDA: the one pp group is refused
+    try:
+        run_pipeline(chunks, SCHEDULES["zb"](4, rank, 4, 2), mbs, g.pp_group, targets(mbs))
+    except ValueError as e:
+        out["refused"] = str(e)
+    finally:
+        PP.serialized_p2p = serialized
+    return out
+
+
+def _splits(calls: list, rank: int) -> list:
+    """The splits of the world's NCCL communicator each call costs this rank under eager init, by
+    torch 2.13's rules (distributed_c10d.py: _new_group_with_tag returns at once for a
+    use_local_synchronization non-member; _new_process_group_helper runs ncclCommSplit with a colour
+    on an NCCL group's members and perform_nocolor_split on every non-member, gloo groups' too).
+    Each is labelled by the NCCL call it belongs to, or "-" for a gloo group's no-colour split."""
+    out = []
+    for i, (ranks, backend, local) in enumerate(calls):
+        member = ranks is None or rank in ranks
+        if local:
+            assert backend == "gloo" and member, "a members-only NCCL group would split the world alone"
+        elif backend != "gloo":
+            out.append(i)
+        elif not member:
+            out.append("-")
+    return out
+
+
+def test_grid_groups_and_neighbour_pairs():
+    """Issue 22: make_grid, recorded at five layouts of 4 ranks. Every rank makes the same calls in
+    the same order (the members-only solo group aside); no group of one rank on the default (NCCL)
+    backend; under eager init every rank runs the same splits of the world communicator; the
+    pipeline's neighbour pairs are made (a ring at pp=4); a gloo family that leaves ranks out is
+    completed to a partition (one no-colour split on every rank) and overlapping lists are refused.
+    Then pp=4 with v=2 on the pair groups is
+    bit-identical to the one pp group (same ops, same values, only the communicator differs), and on
+    CUDA the one pp group is refused instead of deadlocking."""
+    results = run_ranks(_grid_and_pairs, 4)
+    for tp, p, cp in GRID_LAYOUTS:
+        shared = None
+        for rank, r in enumerate(results):
+            calls, sizes, peers = r["calls", tp, p, cp]
+            assert not [c for c in calls if c[0] is not None and len(c[0]) == 1 and c[1] != "gloo"], calls
+            assert all(c == ((rank,), "gloo", True) for c in calls if c[2]), calls  # solo only
+            common = [c for c in calls if not c[2]]
+            assert shared is None or common == shared, (tp, p, cp, rank)
+            shared = common
+            assert sizes == {"tp_group": tp, "dp_group": 4 // (tp * p), "pp_group": p, "cp_group": cp,
+                             "pp_check": p}, (tp, p, cp, sizes)
+            stage, stride = rank // (4 // p), 4 // p
+            others = {(stage + 1) % p, (stage - 1) % p} - {stage}  # at pp=2 one neighbour, at pp=1 none
+            assert peers == {o: sorted([rank, o * stride + rank % stride]) for o in others}, (tp, p, cp, peers)
+        # the k-th split is the same call on every rank, or a no-colour split on every rank
+        splits = [_splits(r["calls", tp, p, cp][0], k) for k, r in enumerate(results)]
+        assert all(len(set(map(str, col))) == 1 for col in zip(*splits)), splits
+        assert len({len(sp) for sp in splits}) == 1, splits
+    for k, r in enumerate(results):
+        calls, n, size = r["family"]
+        assert calls == [((0, 1), "gloo", False), ((2, 3), "gloo", False)] and n == 1 and size == (2 if k < 2 else None)
+        assert _splits(calls, k) == ["-"] and "must not overlap" in r["overlap"]  # one no-colour split each
+    for r in results:
+        assert r["same", "interleaved"] and r["same", "zb"]
+        assert "pass peer_groups" in r["refused"]

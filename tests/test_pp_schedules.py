@@ -16,8 +16,9 @@ import pytest
 
 import model as M
 import pp
-from pp_schedules import (SCHEDULES, Action, B, Comm, F, Msg, W, bubble_formula, gpipe, interleaved,
-                          one_f_one_b, rounds, show, simulate, zero_bubble)
+from pp_schedules import (SCHEDULES, Action, B, Comm, F, Msg, W, bubble_formula, forward_only, gpipe,
+                          interleaved, one_f_one_b, one_group, pair_groups, rounds, show, simulate,
+                          zero_bubble)
 
 ROOT = Path(__file__).resolve().parents[1]
 VS = {"gpipe": [1], "1f1b": [1], "interleaved": [2, 3], "zb": [1, 2, 3]}
@@ -173,3 +174,26 @@ def test_show_draws_the_timeline():
     lines = r.stdout.splitlines()
     assert "simulated bubble 15.8% (formula 15.8%)" in lines[0] and len(lines) == 5
     assert lines[1].startswith("rank 0 |F0  F1  F2  F3  F0' F1' F2' F3' F4 ")
+
+
+def test_no_deadlock_on_nccl_streams():
+    """Issue 22: NCCL as torch 2.13 drives it runs a rank's batches of one communicator on one
+    stream, in posting order. Every schedule the CLI accepts (p <= 8, v <= 3, m from 1 to 2p, and
+    4p: the defaults are 4p for gpipe/1f1b, 2p for the others) and its forward-only schedule run
+    without deadlock on pp.run_pipeline's communicators: one 2-rank group per neighbour pair. On
+    the one pp group (the executor before issue 22) exactly interleaved and zb with v >= 2 at p >= 3
+    deadlock (checked at the default m = 2p)."""
+    accepted = [(name, p, v) for name in SCHEDULES for p in range(1, 9) for v in VS[name] if v == 1 or p > 1]
+    for name, p, v in accepted:
+        for m in [*range(1, 2 * p + 1), *[4 * p] * (v == 1)]:  # each schedule's default m included
+            sched = [SCHEDULES[name](m, s, p, v) for s in range(p)]
+            for steps, bwd in ((sched, True), ([forward_only(st) for st in sched], False)):
+                simulate(steps, communicator=pair_groups, backward=bwd)  # raises on deadlock
+                if m == 2 * p:
+                    try:
+                        simulate(steps, communicator=one_group, backward=bwd)
+                        dead = False
+                    except RuntimeError as e:
+                        dead = str(e).startswith("deadlock")
+                    assert dead == (name in ("interleaved", "zb") and v >= 2 and p >= 3), (name, p, v, m)
+    assert pp.default_microbatches("interleaved", 4, 16) == pp.default_microbatches("zb", 4, 16) == 8  # 2p

@@ -212,7 +212,17 @@ GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_except
          "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = "
          "message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + "
          "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+# microsoft/Phi-3-mini-4k-instruct's template (its tokenizer_config.json): a chat ends with eos only when
+# no generation prompt is asked, so turns[:k+1] is not a prefix of the whole chat, yet every reply is
+# located (chat.py's "How the mask is found") and the chat stays one sample
+PHI3 = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+        "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}"
+        "{% endif %}")
 FAMILIES = {
+    "phi3": (PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], "<|endoftext|>",
+             None, "<|end|>"),
     "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|im_end|>"),
     # a Llama-3 BASE tokenizer: eos <|end_of_text|>, while chat turns end with <|eot_id|>
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -249,6 +259,7 @@ def test_real_chat_templates_ids_and_targets(family):
     tpl = sft.chat_template(hf)
     assert (hf.decode([tpl.end_id]), tpl.end_source) == (end, "detected from the template")
     ids, labels = sft.tokenize_conversation(chat, tpl)
+    assert sft.tokenize_samples(chat, tpl) == ([(ids, labels)], False)  # one sample, not per turn
     assert ids == hf.apply_chat_template(chat, return_dict=True)["input_ids"]
     assert [hf.decode(ids[a:b]) for a, b in target_runs(ids, labels)] == [r + end for r in REPLIES]
     if family == "llama3":

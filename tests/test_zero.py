@@ -587,3 +587,46 @@ def test_fp32_accumulation_of_bf16_grads():
                 assert out[label, FP32, stage, "handles"] == out[label, None, stage, "handles"] == 0
                 if label == "dp1" and stage == 0:
                     assert hooks > 0 and hooks_bf16 == 0  # dp=1 bf16 accumulation stays hook-free
+
+
+def _virtual_gathers(rank: int, world: int) -> dict:
+    """ZeRO-3 at dp=2 on the last of 2 pipeline stages with v=2 chunks (virtual stages 1 and 3:
+    layer 1; layer 3, norm and head), one micro-batch through both chunks: all-gathers per unit."""
+    from pp import stage_chunks
+    cfg = M.LlamaConfig(**{**CFG.__dict__, "num_hidden_layers": 4})
+    ranges = partition(4, 4)
+    model = W.materialize(split_stage(M.build(cfg), 1, 2, ranges), "cpu", seed=3)
+    opt = Z3.apply_zero(model, 3, None, P.OptimConfig(lr=LR), FP32, prefetch=1)
+    chunks = stage_chunks(model, ranges, 1, 2)
+    counts, launch = [0] * len(opt.flat_params), Z3.launch
+
+    def counted(fn, full, *args):
+        counts[next(u for u, f in enumerate(opt.flat_params) if f is full)] += 1
+        return launch(fn, full, *args)
+
+    Z3.launch = counted
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 8, cfg.hidden_size, generator=g, requires_grad=True)  # (B, S, H) from stage 0
+        labels = torch.randint(0, cfg.vocab_size, (2, 8), generator=g)
+        h = chunks[0](x)  # (B, S, H), to virtual stage 2 (rank 0)
+        h2 = h.detach().requires_grad_()
+        loss = chunks[1](h2, labels=labels, reduction="sum")
+        loss.backward()
+        h.backward(h2.grad)
+        opt.finish()
+    finally:
+        Z3.launch = launch
+    units = [[opt.names[i] for i in b.index] for b in opt.buckets]
+    opt.teardown()
+    return {"counts": counts, "units": units}
+
+
+def test_zero3_virtual_stages_gather_each_unit_twice():
+    """Issue 22: the chunks of virtual stages share the model's hook dicts, so the head's
+    end-of-site hook ran after every chunk's forward and hooked each output: the head was gathered
+    again in every chunk's backward. Each unit is gathered exactly twice per micro-batch: once for
+    its forward, once for its backward."""
+    for r in run_ranks(_virtual_gathers, 2):
+        assert r["counts"] == [2] * len(r["units"]), (r["counts"], r["units"])
+        assert any("lm_head.weight" in u for u in r["units"]) and len(r["units"]) == 3
