@@ -3,11 +3,12 @@
 What it does
     `formula_bytes(stage, psi, n)` is the ZeRO table: bytes per rank between steps.
     `persistent_bytes(opt)` reads the same numbers from the tensors a step object holds.
-    `peak_extras(opt)` gives the most a phase may hold beyond that state and the activations.
-    tests/test_memory.py and bench/bench_theory.py check measured peaks against these.
+    `peak_extras(opt)` gives the most a phase may add to that state and the activations.
+    tests/test_memory.py and bench/bench_theory.py check measured peaks against them.
 
 The core idea
-    Mixed-precision AdamW holds 16 bytes a parameter: bf16 params and grads, fp32 master, m, v.
+    Mixed-precision AdamW holds 16 bytes a parameter.
+    That is bf16 params and grads, and the fp32 master, m and v.
     Each ZeRO stage divides more of it by the dp size N.
     Between steps that is the whole state. At the peak, in-flight buffers come on top.
     The derivation of every term: docs/memory.md.
@@ -16,7 +17,7 @@ Reference
     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
 
 Run
-    torchrun --nproc_per_node 4 -m bench.bench --only pp,memory      # measured peaks beside these
+    torchrun --nproc_per_node 4 -m bench.bench --only pp,memory      # the measured peaks
     python -m bench.bench_theory --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
 
 Invariants
@@ -36,15 +37,16 @@ from zero import DataParallelOptimizer
 
 
 def formula_bytes(stage: int, psi: int, n: int) -> float:
-    """The ZeRO table (docs/memory.md): bytes per rank between steps for Ψ parameters over N = n
-    ranks, bf16 params and grads, fp32 master + Adam m, v."""
+    """The ZeRO table (docs/memory.md): bytes per rank between steps.
+    Ψ = psi parameters over N = n ranks. bf16 params and grads; fp32 master, Adam m and v."""
     return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
 
 
 def persistent_bytes(opt: DataParallelOptimizer) -> dict[str, int]:
-    """Bytes this rank holds for params, grads, fp32 master, Adam m and v, from the tensors: each
-    storage once, in the first category holding it (an fp32 master that IS the param counts as
-    params); a freed stage-3 unit counts 0. Call between finish() and step() to see the grads."""
+    """Bytes this rank holds for params, grads, fp32 master, Adam m and v, read from the tensors.
+    Each storage counts once, in the first category holding it.
+    (An fp32 master that IS the param counts as params.) A freed stage-3 unit counts 0.
+    Call it between finish() and step() to see the grads."""
     seen: set[int] = set()
 
     def total(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -63,10 +65,10 @@ def persistent_bytes(opt: DataParallelOptimizer) -> dict[str, int]:
 
 
 def peak_extras(opt: DataParallelOptimizer) -> dict[str, int]:
-    """The extras of docs/memory.md#at-the-peak-the-extras, in bytes, from this rank's own buckets
-    (or units) and master pieces: the most a phase ("forward", "backward", "step") may
-    hold beyond the table's state and the activations. What a test or benchmark checks a measured
-    peak against."""
+    """The extras of docs/memory.md#at-the-peak-the-extras, in bytes.
+    They come from this rank's own buckets (or units) and master pieces.
+    Per phase ("forward", "backward", "step"): the most it may hold beyond the table and the activations.
+    A test or benchmark checks a measured peak against them."""
     c, r = opt.dtype.itemsize, (opt.reduce_dtype or opt.dtype).itemsize
     k, n, stage3 = opt.inflight, opt.world, opt.stage == 3  # a zero3.Zero3Optimizer
     bucket = max((b.size for b in opt.sync.buckets), default=0)  # elements; a unit at stage 3
