@@ -90,7 +90,7 @@ class ComputeTimer:
 
 
 def bubble(ctx: Ctx, chunks: list, actions: list, micro: Callable, schedule: str, m: int, p: int,
-           v: int, group: dist.ProcessGroup) -> None:
+           v: int, group: dist.ProcessGroup, peers: dict[int, dist.ProcessGroup]) -> None:
     """Idle share per stage = (step span − this stage's busy time) / span, span = the slowest
     stage's; beside pp.simulate with unit costs (F=1, B=2; zb F=B=W=1), with the measured mean F/B/W
     costs (free messages: what is left is latency and imbalance), and the closed form."""
@@ -100,7 +100,7 @@ def bubble(ctx: Ctx, chunks: list, actions: list, micro: Callable, schedule: str
         mbs = micro(i)
         dist.barrier(group=group)
         start = timer._mark()
-        PP.run_pipeline(chunks, actions, mbs, group, ctx.targets, timer=timer)
+        PP.run_pipeline(chunks, actions, mbs, group, ctx.targets, timer=timer, peer_groups=peers)
         stop = timer._mark()
         busy, per = timer.read()
         rec.append([timer.seconds(start, stop), busy])
