@@ -9,18 +9,23 @@ What it does
     qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
     safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
     ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
+    Three mixtures of experts, `model_type` mixtral, qwen3_moe and olmoe (MOE_FAMILIES): the MLP of a
+    sparse layer (`LlamaConfig.is_sparse`) is moe.MoE; OLMoE's q/k RMSNorm spans the whole
+    projection (qk_norm_whole). With `output_router_logits` the loss adds `router_aux_loss_coef` ·
+    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM.
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
     (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
-    numerics follow transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
+    Jiang et al. 2024 (Mixtral), Muennighoff et al. 2024 (OLMoE); numerics follow
+    transformers/models/{llama,qwen2,qwen3,mistral,mixtral,qwen3_moe,olmoe}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py — causal attention within packed documents; the layer's
-    elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits (the
-    default `loss_fn`)
+Builds on: attention.py, ops.py, loss.py, moe.py — causal attention within packed documents; the
+    layer's elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits
+    (the default `loss_fn`); the MoE block, its router losses and the recorder of router logits
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
@@ -39,7 +44,9 @@ Invariants
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
-      and a window shorter than the sequence (tests/test_families.py).
+      and a window shorter than the sequence (tests/test_families.py); the MoE families too, with and
+      without the load-balancing loss, an expert no token picks, AC (each router counted
+      once), export bit-equal (tests/test_moe_models.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions

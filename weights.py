@@ -10,7 +10,10 @@ What it does
     from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
     the buffers alone. `save_hf` writes full tensors as an HF directory that
     `AutoModelForCausalLM.from_pretrained` loads as the same family (config.json with its
-    architectures and model_type, generation_config.json, safetensors, the tokenizer); `load_config`
+    architectures and model_type, generation_config.json, safetensors, the tokenizer). MoE experts:
+    transformers 5 fuses them in memory (as model.py does) but save_pretrained writes one tensor per
+    expert and projection; `hf_pieces` maps one layout to the other, save_hf writes the per-expert
+    one and the reader takes either (only the experts a rank holds are read); `load_config`
     reads a config.json of any of model.FAMILIES (one error naming the file and every bad key and
     value) and `load_hf` the whole model. The pieces serve a streaming export too (export.py
     writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
@@ -37,6 +40,8 @@ Invariants
     - An export owns its folder: it is written whole into `<dir>.tmp` and swapped in, so no file of
       an older export (a stale index or shard) survives, and a crash leaves the older one complete.
       A folder holding anything an export does not write is refused, never deleted.
+    - An MoE export holds exactly save_pretrained's keys and loads bit-equal in transformers
+      (tests/test_moe_models.py::test_export_loads_bit_equal_with_transformers_keys).
 
 Builds on: model.py
 """

@@ -7,9 +7,9 @@ and saved with save_pretrained; every parameter is perturbed (norms away from 1)
   router_aux_loss_coef 0.3 so the term weighs), in both reductions, and every gradient within 1e-5
   relative (fp32: the same products, the experts' sums grouped differently); an expert that no
   token picks (its gradient zero on both sides); full AC gives the same loss and gradients (the
-  routers are not counted twice); export → AutoModelForCausalLM bit-equal logits, and the file
+  routers are not counted twice), and selective AC; export → AutoModelForCausalLM bit-equal logits, and the file
   holds transformers' per-expert keys exactly.
-- Through the CLI: dp 2 · ZeRO-2 · full AC against the single process (micro-batches 2: each
+- Through the CLI: dp 2 · ZeRO-2 · full AC and dp 2 · ZeRO-3 · selective AC against the single process (micro-batches 2: each
   forward then holds the same rows on both sides, so the per-forward aux loss is the same), 1e-5.
 - Bad input: one message naming the key and its value; the layouts not built yet are refused.
 OLMoE's configs default pad_token_id 1, which transformers' embedding freezes (padding_idx); ours
@@ -151,21 +151,22 @@ def test_expert_without_tokens():
         assert not got[n][4].any() and got[n][3].any()
 
 
-def test_full_ac_counts_each_router_once(pair):
-    """ac.apply_ac(full): recompute reruns every router in backward; loss and gradients as without."""
+def test_ac_counts_each_router_once(pair):
+    """ac.apply_ac, full and selective: recompute reruns routers in backward; loss and gradients as without."""
     family, _, ours, _ = pair
     ids, _, labels = batch(3)
     loss = ours(ids, labels=labels)
     want = grads(ours, loss)
-    ac.apply_ac(ours, "full")
-    try:
-        loss_ac = ours(ids, labels=labels)
-        got = grads(ours, loss_ac)
-    finally:
-        ac.remove_ac(ours)
-    assert torch.equal(loss_ac, loss)
-    for n, g in got.items():
-        assert torch.equal(g, want[n]), n
+    for mode in ("full", "selective"):
+        ac.apply_ac(ours, mode)
+        try:
+            loss_ac = ours(ids, labels=labels)
+            got = grads(ours, loss_ac)
+        finally:
+            ac.remove_ac(ours)
+        assert torch.equal(loss_ac, loss), mode
+        for n, g in got.items():
+            assert torch.equal(g, want[n]), (mode, n)
 
 
 def test_export_loads_bit_equal_with_transformers_keys(pair, tmp_path):
@@ -203,11 +204,11 @@ def test_refusals_name_key_and_value():
     cfg = M.LlamaConfig.from_hf(good)
     grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
     for flags, message in ((["--tp", "2"], "--tp with an MoE model (mixtral, 5 experts): not yet"),
-                           (["--pp", "2"], "--pp with an MoE model"), (["--zero", "3"], "--zero 3 with"),
+                           (["--pp", "2"], "--pp with an MoE model"), (["--cp", "2"], "--cp with"),
                            (["--compile"], "--compile with")):
         errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), cfg, grid)
         assert any(message in e for e in errors), (flags, errors)
-    assert not cli.validate(cli.parse_args(["--zero", "2", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
+    assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
 
 
 def test_cli_dp_zero_ac_equal_single_process(tmp_path):
@@ -224,5 +225,6 @@ def test_cli_dp_zero_ac_equal_single_process(tmp_path):
     run_ranks(_main, 1, argv(1, "--micro-batches", "2"))
     want = losses(tmp_path / "1.jsonl")
     assert want[-1] < want[0] - 0.05
-    run_ranks(_main, 2, argv(2, "--zero", "2", "--ac-mode", "full", "--micro-batches", "1"), timeout=120)
-    assert_curve(losses(tmp_path / "2.jsonl"), want)
+    for zero, mode in (("2", "full"), ("3", "selective")):
+        run_ranks(_main, 2, argv(2, "--zero", zero, "--ac-mode", mode, "--micro-batches", "1"), timeout=120)
+        assert_curve(losses(tmp_path / "2.jsonl"), want)
