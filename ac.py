@@ -1,97 +1,42 @@
-"""Activation checkpointing for the decoder layers, and a meter of the bytes autograd keeps.
+"""Activation checkpointing: chosen decoder layers keep less for backward and recompute the rest.
 
 What it does
-    `apply_ac(model, mode, every)` makes chosen decoder layers keep less for backward:
-      - "full": a layer keeps only its inputs; backward reruns the whole layer forward first
-        (non-reentrant `torch.utils.checkpoint`, never debug mode). A layer given a KV cache
-        (transformers' default use_cache=True) raises: the rerun would update it twice.
-      - "selective" (the default of `--ac`): the layer runs once, as without AC, but the outputs of
-        its cheap modules (`recomputable`: leaves holding no matrix — the RMSNorms and the SwiGLU
-        activation) are not kept: the saved-tensor hooks replace each saved view of them by a note,
-        and backward reruns that module alone (a few elementwise kernels) when it reaches them.
-        Their inputs are kept anyway (the modules' own backward reads them), so this drops the
-        inputs of the q/k/v, gate/up and down projections for free memory-wise. Host cost: one
-        forward hook per cheap module and one Python call per saved tensor — no Python per aten op
-        (torch's op-level selective checkpoint runs every op through a TorchDispatchMode, ~29 µs
-        each on CPU: more host time than the layer itself). bench.py measures host time per layer.
-        Under torch.compile (train.py --compile) the layer instead runs checkpoint with the op-level
-        policy `SAVE_OPS` (outputs of matmuls, fused attention, collectives kept; elementwise ops
-        recomputed), which the compiler applies once while tracing: no Python per op at run time.
-        Any model: the same rule picks LayerNorm, transformers' RMSNorm, an activation module (SiLU,
-        GELU); an op outside a module of its own (transformers' gate · up product) is kept.
-      - `every=k`: only layers whose GLOBAL index is a multiple of k (0, k, 2k, ...) are checkpointed.
-        The layers: `model.model.layers` (attotron's ModuleDict keyed by global index, so a pipeline
-        stage holding "4".."7" checkpoints 4 and 6 at k=2; transformers' ModuleList), or for any
-        other model the dotted path `layers=` names (e.g. "transformer.h"). tests/test_foreign.py.
-    `remove_ac(model)` restores the plain layers. `SavedActivationMeter` counts what autograd keeps.
+    `apply_ac(model, mode, every)` wraps the forward of every k-th decoder layer.
+    `remove_ac(model)` restores the plain layers.
+    `SavedActivationMeter` counts the bytes autograd keeps for backward.
+
+The core idea
+    "full": a layer keeps only its inputs. Backward reruns the whole layer first.
+    That is torch's non-reentrant `checkpoint`, never in debug mode.
+    "selective", the default of `--ac`: the layer runs once, as without AC.
+    Its cheap modules (the norms, the SwiGLU activation) do not keep their outputs.
+    Saved-tensor hooks replace each saved view of them by a note.
+    Backward reruns that module alone when it reaches a note.
+    Under torch.compile, selective mode is an op-level policy instead (`SAVE_OPS`).
+    `every=k` picks the layers whose GLOBAL index is a multiple of k.
+    docs/ac.md has the bytes per layer, and how AC meets TP, ZeRO-3 and PP.
 
 Reference
-    Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost" (checkpointing);
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-    (selective recomputation; the per-layer activation formula below).
+    Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost": checkpointing.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    selective recompute, and the per-layer activation formula.
 
 Run
     torchrun --nproc_per_node 1 train.py --model small --ac                     # selective
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --ac-mode full --ac-every 2
 
-Invariants
-    - Parameter names and state_dict keys do not change: the layer's own forward is replaced by a
-      closure on the instance (no wrapper module, no `_checkpoint_wrapped_module.` in any key), and
-      `remove_ac` deletes it again (and the forward hooks selective mode put on the cheap modules).
-    - Gradients are bit-identical with and without AC: a recompute runs the same kernels on the same
-      inputs (tests/test_ac.py checks every mode with torch.equal).
-    - Hooks: the closure runs INSIDE the layer's `__call__`, so hooks on the layer itself fire once per
-      forward, as without AC. Full AC's recompute calls the submodules (q_proj, mlp, ...) through their
-      `__call__`, so their pre-hooks fire again in backward (their post-hooks may not: the recompute
-      stops as soon as it has rebuilt the last tensor backward needs); selective mode reruns the cheap
-      modules' `forward` only (no hooks). Tensor-parallel comm ops (autograd Functions) run again
-      under full AC; under selective AC only what a cheap module holds runs again (tp.py's
-      sequence-parallel norm: its all-gather, as Megatron regathers in backward). ZeRO-3 (zero3.py)
-      re-gathers a layer's unit from a hook on the layer's output gradient — before the layer's
-      backward, so before any recompute, which reads the gathered parameters. Under full AC autograd
-      holds no reference to a layer's parameters between forward and backward (the meter's
-      `param_nbytes`); under selective AC and without AC it holds views, whose storage ZeRO-3 resizes
-      to 0 bytes after the forward: they hold no memory.
-    - RNG: Llama has no dropout, so nothing random runs in a layer and the recompute is exact without
-      restoring the RNG. Full AC passes `preserve_rng_state=False`, which skips a CPU (and, on GPU,
-      per-device) RNG-state copy per checkpointed layer and the fork/restore of those states around
-      every recompute — tiny costs, but paid for nothing. If you add dropout inside a layer, pass
-      `preserve_rng_state=True` or the recompute draws different masks (silently wrong gradients;
-      the tests show both). Selective mode never reruns a Dropout module.
-    - Selective mode and in-place writes: a cheap module's rerun gives its output as it was made,
-      which is what the saved view held; tensors kept as they are get autograd's in-place check back
-      (autograd skips it for hooked tensors; `_unpack` compares version counters). The storage key of
-      a cheap output identifies its views only while that output lives: the call's table holds it
-      until the layer's forward returns (a freed storage's address may be reused by the next tensor).
+Invariants (tests/test_ac.py unless named)
+    - Gradients are bit-identical with and without AC, in every mode (test_gradients_bit_identical).
+    - Names and state_dict keys do not change (test_names_unchanged_remove_restores_and_bad_input).
+    - `remove_ac` restores the plain layers (the same test).
+    - Bytes kept equal docs/ac.md's formulas, byte for byte (test_saved_bytes_match_docstring_formulas).
+    - Hooks on a layer fire once per forward (test_hooks_layer_once_submodules_again).
+    - Dropout needs preserve_rng_state=True. The default skips it (test_rng_dropout_needs_...).
+    - Full AC refuses a KV cache: the rerun would update it twice (test_foreign.py).
 
-Activation bytes per layer (Korthikanti et al.'s sbh(34 + 5as/h), redone for this layer)
-    s tokens, b batch, h hidden, a heads, g = n_kv/a, i = intermediate; bf16 activations. Bytes one
-    layer keeps for backward, per token (model.py's RMSNorm, RoPE and SwiGLU Functions):
-      input RMSNorm: its input x (2h), fp32 rstd (4); its output, the q/k/v input (2h)  4h + 4
-      RoPE + attention: rotated q (2h) and k (2gh), v (2gh), output (2h), fp32 lse (4a)   4h + 4gh + 4a
-        (RoPE keeps cos/sin — shared by all layers — not q, k; o_proj reads a view of the output)
-      post-attention RMSNorm: the residual sum (2h), rstd (4), its output (gate/up's)   4h + 4
-      SwiGLU: gate, up (its own backward recomputes silu), the product = down's input    6i
-    none      = sbh(12 + 4g + 6i/h) + 4sba + 8sb. i ≈ 8h/3 gives sbh(28 + 4g), Llama-3 8B's i = 3.5h
-                sbh(33 + 4g): about GPT's 34 (no dropout masks; two extra i-sized SwiGLU tensors).
-                The norms keep no fp32 copy of x and no x·rsqrt (ops.py; HF's op chain: 8h each).
-                Fused attention (flash, efficient, cudnn, CPU flash) keeps only output + lse, so the
-                5as²b term is gone; a math attention would add ≈ 2as²b of probabilities; a document
-                mask adds a float b·s² mask per layer.
-    selective = sbh(8 + 4g + 4i/h) + 4sba + 8sb: none without the two norm outputs and the SwiGLU
-                product (op-level selective checkpointing kept sbh(10 + 4g + 4i/h) + 4sba).
-    full      = 2sbh: the layer input only; backward briefly holds one layer's `none` while it runs.
-    In fp32 the h, g, i terms double: none = 4sbh(6 + 2g + 3i/h) + 4sba + 8sb, selective =
-    4sbh(4 + 2g + 2i/h) + 4sba + 8sb, full = 4sbh. tests/test_ac.py checks these byte for byte against
-    SavedActivationMeter. Under --compile, what the compiled layer saves is the partitioner's choice
-    (bench.py measures it with the same meter).
-    Packed rows (attention.Documents) on the CPU path keep q, k, v, the attention output and lse for
-    the T' = Σ bucket(len) padded slots of the length groups instead of the sb tokens, plus the output
-    scattered back to token order (o_proj's input) and two int64 indices (shared by all layers):
-    in fp32, T = sb, q width = h, none = 4Th(5 + 3i/h) + 16T + 4T'h(2 + 2g) + 4T'a + 8T' (16T: two
-    rstd and the scatter index), selective = 4Th(3 + 2i/h) + the same other terms, full = 4Th;
-    T' <= 9/8·T + 16·documents: O(S), no S² term (tests/test_model.py measures it). The CUDA varlen
-    path keeps the unpacked formula.
+Reading order
+    The public functions come first: `apply_ac`, `remove_ac`. Then `_wrap`, the core.
+    Refinements follow, each after a `# --- refinement:` banner.
 """
 from __future__ import annotations
 
@@ -107,25 +52,122 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 MODES = ("full", "selective")
 
-# ------------------------------------------------------------------------------- selective, eager
+
+# ------------------------------------------------------------------------ the public functions
+def apply_ac(model: nn.Module, mode: str = "selective", every: int = 1,
+             preserve_rng_state: bool = False, *, layers: str | None = None) -> None:
+    """Checkpoint every `every`-th decoder layer in `mode`, "full" or "selective".
+
+    `every` counts by global index: layers 0, k, 2k, ... are checkpointed.
+    The layers are `model.model.layers` (attotron, transformers).
+    Any other model gives the dotted path `layers`.
+    Apply it after tp/pp have transformed the model, and after materialize.
+    Apply it before the optimizer, dp and zero wrap the model."""
+    if mode not in MODES:
+        raise ValueError(f"ac mode {mode!r} is not one of {MODES}")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"ac every={every!r}: expected an integer >= 1 (1 checkpoints every layer)")
+    done = checkpointed(model, layers)
+    if done:
+        raise ValueError(f"activation checkpointing is already applied to layers {sorted(done, key=int)}; "
+                         f"call remove_ac(model) first")
+    for name, layer in decoder_layers(model, layers).items():
+        if int(name) % every == 0:
+            _wrap(layer, mode, preserve_rng_state)
+
+
+def remove_ac(model: nn.Module, layers: str | None = None) -> None:
+    """Undo apply_ac. Every layer runs its plain forward again."""
+    for layer in decoder_layers(model, layers).values():
+        forward = layer.__dict__.get("forward")
+        if forward is None or not hasattr(forward, "ac_mode"):
+            continue
+        for handle in forward.ac_hooks:
+            handle.remove()
+        if forward.ac_own is None:
+            del layer.forward
+        else:
+            layer.forward = forward.ac_own
+
+
+def checkpointed(model: nn.Module, layers: str | None = None) -> dict[str, str]:
+    """The layers apply_ac wrapped, as {global layer index: mode}."""
+    return {name: layer.forward.ac_mode for name, layer in decoder_layers(model, layers).items()
+            if hasattr(layer.forward, "ac_mode")}
+
+
+def decoder_layers(model: nn.Module, layers: str | None = None) -> dict[str, nn.Module]:
+    """The decoder layers, as {global index: layer}.
+
+    `layers` is a dotted path to the model's layer list, e.g. "transformer.h".
+    Without it, the layers are `model.model.layers`.
+    attotron's is a ModuleDict keyed by global index. A pipeline stage holds only some.
+    transformers' is a ModuleList. Other lists are keyed by position."""
+    found = model.get_submodule(layers) if layers is not None else \
+        getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
+        where = f"{layers!r} is {type(found).__name__}" if layers is not None else \
+            f"{type(model).__name__} has no model.layers"
+        raise ValueError(f"apply_ac needs the decoder layers as an nn.ModuleDict or nn.ModuleList: {where}; "
+                         f"pass layers= (the dotted path to them, e.g. layers='transformer.h')")
+    if isinstance(found, nn.ModuleDict) and all(name.isdigit() for name in found):
+        return dict(found.items())
+    ordered = found.values() if isinstance(found, nn.ModuleDict) else found
+    return {str(i): layer for i, layer in enumerate(ordered)}
+
+
+# ------------------------------------------------- the core: a checkpointed forward per layer
+_CACHES = ("cache", "past_key_values", "past_key_value")  # transformers' names for a layer's KV cache
+
+
+def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
+    """Replace the layer's forward by a closure that checkpoints it (on the instance: names stay)."""
+    own = layer.__dict__.get("forward")  # an instance-level forward set by someone else, if any
+    ref = weakref.ref(layer)  # no layer → closure → layer cycle. Refcounting frees the model.
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inner = own if own is not None else partial(type(ref()).forward, ref())  # compile traces it
+        if mode == "selective" and not torch.compiler.is_compiling():
+            return _selective(inner, args, kwargs)
+        if any(kwargs.get(k) is not None for k in _CACHES) and torch.is_grad_enabled():
+            raise ValueError("full activation checkpointing reruns the layer in backward, which would update "
+                             "its KV cache twice: call the model with use_cache=False")
+        # Compile traces checkpoint's context_fn only when it is a selective one. Full passes none.
+        policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
+        return checkpoint(inner, *args, use_reentrant=False, debug=False,
+                          preserve_rng_state=preserve_rng_state, **policy, **kwargs)
+
+    forward.ac_mode = mode
+    forward.ac_own = own
+    forward.ac_hooks = [m.register_forward_hook(_record, with_kwargs=True) for m in layer.modules()
+                        if m is not layer and recomputable(m)] if mode == "selective" else []
+    layer.forward = forward  # an instance attribute: no new module, no name changes
+
+
+# --- refinement: selective recompute, eager: saved-tensor hooks drop the cheap modules' outputs
+# Host cost: one forward hook per cheap module, one Python call per saved tensor. No Python per op.
+# docs/ac.md says why this beats torch's op-level policy in eager mode.
 def recomputable(module: nn.Module) -> bool:
-    """A module selective AC reruns in backward instead of keeping its output: a leaf that holds no
-    matrix — RMSNorm (model.py, tp.py's sequence-parallel one), the SwiGLU activation. Its inputs
-    are kept anyway (its own backward reads them), so dropping its output saves that output for a
-    few elementwise kernels. Dropout is random: never rerun."""
+    """A module that selective AC reruns in backward instead of keeping its output.
+
+    It is a leaf that holds no matrix: an RMSNorm or LayerNorm, the SwiGLU activation.
+    Its inputs are kept anyway, since its own backward reads them.
+    So dropping its output costs only a few elementwise kernels.
+    Dropout is random: never rerun."""
     return (next(module.children(), None) is None and not isinstance(module, nn.modules.dropout._DropoutNd)
             and all(p.ndim < 2 for p in module.parameters(recurse=False)))
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    # The storage's identity (its C++ StorageImpl), not its data_ptr: ZeRO-3 resizes a parameter
-    # storage to 0 bytes and the allocator hands that address to the next activation.
+    # The storage's identity (its C++ StorageImpl), not its data_ptr.
+    # ZeRO-3 resizes a parameter storage to 0 bytes. The allocator hands that address on.
     return t.untyped_storage()._cdata
 
 
 class _Rerun:
-    """A recomputable module's call: its detached inputs, and its output once rerun (shared by every
-    saved view of that output; freed with the last of them)."""
+    """A recomputable module's call: its detached inputs, and its output once rerun.
+
+    Every saved view of that output shares the rerun. It is freed with the last of them."""
     __slots__ = ("module", "args", "kwargs", "layout", "out")
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor):
@@ -139,7 +181,7 @@ class _Rerun:
 
     def output(self) -> torch.Tensor:
         if self.out is None:
-            with torch.no_grad():  # the same kernels on the same inputs: the same bits
+            with torch.no_grad():  # the same kernels on the same inputs give the same bits
                 self.out = self.module.forward(*self.args, **self.kwargs)
             if (self.out.shape, self.out.stride()) != self.layout:
                 raise RuntimeError(f"selective AC: rerunning {type(self.module).__name__} gave another layout")
@@ -154,9 +196,10 @@ class _Note:
         self.rerun, self.shape, self.stride, self.offset = rerun, t.shape, t.stride(), t.storage_offset()
 
 
-# One table per selective layer call running: storage → (_Rerun, the output). The table holds the
-# output until the layer's forward returns, so its storage (the key) cannot be freed and handed to
-# another tensor meanwhile; then only the notes remain.
+# One table per running selective layer call: storage → (_Rerun, the output).
+# The table holds the output until the layer's forward returns.
+# So its storage, the key, cannot be freed and handed to another tensor meanwhile.
+# Then only the notes remain.
 _CALLS: list[dict[int, tuple[_Rerun, torch.Tensor]]] = []
 
 
@@ -167,21 +210,24 @@ def _record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
 
 
 def _pack(t: torch.Tensor) -> Any:
-    """Saved-tensor hook inside a selective layer: a view of a recomputable module's output becomes
-    a note (the _Rerun and the view's geometry); anything else is kept with its version counter
-    (autograd skips its in-place check for hooked tensors: we do it at unpack)."""
+    """Saved-tensor hook inside a selective layer.
+
+    A view of a recomputable module's output becomes a note: the _Rerun and the view's geometry.
+    Anything else is kept with its version counter.
+    Autograd skips its in-place check for hooked tensors, so _unpack does it."""
     made = _CALLS[-1].get(_storage_key(t)) if _CALLS else None
     if made is None:
         _count(t, owner=t)
         return t, t._version
     rerun = made[0]
     note = _Note(rerun, t)
-    for x in rerun.inputs():  # held by the note (usually saved by the module itself: counted once)
+    for x in rerun.inputs():  # held by the note. Usually the module saves them too: counted once.
         _count(x, owner=note)
     return note
 
 
 def _unpack(saved: Any) -> torch.Tensor:
+    """Saved-tensor hook: a note reruns its module; a kept tensor must be unmodified."""
     if isinstance(saved, _Note):
         return saved.rerun.output().as_strided(saved.shape, saved.stride, saved.offset)
     t, version = saved
@@ -191,6 +237,7 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 
 def _selective(inner: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the layer's forward once, under the saved-tensor hooks."""
     if not torch.is_grad_enabled():  # eval / generate: nothing is saved
         return inner(*args, **kwargs)
     _CALLS.append({})
@@ -198,15 +245,16 @@ def _selective(inner: Callable, args: tuple, kwargs: dict) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             return inner(*args, **kwargs)
     finally:
-        _CALLS.pop()  # the table goes; the notes keep what they need
+        _CALLS.pop()  # the table goes. The notes keep what they need.
 
 
-# ------------------------------------------------------------------------------- selective, compiled
+# --- refinement: selective recompute under torch.compile: an op-level policy
 aten = torch.ops.aten
-# Under torch.compile the layer's checkpoint is traced with this op-level policy and the partitioner
-# bakes it into the compiled backward (no Python per op at run time): keep the outputs of matmuls,
-# fused attention and collectives (as costly to redo as to run), recompute the elementwise ops
-# between them (fused by inductor into the backward's kernels). F.linear is mm (addmm with a bias).
+# Under torch.compile the layer's checkpoint is traced with this op-level policy.
+# The partitioner bakes it into the compiled backward: no Python per op at run time.
+# Keep the outputs of matmuls, fused attention and collectives: as costly to redo as to run.
+# Recompute the elementwise ops between them. Inductor fuses them into the backward's kernels.
+# F.linear is mm, or addmm with a bias.
 SAVE_OPS = {
     aten.mm.default,
     aten.addmm.default,
@@ -231,90 +279,7 @@ def _compile_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_compile_policy)
 
 
-# ------------------------------------------------------------------------------- wrapping layers
-_CACHES = ("cache", "past_key_values", "past_key_value")  # transformers' names for a layer's KV cache
-
-
-def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
-    own = layer.__dict__.get("forward")  # an instance-level forward set by someone else, if any
-    ref = weakref.ref(layer)  # no layer → closure → layer cycle: the model stays freeable by refcount
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        inner = own if own is not None else partial(type(ref()).forward, ref())  # (traceable by compile)
-        if mode == "selective" and not torch.compiler.is_compiling():
-            return _selective(inner, args, kwargs)
-        if any(kwargs.get(k) is not None for k in _CACHES) and torch.is_grad_enabled():
-            raise ValueError("full activation checkpointing reruns the layer in backward, which would update "
-                             "its KV cache twice: call the model with use_cache=False")
-        # (compile traces checkpoint's context_fn only when it is a selective one: full passes none)
-        policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
-        return checkpoint(inner, *args, use_reentrant=False, debug=False,
-                          preserve_rng_state=preserve_rng_state, **policy, **kwargs)
-
-    forward.ac_mode = mode
-    forward.ac_own = own
-    forward.ac_hooks = [m.register_forward_hook(_record, with_kwargs=True) for m in layer.modules()
-                        if m is not layer and recomputable(m)] if mode == "selective" else []
-    layer.forward = forward  # an instance attribute: no new module, no change to any name
-
-
-def decoder_layers(model: nn.Module, layers: str | None = None) -> dict[str, nn.Module]:
-    """{global index: layer}: `layers` (a dotted path to the model's layer list, e.g. "transformer.h")
-    or, found by itself, `model.model.layers` (attotron's ModuleDict keyed by global index, a pipeline
-    stage holding only some; transformers' ModuleList). Other keys: the layers' positions."""
-    found = model.get_submodule(layers) if layers is not None else \
-        getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(found, (nn.ModuleDict, nn.ModuleList)):
-        where = f"{layers!r} is {type(found).__name__}" if layers is not None else \
-            f"{type(model).__name__} has no model.layers"
-        raise ValueError(f"apply_ac needs the decoder layers as an nn.ModuleDict or nn.ModuleList: {where}; "
-                         f"pass layers= (the dotted path to them, e.g. layers='transformer.h')")
-    if isinstance(found, nn.ModuleDict) and all(name.isdigit() for name in found):
-        return dict(found.items())
-    ordered = found.values() if isinstance(found, nn.ModuleDict) else found
-    return {str(i): layer for i, layer in enumerate(ordered)}
-
-
-def checkpointed(model: nn.Module, layers: str | None = None) -> dict[str, str]:
-    """{global layer index: mode} of the layers apply_ac wrapped."""
-    return {name: layer.forward.ac_mode for name, layer in decoder_layers(model, layers).items()
-            if hasattr(layer.forward, "ac_mode")}
-
-
-def apply_ac(model: nn.Module, mode: str = "selective", every: int = 1,
-             preserve_rng_state: bool = False, *, layers: str | None = None) -> None:
-    """Checkpoint every `every`-th decoder layer (by global index: 0, k, 2k, ...) in `mode` ("full"
-    or "selective"). The layers: `model.model.layers` (attotron, transformers) or the `layers` path
-    of any other model. Apply after tp/pp have transformed the model and after materialize; before
-    the optimizer, dp and zero wrap it."""
-    if mode not in MODES:
-        raise ValueError(f"ac mode {mode!r} is not one of {MODES}")
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"ac every={every!r}: expected an integer >= 1 (1 checkpoints every layer)")
-    done = checkpointed(model, layers)
-    if done:
-        raise ValueError(f"activation checkpointing is already applied to layers {sorted(done, key=int)}; "
-                         f"call remove_ac(model) first")
-    for name, layer in decoder_layers(model, layers).items():
-        if int(name) % every == 0:
-            _wrap(layer, mode, preserve_rng_state)
-
-
-def remove_ac(model: nn.Module, layers: str | None = None) -> None:
-    """Undo apply_ac: every layer runs its plain forward again."""
-    for layer in decoder_layers(model, layers).values():
-        forward = layer.__dict__.get("forward")
-        if forward is None or not hasattr(forward, "ac_mode"):
-            continue
-        for handle in forward.ac_hooks:
-            handle.remove()
-        if forward.ac_own is None:
-            del layer.forward
-        else:
-            layer.forward = forward.ac_own
-
-
-# ------------------------------------------------------------------------------- the meter
+# --- refinement: a meter of the bytes autograd keeps
 _METERS: list["SavedActivationMeter"] = []
 
 
@@ -325,7 +290,7 @@ def _count(t: torch.Tensor, owner: object) -> None:
 
 def _meter_pack(t: torch.Tensor) -> torch.Tensor:
     _count(t, owner=t)
-    return t  # autograd keeps the tensor itself, exactly as without the meter
+    return t  # autograd keeps the tensor itself, as without the meter
 
 
 def _meter_unpack(t: torch.Tensor) -> torch.Tensor:
@@ -340,15 +305,19 @@ class SavedActivationMeter:
         print(m.nbytes, m.count)          # activations the forward handed to backward
         loss.backward()                   # m.live_nbytes drops back as backward frees them
 
-    Tensors are counted per unique storage (a view counts its whole storage once; a tensor saved by
-    several ops counts once). Parameters and their views (W.t() saved by a matmul) are not activations:
-    they are counted apart in `param_nbytes` (the storage's size when saved: ZeRO-3 later resizes
-    it to 0). Inside a selective layer autograd uses that layer's hooks, not the meter's (the
-    innermost pair wins): they report here what they keep, and the inputs a note holds, so the
-    meter counts everything a backward will read. Recomputed tensors (inside backward) are not
-    counted. Only sizes and storage ids are stored, plus a weakref finalizer
-    per saved tensor: nothing lives longer than autograd keeps it. A storage counts as held while any
-    tensor object saved from it is alive — so an input the caller still references stays "live".
+    Tensors are counted per unique storage. A view counts its whole storage, once.
+    A tensor saved by several ops counts once.
+    Parameters and their views (W.t() saved by a matmul) are not activations.
+    They are counted apart, in `param_nbytes`, at the storage's size when saved.
+    (ZeRO-3 later resizes it to 0.)
+    Inside a selective layer autograd uses that layer's hooks, not the meter's: the innermost wins.
+    Those hooks report here what they keep, and the inputs a note holds.
+    So the meter counts everything a backward will read.
+    Tensors recomputed inside backward are not counted.
+    Only sizes and storage ids are stored, plus a weakref finalizer per saved tensor.
+    So nothing lives longer than autograd keeps it.
+    A storage counts as held while any tensor object saved from it is alive.
+    So an input the caller still references stays "live".
 
     nbytes, count              unique activation storages saved while active
     param_nbytes, param_count  unique parameter storages saved while active

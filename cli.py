@@ -121,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
     a("--reply-end", default=None, help="--sft: the token that ends an assistant reply (default: detected "
                                         "from the chat template, e.g. <|eot_id|>; the built-in one: eos)")
+    # preference optimization
+    a("--dpo", action="store_true", help="DPO on preference-pair JSONL (--data) or the built-in arithmetic "
+                                         "pairs; the reference is the starting model (--init-from)")
+    a("--dpo-beta", type=float, default=None, help="--dpo: β of the loss (default 0.1)")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--io-timeout", type=float, default=3600.0,
@@ -156,9 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     if args.seq_len is None:
-        args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft else 256
+        args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft or args.dpo else 256
     if args.lr is None:
-        args.lr = 2e-4 if args.sft else 1e-3
+        args.lr = 2e-4 if args.sft or args.dpo else 1e-3
+    if args.dpo and args.dpo_beta is None:
+        args.dpo_beta = 0.1
     if args.model is None and args.init_from is None:
         args.model = "tiny"
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -204,6 +210,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     if args.sft and args.eval_batches is not None:
         errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
                       "exact-match accuracy on its built-in held-out chats")
+    errors += validate_dpo(args)
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -310,6 +317,24 @@ def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
     """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
     return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
                         head=PP.head_cost(cfg, args.seq_len))
+
+
+def validate_dpo(args: argparse.Namespace) -> list[str]:
+    """--dpo's flags (dpo.py)."""
+    errors = []
+    if args.dpo_beta is not None and not args.dpo:
+        errors.append("--dpo-beta goes with --dpo")
+    if not args.dpo:
+        return errors
+    if not args.dpo_beta > 0:
+        errors.append(f"--dpo-beta must be > 0, got {args.dpo_beta}")
+    if args.sft:
+        errors.append("--dpo and --sft are two trainings: choose one (DPO usually starts from an SFT "
+                      "model: --init-from its export)")
+    if args.cp > 1:
+        errors.append("--cp with --dpo: a pair is two packed documents, which cp's ring attention "
+                      "cannot mask (not built)")
+    return errors
 
 
 def validate_cp(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:

@@ -49,6 +49,9 @@ Invariants
       once), export bit-equal (tests/test_moe_models.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
+    - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
+      KVCache (prefill, then one position per step; a tp rank caches its own heads): token for token
+      the uncached decode's, every family, tp1 and tp2 (tests/test_generate.py).
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
       (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
       the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks
@@ -58,10 +61,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -548,7 +552,7 @@ class Attention(nn.Module):
                                                       else functools.partial(attend, window=self.window))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Documents | torch.Tensor | None) -> torch.Tensor:
+                docs: Documents | torch.Tensor | None, *, cache: "LayerCache | None" = None) -> torch.Tensor:
         B, S, _ = x.shape
         hd = self.head_dim
         # head counts come from the (possibly tp-sharded) weights, never from the config
@@ -560,7 +564,8 @@ class Attention(nn.Module):
         elif self.q_norm is not None:  # over hd, per head
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        y = self.attn_fn(q, k, v, docs)  # (B, S, nh, hd)
+        # with a cache: this call's S positions follow the cached ones (generation, below)
+        y = self.attn_fn(q, k, v, docs) if cache is None else cache.attend(q, k, v, self)  # (B, S, nh, hd)
         return self.o_proj(y.reshape(B, S, -1))  # (B, S, nh*hd) → (B, S, H)
 
 
@@ -594,8 +599,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg.moe_config()) if cfg.is_sparse(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Documents | torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
+                docs: Documents | torch.Tensor | None, *, cache: "LayerCache | None" = None) -> torch.Tensor:
+        # cache as a keyword: tp's pre-hooks on self_attn see the four positional arguments only
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -623,18 +629,24 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
-                docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
+                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
         position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
         within each document (a new one starts wherever the position does not continue).
         docs: those boundaries as attention.Documents, computed once where the rows are built (else
         they are derived here from position_ids, a host copy per call); or a dense (B, 1, S, S) bool
         mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
-        logits (B, S, V), or hidden states on a stage without lm_head."""
+        logits (B, S, V), or hidden states on a stage without lm_head.
+        cache: a KVCache (generation, below): input_ids continue the cached positions, the keys and
+        values are appended, and only the last position's logits (B, 1, V) are returned."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
         B, S = h.shape[:2]
-        if position_ids is None:
+        if cache is not None:
+            if position_ids is not None or docs is not None or labels is not None:
+                raise ValueError("a KVCache takes plain rows: no position_ids, docs or labels")
+            position_ids = torch.arange(cache.length, cache.length + S, device=h.device).expand(B, S)
+        elif position_ids is None:
             if docs is not None:
                 raise ValueError("docs (document boundaries) need the position_ids restarting per document")
             position_ids = torch.arange(S, device=h.device).expand(B, S)
@@ -643,8 +655,14 @@ class Llama(nn.Module):
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
         aux = labels is not None and self.config.output_router_logits and self.config.num_experts > 0
         with record_router_logits(self) if aux else contextlib.nullcontext() as router_logits:
-            for layer in m.layers.values():
-                h = layer(h, cos, sin, docs)
+            for name, layer in m.layers.items():
+                if cache is None:
+                    h = layer(h, cos, sin, docs)
+                else:
+                    h = layer(h, cos, sin, docs, cache=cache.layer(name))
+        if cache is not None:
+            cache.length += S
+            h = h[:, -1:]  # (B, 1, H): generation reads the next token only
         if m.norm is not None:
             h = m.norm(h)
         if self.lm_head is None:
@@ -723,21 +741,101 @@ def build(cfg: LlamaConfig) -> Llama:
         return Llama(cfg)
 
 
+# ----------------------------------------------------------------------------------------- generation
+# Prefill, then decode. The prompt's keys and values are computed once and kept (RoPE already
+# applied, so a cached key never changes); each new token then costs one position's forward instead
+# of the whole prefix's. A layer's cache has the shape of its own k_proj output, so under tp a rank
+# caches only its nkv/tp heads. Memory: 2 · layers · B · (S + new) · nkv · hd values. The cache keeps
+# every position and masks what a sliding window no longer sees (a ring buffer of `window` slots
+# would bound it; not built).
+class KVCache:
+    """Every layer's keys and values (LayerCache, made on first use, keyed as model.model.layers) and
+    `length`, the positions already in them; room for `capacity` positions."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.layers: dict[str, LayerCache] = {}
+
+    def layer(self, name: str) -> "LayerCache":
+        return self.layers.setdefault(name, LayerCache(self))
+
+
+class LayerCache:
+    """One attention layer's keys and values, (B, capacity, nkv, hd) each, valid up to cache.length."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @torch.compiler.disable  # host-side state: runs eagerly between a compiled layer's graphs
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Append k, v (B, S, nkv, hd) after the cached positions and attend the S new queries
+        q (B, S, nh, hd) to all of them: causal, within attn's window. The first call (the prefill)
+        is the layer's own attention (attn.attn_fn), the uncached forward's to the bit."""
+        B, S = k.shape[:2]
+        P = self.cache.length
+        if P + S > self.cache.capacity:
+            raise ValueError(f"KVCache full: {P} + {S} positions > capacity {self.cache.capacity}")
+        if self.k is None:
+            self.k = k.new_empty(B, self.cache.capacity, *k.shape[2:])  # (B, capacity, nkv, hd)
+            self.v = v.new_empty(B, self.cache.capacity, *v.shape[2:])
+        self.k[:, P:P + S], self.v[:, P:P + S] = k, v
+        if P == 0:
+            return attn.attn_fn(q, k, v, None)
+        gap = torch.arange(P, P + S, device=q.device)[:, None] - torch.arange(P + S, device=q.device)
+        see = gap >= 0 if attn.window is None else (gap >= 0) & (gap < attn.window)  # (S, P+S)
+        return attend(q, self.k[:, :P + S], self.v[:, :P + S], see[None, None])  # (B, S, nh, hd)
+
+
+def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+               generators: Sequence[torch.Generator] = ()) -> torch.Tensor:
+    """logits (B, V) → (B,) token ids: argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the top_k logits (all if None), row i with generators[i]."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)  # (B, V)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+
+
 @torch.no_grad()
-def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int,
-             eos_id: int | None = None) -> torch.Tensor:
-    """Greedy decoding without a KV cache (each step reruns the prefix: simple, fine for evals).
-    input_ids (B, S) → (B, S + n); rows that emitted eos keep emitting eos."""
+def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None = None, *,
+             temperature: float = 0.0, top_k: int | None = None, seeds: Sequence[int] | None = None,
+             use_cache: bool | None = None) -> torch.Tensor:
+    """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens: greedy at temperature 0,
+    else sampled (next_token) with one seed per row, so a row's reply depends on its prompt and seed
+    only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
+    use_cache: prefill once, then one position per step (KVCache); False reruns the whole prefix
+    every step (the reference: the same tokens in fp32, tests/test_generate.py); None: the cache
+    whenever model.forward takes one (any model mapping ids (B, S) to logits runs uncached).
+    Under tp every rank sees the same gathered logits and seeds, hence draws the same tokens."""
+    B, S = input_ids.shape
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1 (or None)")
+    if temperature > 0 and (seeds is None or len(seeds) != B):
+        raise ValueError(f"sampling (temperature={temperature}) needs one seed per row: {B} rows, "
+                         f"seeds={seeds}")
+    gens = [torch.Generator(input_ids.device).manual_seed(int(s)) for s in seeds] if temperature > 0 else []
+    if use_cache is None:
+        use_cache = "cache" in inspect.signature(model.forward).parameters
+    cache = KVCache(S + max_new_tokens) if use_cache else None
     was_training = model.training
     model.eval()
-    out, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    for _ in range(max_new_tokens):
-        nxt = model(out)[:, -1].argmax(-1)  # (B,)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
-        out = torch.cat([out, nxt[:, None]], dim=1)
-        if eos_id is not None and bool(done.all()):
-            break
-    model.train(was_training)
+    out, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(out) if cache is None else model(out[:, cache.length:], cache=cache)  # (B, *, V)
+            nxt = next_token(logits[:, -1], temperature, top_k, gens)  # (B,)
+            if eos_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                done |= nxt == eos_id
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if eos_id is not None and bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
     return out

@@ -1,13 +1,16 @@
-"""Pipeline parallelism: partition the layers, cut the model into stages, run a schedule.
+"""Pipeline parallelism: cut the model into stages, run a schedule of micro-batches through them.
 
 What it does
-    `partition` cuts the layers into p·v consecutive ranges (virtual stages), the last one's
-    lm_head + loss counted as layers (`head_cost`, from FLOPs); `split_stage` keeps on a meta-built
-    Llama what rank s owns: virtual stages s, s+p, ..., the embedding on rank 0, the final norm,
-    lm_head and loss on rank p-1; `stage_chunks` gives each chunk as a module (views sharing the
-    parameters). pp_schedules.py lists each rank's actions (gpipe, 1f1b, interleaved, zb) and
-    simulates them; `run_pipeline` executes one rank's list on the pp group.
-        python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
+    `partition` cuts the layers into p·v consecutive ranges (virtual stages).
+    `split_stage` keeps what rank s owns and deletes the rest, before materialize.
+    `stage_chunks` gives its v chunks (virtual stages s, s+p, ...) as modules.
+    `run_pipeline` executes this rank's action list from pp_schedules.py.
+
+The core idea
+    Each rank holds consecutive layers. A micro-batch's activation travels forward, rank to rank.
+    Its gradient travels back. The schedule fixes the order; the executor only follows it.
+    F runs a chunk and keeps its output. B backpropagates the gradient that came back.
+    A Comm posts sends and receives to one neighbour. Gradients accumulate in .grad.
 
 The stage: what it receives and returns
     `split_stage` returns a module called as stage(x, labels=None, reduction="sum", **kwargs):
@@ -15,76 +18,27 @@ The stage: what it receives and returns
       kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
       returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
               (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
-    attotron's Llama is its own stage (its forward skips the parts a stage lacks). transformers'
-    decoders and models named by `Parts(embed, layers, norm, head, positions)` become a `Stage`:
-    the model's own modules under their own names, the layers it owns kept at their global index
-    (OwnedLayers). On transformers' models the stage runs their base model's forward (masks, rotary
-    embeddings, keyword calls; its ModelOutput's last_hidden_state); on a described model it runs
-    embed(x) + positions(position ids), then layer(h) for each layer, then norm. The last stage's
-    loss is `loss_fn(logits, labels, reduction)`: the user's (a GPT's own loss), by default
-    `token_loss`, the fp32 cross-entropy over labels aligned with the logits (-100 ignored).
-    A Stage equals the single-process model, 1f1b and zb, with tp inside too, on transformers'
-    Llama and a GPT (tests/test_foreign_tp_pp.py); what it cannot run (v > 1, a model without
-    a description) raises.
-
-Reference
-    Huang et al. 2019 (GPipe); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-    on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B, the tied-embedding group); Qi et al.
-    2023, "Zero Bubble Pipeline Parallelism" (B/W split).
+    attotron's Llama is its own stage. transformers' decoders become a `Stage`.
+    So do models described by `Parts(embed, layers, norm, head, positions)`. docs/pp.md has the rest.
 
 Run
+    python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
     torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved --virtual-stages 2
-    torchrun --nproc_per_node 4 train.py --pp 4 --schedule zb
+
+Reference
+    GPipe: Huang et al. 2019. 1F1B: PipeDream-Flush, Narayanan et al. 2021.
+    Interleaved 1F1B, the tied-embedding group: Narayanan et al. 2021 (Megatron-LM).
+    The B/W split (zb): Qi et al. 2023, "Zero Bubble Pipeline Parallelism".
 
 Invariants
-    - Modules a rank does not own are deleted before materialize: never allocated, never read from a
-      checkpoint. Layer names stay HF's (`model.layers.<global index>`): checkpoints ignore pp and v.
-    - The gradient equals the single-process one: every stage sees the same micro-batches, the last
-      divides each micro-batch's token-loss SUM by the target count of the whole step (the rule of
-      precision.normalized_loss), gradients accumulate over micro-batches in .grad, and B + W
-      compute the products of one backward. Nothing is reduced here: every backward action runs
-      inside dp/ZeRO's `no_sync` but each chunk's last one that accumulates into .grad (its last
-      W under zb, else its last B): hook-based dp/ZeRO reduce after a parameter's last gradient.
-    - Tied embeddings with pp > 1: rank p-1 holds its own copy as `lm_head.weight`; the two copies'
-      gradients are summed over a 2-rank group before the step, so they stay identical.
-    - A disagreement between pp peers (micro-batch count or shape) raises on every stage instead of
-      hanging: a small header of host values is all-gathered before any point-to-point message
-      (train.py: over a gloo group, so on CUDA it costs no GPU sync). The step's target count is not
-      in it: every pp peer counts the same rows of its dp rank, and it stays on the device.
+    - Loss and gradients equal the single process, every schedule (tests/test_pp.py::test_pp2).
+    - The schedules differ in order only: the same gradient bits (the same test).
+    - B + W cost one backward (tests/test_pp.py::test_bw_split_costs_one_backward).
+    - Checkpoints ignore pp and v (tests/test_pp_cli.py::test_interleaved_checkpoint_is_layout_free).
+    - A Stage equals transformers' own model (tests/test_foreign_tp_pp.py::test_pp_alone_on_transformers_and_gpt).
+    - Peers given different micro-batches all raise; none hangs (tests/test_pp.py::test_pp2).
 
-The B/W split (zb), with autograd
-    B = `torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)`, x the chunk's input
-    leaf: autograd runs only the nodes between the output and x, each computing only the outputs
-    that lead to x (a linear's MmBackward computes dX = dY·W, not dW = dYᵀ·X). Where a parameter's
-    branch leaves that path (a linear's MmBackward, an RMSNorm weight's Mul), a node pre-hook keeps
-    the gradient flowing in (dY). W runs, per group of parameters joining the path at the same
-    nodes, `torch.autograd.backward(GradientEdge(node, k) with dY, inputs=params)`: the node runs
-    again for its parameter outputs only, and each AccumulateGrad (dp/ZeRO's hook) fires once. So
-    B + W cost one backward (tests count the FLOPs) — but one head matmul: the chunked loss
-    (loss.linear_cross_entropy) recomputes its logits blocks in each pass, computing dL/dh in B and
-    dL/dW in W only (ops.wanted_grads) — plus ~20 µs of engine call per group. On rank
-    0 a forward hook cuts the embedding's output off as the chunk's input leaf: B stops there and
-    the embedding's gradient is part of W. Held from B to W: the dY of every parameterised op, per
-    layer and token q + 2·kv + 4·h + 2·i values (q, k, v, o, gate, up, down outputs and both norms:
-    in bf16 about half the layer's activations) and the ops' saved inputs; here the whole graph
-    stays alive from F to W (retain_graph), so pp_schedules counts activations in flight from F to
-    W. On the last stage the head holds only the (T,) loss gradient (W recomputes the logits blocks
-    from it), not a (B, S, V) logits gradient. Not with activation
-    checkpointing: each W group would recompute the checkpointed layer (train.py rejects it).
-
-Communication
-    A `Comm` is one batch_isend_irecv with one peer, on that pair's own 2-rank group (peer_groups,
-    grid.pp_peers): NCCL runs a group's batches on one stream per rank in posting order, so on the
-    one pp group a rank's send to one neighbour would hold up its receive from the other, and
-    virtual stages (interleaved, zb v >= 2) at >= 3 stages deadlock (pp_schedules' "Communication
-    model", docs/pipeline-nccl.md). A receive is waited on right before the computation that reads
-    it; a send never during the step (its work keeps the buffer alive; completed ones are dropped
-    at each Comm, the rest waited at the end). The stage output is sent whole by every tp rank: with
-    --sp stages already exchange (B, S/tp, H) shards (Megatron's scatter/gather for free); without
-    it, sending 1/tp and all-gathering would put an all-gather on the critical path of every message
-    — a gain only across slow links, where --sp is the answer.
-
-Builds on: pp_schedules.py (actions, schedules, simulator)
+Builds on: pp_schedules.py (actions, schedules, simulator). More: docs/pp.md, docs/pipeline-nccl.md.
 """
 from __future__ import annotations
 
@@ -105,10 +59,11 @@ from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_fo
 
 # ----------------------------------------------------------------------------------------- partition
 def head_cost(cfg, seq_len: int) -> float:
-    """lm_head + loss in decoder-layer equivalents, from FLOPs per token (forward + backward): a
-    layer's matmuls 6·(its weights) plus attention 12·q·S (PaLM's count), the head 6·h·V plus the
-    fp32 cross-entropy (~8 FLOPs per logit). Norms and the embedding lookup count zero. (On a GPU
-    the vocab-sized loss is memory-bound: slower than its FLOPs say; --pp-layers overrides.)"""
+    """lm_head + loss in decoder-layer equivalents, from FLOPs per token (forward + backward).
+    A layer: its matmuls 6·(its weights), plus attention 12·q·S (PaLM's count).
+    The head: 6·h·V, plus the fp32 cross-entropy (~8 FLOPs per logit).
+    Norms and the embedding lookup count zero.
+    On a GPU the vocab-sized loss is memory-bound, slower than its FLOPs say: --pp-layers overrides."""
     h, i, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = 6 * (2 * h * q + 2 * h * kv + 3 * h * i) + 12 * q * seq_len
@@ -117,10 +72,11 @@ def head_cost(cfg, seq_len: int) -> float:
 
 def partition(num_layers: int, num_stages: int, layers: Sequence[int] | None = None,
               head: float = 0.0) -> list[range]:
-    """Consecutive layer ranges, one per (virtual) stage. By default balanced: every stage starts
-    with one layer, then each further layer goes to the cheapest stage (the earliest on a tie),
-    where the last stage also carries `head` layer-equivalents (head_cost); head = 0 is uniform
-    with the remainder on the earliest stages. Or user-given counts such as [3, 3, 2]."""
+    """Consecutive layer ranges, one per (virtual) stage. Or user-given counts such as [3, 3, 2].
+    By default balanced: every stage starts with one layer.
+    Each further layer goes to the cheapest stage (the earliest on a tie).
+    The last stage also carries `head` layer-equivalents (head_cost).
+    head = 0 is uniform, with the remainder on the earliest stages."""
     if num_stages < 1:
         raise ValueError(f"pipeline needs at least 1 stage, got {num_stages}")
     if layers is None:
@@ -145,18 +101,19 @@ def partition(num_layers: int, num_stages: int, layers: Sequence[int] | None = N
 
 
 def default_microbatches(schedule: str, pp: int, rows: int) -> int:
-    """Micro-batches per step when --micro-batches is not given: 4·pp for gpipe/1f1b, 2·pp for
-    interleaved/zb (simulated bubble <= 15.8% at pp=2 and 4), 1 without pipeline; the largest
-    divisor of this dp rank's `rows` not above that."""
+    """Micro-batches per step when --micro-batches is not given.
+    4·pp for gpipe/1f1b; 2·pp for interleaved/zb (simulated bubble <= 15.8% at pp=2 and 4).
+    1 without pipeline. Then the largest divisor of this dp rank's `rows` not above that."""
     want = 1 if pp == 1 else (4 if schedule in ("gpipe", "1f1b") else 2) * pp
     return max(k for k in range(1, min(want, rows) + 1) if rows % k == 0)
 
 
 @dataclass
 class Parts:
-    """Where a model keeps its parts, as dotted attribute paths, for split_stage: the first stage runs
-    embed (+ positions: a learned table of position ids added to it, GPT's wpe), every stage its
-    layers (an nn.ModuleList, each called as layer(h)), the last norm and head."""
+    """Where a model keeps its parts, as dotted attribute paths, for split_stage.
+    The first stage runs embed, plus positions: a learned table of position ids (GPT's wpe).
+    Every stage runs its layers: an nn.ModuleList, each called as layer(h).
+    The last stage runs norm and head."""
     embed: str = "model.embed_tokens"
     layers: str = "model.layers"
     norm: str | None = "model.norm"
@@ -165,8 +122,8 @@ class Parts:
 
 
 def _get(root: nn.Module, path: str | None, missing: Any = AttributeError) -> Any:
-    """The attribute at a dotted path; None where the path (or a part of it) is None. A path that
-    does not exist raises, unless `missing` is given (then returned)."""
+    """The attribute at a dotted path; None where the path (or a part of it) is None.
+    A path that does not exist raises, unless `missing` is given: then that is returned."""
     obj = root
     for name in (path.split(".") if path else [None]):
         if obj is not None and name is not None and not hasattr(obj, name):
@@ -184,10 +141,11 @@ def _set(root: nn.Module, path: str, value: Any) -> None:
 
 def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Sequence[range],
                 parts: Parts | None = None, loss_fn: Callable[..., torch.Tensor] | None = None) -> nn.Module:
-    """Keep only what rank `stage` owns, in place, and return the stage (see "The stage" above).
-    attotron's Llama, META-built (before apply_tp/materialize): the model itself, with p·v layer
-    ranges, virtual stages stage, stage + p, ... (v chunks). transformers' decoders (parts None) and
-    models described by `parts`, meta or materialized: a `Stage`, one range per stage (v = 1).
+    """Keep only what rank `stage` owns, in place, and return the stage ("The stage" above).
+    attotron's Llama, META-built (before apply_tp/materialize): the model itself.
+    It takes p·v layer ranges: virtual stages stage, stage + p, ... (v chunks).
+    transformers' decoders (parts None) and models described by `parts`: a `Stage`.
+    They may be meta or materialized, with one range per stage (v = 1).
     loss_fn(logits, labels, reduction): the last stage's loss (default `token_loss`)."""
     if parts is None and isinstance(_get(model, "model.layers", None), nn.ModuleDict):
         return _split_llama(model, stage, num_stages, layer_ranges)
@@ -229,14 +187,14 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-    """A Stage's default loss: fp32 token cross-entropy, labels aligned with the logits (already
-    shifted: labels[t] is the token after input[t]), -100 ignored."""
+    """A Stage's default loss: fp32 token cross-entropy, -100 ignored.
+    The labels are aligned with the logits, already shifted: labels[t] is the token after input[t]."""
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100,
                                              reduction=reduction)  # (F is the forward action here)
 
 
 class OwnedLayers(nn.ModuleList):
-    """A stage's layers under their global indices (names stay the model's: `model.layers.5.…`).
+    """A stage's layers under their global indices: names stay the model's (`model.layers.5.…`).
     It iterates and slices as a ModuleList, so transformers' own forward runs it."""
 
     def __init__(self, layers: dict[str, nn.Module] | Sequence[nn.Module] = ()):
@@ -246,8 +204,8 @@ class OwnedLayers(nn.ModuleList):
 
 
 class Stage(nn.Module):
-    """One pipeline stage of a model attotron did not write. It holds the model's own top-level
-    modules (parameter names and objects are the model's) and runs this stage's share of it."""
+    """One pipeline stage of a model attotron did not write. It runs this stage's share of it.
+    It holds the model's own top-level modules: parameter names and objects are the model's."""
 
     def __init__(self, model: nn.Module, parts: Parts, first: bool, last: bool, hidden_size: int,
                  loss_fn: Callable[..., torch.Tensor], tied: bool, hf: bool):
@@ -296,8 +254,8 @@ def _split_llama(model: nn.Module, stage: int, num_stages: int, layer_ranges: Se
         del layers[key]
     first, last = stage == 0, stage == num_stages - 1
     if last and not first and model.config.tie_word_embeddings:
-        # lm_head.weight IS the embedding Parameter; the last stage gets its own copy, which
-        # materialize fills from `model.embed_tokens.weight` (init or checkpoint).
+        # lm_head.weight IS the embedding Parameter. The last stage gets its own copy.
+        # materialize fills it from `model.embed_tokens.weight` (init or checkpoint).
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     if not first:
         model.model.embed_tokens = None
@@ -308,10 +266,11 @@ def _split_llama(model: nn.Module, stage: int, num_stages: int, layer_ranges: Se
 
 
 def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, num_stages: int) -> list[nn.Module]:
-    """This rank's chunks, chunk c = virtual stage c·p + stage, for run_pipeline. v = 1: [model].
-    Else each is a shallow copy of the (split, tp'd, materialized, checkpointed) model with its own
-    module table holding only its layers, the embedding only on virtual stage 0 and norm + head only
-    on the last: the modules, parameters and hooks are the model's own, and Llama.forward runs it."""
+    """This rank's chunks for run_pipeline: chunk c is virtual stage c·p + stage. v = 1: [model].
+    Else each is a shallow copy of the (split, tp'd, materialized, checkpointed) model.
+    Its own module table holds only its layers.
+    The embedding is only on virtual stage 0, norm + head only on the last.
+    The modules, parameters and hooks are the model's own, and Llama.forward runs it."""
     v = len(layer_ranges) // num_stages
     if v == 1:
         return [model]
@@ -331,8 +290,9 @@ def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, nu
 
 
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
-    """This stage's copy of an embedding tied across the first and last stage (the embedding on the
-    first stage, `lm_head.weight` on the last); None when untied, pp == 1 or a middle stage."""
+    """This stage's copy of an embedding tied across the first and last stage.
+    That is the embedding on the first stage, `lm_head.weight` on the last.
+    None when untied, at pp == 1 or on a middle stage."""
     if isinstance(model, Stage):
         emb, head, tied = _get(model, model.parts.embed), _get(model, model.parts.head), model.tied
     else:
@@ -343,17 +303,18 @@ def tied_copy(model: nn.Module) -> nn.Parameter | None:
 
 
 def norm_counted(model: nn.Module) -> Callable[[str], bool]:
-    """`counted` for MixedPrecisionOptimizer: the last stage's tied copy (`lm_head.weight`) holds the
-    same gradient as the first stage's embedding after sync_tied_grads; count it once, there."""
+    """`counted` for MixedPrecisionOptimizer: count the tied embedding's gradient once.
+    After sync_tied_grads the last stage's copy (`lm_head.weight`) holds the first stage's gradient."""
     head = model.parts.head if isinstance(model, Stage) else "lm_head"
     skip = f"{head}.weight" if tied_copy(model) is not None and _get(model, head) is not None else None
     return lambda name: name != skip
 
 
 def tied_embedding_ranks(world_size: int, num_stages: int) -> list[list[int]]:
-    """Global ranks of each embedding group for the grid tp innermost, then dp, then pp: the first and
-    last stage rank at the same (dp, tp) coordinates. Every rank must call dist.new_group for every
-    returned list, in this order:  for r in tied_embedding_ranks(W, pp): g = dist.new_group(r) ..."""
+    """Global ranks of each embedding group, for the grid tp innermost, then dp, then pp.
+    A group is the first and the last stage's rank at the same (dp, tp) coordinates.
+    Every rank must call dist.new_group for every returned list, in this order:
+        for r in tied_embedding_ranks(W, pp): g = dist.new_group(r) ..."""
     if num_stages == 1:
         return []
     stride = world_size // num_stages  # ranks per stage (tp * dp)
@@ -361,21 +322,36 @@ def tied_embedding_ranks(world_size: int, num_stages: int) -> list[list[int]]:
 
 
 def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Global ranks of the 2-rank group of each neighbour pair, stages (s, s+1) and, with 3 or more
-    stages, (p-1, 0): virtual stages go round the ranks. pipelines: each pipeline's global ranks by
-    stage. Every rank must call dist.new_group for every returned list, in this order, and pass its
-    own to run_pipeline as peer_groups ({the other one's stage: group}; grid.make_grid does)."""
+    """Global ranks of the 2-rank group of each neighbour pair: stages (s, s+1).
+    With 3 or more stages also (p-1, 0): virtual stages go round the ranks.
+    pipelines: each pipeline's global ranks, by stage.
+    Every rank must call dist.new_group for every returned list, in this order.
+    It passes its own to run_pipeline as peer_groups, {the other one's stage: group}.
+    grid.make_grid does both."""
     return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
             for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
 
 
+def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
+    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
+    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
+    me, out = dist.get_rank(), {}
+    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
+    for pair in neighbour_pairs(pipelines):
+        group = dist.new_group(pair)  # every rank, every pair, the same order
+        if me in pair:
+            out.update({stage[r]: group for r in pair if r != me})
+    return out
+
+
 def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> None:
-    """Sum the two tied copies' gradients (first and last stage) so both take the same step; a no-op
-    on other stages. Summing is linear, so it may run before or after a dp all-reduce, but it needs
-    the FULL .grad: call it after run_pipeline (and plain dp's finish()), before the step. ZeRO 1-3
-    keep only a shard of it: there, `zero3.apply_zero(..., tied=tied_copy(model), embed_group=...)`
-    sums the owned pieces inside its step instead (and does so for plain dp too). embed_group: the
-    2 ranks holding the copies (tied_embedding_ranks); None is the default group, as in torch.distributed."""
+    """Sum the two tied copies' gradients (first and last stage), so both take the same step.
+    A no-op on other stages. Summing is linear: it may run before or after a dp all-reduce.
+    But it needs the FULL .grad: call it after run_pipeline (and plain dp's finish()), before the step.
+    ZeRO 1-3 keep only a shard of it. There `zero3.apply_zero(..., tied=tied_copy(model), embed_group=...)`
+    sums the owned pieces inside its step instead (for plain dp too).
+    embed_group: the 2 ranks holding the copies (tied_embedding_ranks).
+    None is the default group, as in torch.distributed."""
     w = tied_copy(model)
     if w is None:
         return
@@ -384,7 +360,224 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     dist.all_reduce(w.grad, group=embed_group)
 
 
-# ----------------------------------------------------------------------------------------- B/W split
+# ----------------------------------------------------------------------------------------- executor
+def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
+                 microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
+                 step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
+                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
+                 check_group: dist.ProcessGroup | None = None,
+                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+    """Run this rank's `actions` over `microbatches`, accumulating gradients in .grad.
+    Returns this dp rank's share of the step loss: the sum of token losses / step_targets.
+    The last stage broadcasts it to every pp peer. Sum it over dp for the global loss.
+
+    model: the stage model, or its chunks (stage_chunks) when the schedule has virtual stages.
+    microbatches: dicts with (B, S) input_ids and labels, identical on every pp peer.
+    Every other key (position_ids, ...) goes to the model as a keyword.
+    pp_group: None is the default group, as in torch.distributed (one stage when none is initialized).
+    A group of size 1 runs the whole model locally, without communication.
+    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
+    A tensor (dp.global_count) stays on its device: the loss is divided there, never read on the host.
+    no_sync: the dp/ZeRO context that defers its gradient reduction.
+    Every B and W runs inside it but each chunk's last one that accumulates into .grad.
+    seq_shards: tp under sequence parallelism; stages exchange (B, S/seq_shards, H) shards.
+    timer: a context manager around each computation (bench_theory.py measures busy time with it).
+    check_group: a gloo group of pp_group's ranks (grid.pp_check): the peers' check runs on the host.
+    None: over pp_group, on the parameters' device (on CUDA, a device→host read every step).
+    peer_groups: {neighbour stage: the pair's 2-rank group} (grid.pp_peers, neighbour_pairs).
+    Each pair's messages then go on a communicator of its own. None: all on pp_group.
+    NCCL serializes one group's P2P, so None is refused where it deadlocks (docs/pipeline-nccl.md)."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
+    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
+    _check_inputs(chunks, actions, microbatches, pp_group, stage, n, seq_shards, check_group, peer_groups)
+    split = any(isinstance(a, Action) and a.kind == W for a in actions)
+    run = (_ZeroBubbleRun if split else _Run)(chunks, actions, microbatches, pp_group, stage, n, step_targets,
+                                             no_sync, seq_shards, timer, peer_groups)
+    for k, a in enumerate(actions):
+        if isinstance(a, Comm):
+            run.post(a)  # one batch of sends and receives with one peer
+        elif a.kind == F:
+            run.forward(a)
+        elif a.kind == B:
+            run.backward(a, k)
+        else:
+            run.weight_grad(a, k)  # zb only
+    return run.finish()
+
+
+def _hidden_size(chunk: nn.Module) -> int:
+    return chunk.hidden_size if isinstance(chunk, Stage) else chunk.config.hidden_size
+
+
+class _Run:
+    """One rank's state during run_pipeline: what one action makes and a later one uses.
+    Keys are (micro-batch, chunk)."""
+    grad_kind = B  # the action that accumulates into .grad
+
+    def __init__(self, chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
+                 pp_group: dist.ProcessGroup | None, stage: int, n: int, step_targets: int | torch.Tensor,
+                 no_sync: Callable[[], ContextManager] | None, seq_shards: int,
+                 timer: Callable[[Action], ContextManager] | None,
+                 peer_groups: Mapping[int, dist.ProcessGroup] | None):
+        self.chunks, self.microbatches, self.stage, self.n, self.v = chunks, microbatches, stage, n, len(chunks)
+        self.pp_group, self.peer_groups, self.no_sync = pp_group, peer_groups, no_sync
+        self.timed = timer or (lambda a: contextlib.nullcontext())
+        self.param = next(chunks[0].parameters())
+        self.denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) \
+            else max(int(step_targets), 1)
+        rows, seq = microbatches[0]["input_ids"].shape
+        self.act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
+        self.syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == self.grad_kind
+                           and a.chunk == c), default=-1) for c in range(self.v)}  # each chunk's last one
+        self.inputs: dict[tuple, torch.Tensor] = {}    # input leaf (received, or zb's cut embedding)
+        self.outputs: dict[tuple, torch.Tensor] = {}   # the chunk's output (hidden states, or the loss) until B
+        self.in_grads: dict[tuple, torch.Tensor] = {}  # the gradient of the input, to send back
+        self.recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
+        self.sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.param.device)
+
+    def first(self, chunk: int) -> bool:
+        return chunk * self.n + self.stage == 0  # virtual stage 0: token ids in, the embedding
+
+    def last(self, chunk: int) -> bool:
+        return chunk * self.n + self.stage == self.n * self.v - 1  # the last one: the loss out
+
+    def post(self, a: Comm) -> None:
+        """Post one batch_isend_irecv. A send is never waited on here: its work keeps the tensor alive."""
+        self.sends[:] = [ws for ws in self.sends if not all(w.is_completed() for w in ws)]  # drop finished sends
+        group, peer = (self.pp_group, a.peer) if self.peer_groups is None else \
+            (self.peer_groups[a.peer], 1 - dist.get_rank(self.peer_groups[a.peer]))  # (in a pair: the other one)
+        ops, tensors = [], []
+        for msg in a.msgs:
+            key = (msg.microbatch, msg.chunk)
+            if msg.send:  # F: our output activation; B: the gradient of our input
+                t = (self.outputs[key].detach() if msg.payload == F else self.in_grads.pop(key)).contiguous()
+            else:
+                t = torch.empty(self.act_shape, dtype=self.param.dtype, device=self.param.device)  # (B, S, H)
+            ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer))
+            tensors.append(t)
+        works = dist.batch_isend_irecv(ops)
+        for j, (msg, t) in enumerate(zip(a.msgs, tensors)):
+            mine = [works[j]] if len(works) == len(ops) else works  # NCCL: one coalesced work
+            if msg.send:
+                self.sends.append(mine)
+            else:
+                self.recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, t)
+
+    def received(self, payload: str, key: tuple) -> torch.Tensor:
+        """A receive is waited on right before the computation that reads it."""
+        works, t = self.recvs.pop((payload, *key))
+        for w in works:
+            w.wait()
+        return t
+
+    def forward(self, a: Action) -> None:
+        """F: run the chunk; the last virtual stage adds its loss share to the step's loss."""
+        key, c = (a.microbatch, a.chunk), self.chunks[a.chunk]
+        mb = self.microbatches[a.microbatch]
+        kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
+        x = mb["input_ids"] if self.first(a.chunk) else self.received(F, key).requires_grad_()
+        with self.around_forward(a), self.timed(a):
+            if self.last(a.chunk):
+                out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / self.denominator
+                self.loss += out.detach()
+            else:
+                out = c(x, **kwargs)  # (B, S, H)
+        if not self.first(a.chunk):
+            self.inputs[key] = x
+        self.outputs[key] = out
+
+    def around_forward(self, a: Action) -> ContextManager:
+        return contextlib.nullcontext()  # (zb cuts the embedding off here)
+
+    def backward(self, a: Action, k: int) -> torch.Tensor | None:
+        """B: backpropagate the received gradient; keep the input's gradient to send back."""
+        key = (a.microbatch, a.chunk)
+        grad = None if self.last(a.chunk) else self.received(B, key)
+        with self.deferred(k), self.timed(a):
+            dx = self.input_grad(key, grad)
+        if not self.first(a.chunk):
+            self.in_grads[key] = dx
+        return dx
+
+    def input_grad(self, key: tuple, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole backward: the input's and the parameters' gradients."""
+        torch.autograd.backward(self.outputs.pop(key), grad_tensors=grad)
+        return None if self.first(key[1]) else self.inputs.pop(key).grad
+
+    def deferred(self, k: int) -> ContextManager:
+        """dp/ZeRO's no_sync, but for each chunk's last action that accumulates into .grad.
+        Hook-based dp/ZeRO reduce a parameter after its last gradient."""
+        return self.no_sync() if self.no_sync is not None and k not in self.syncs else contextlib.nullcontext()
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the sends still in flight; broadcast the loss from the last stage."""
+        for ws in self.sends:
+            for w in ws:
+                w.wait()
+        if self.n > 1:
+            dist.broadcast(self.loss, group=self.pp_group, group_src=self.n - 1)
+        return self.loss
+
+
+# --- refinement: the B/W split (zero bubble). B computes only the input's gradient; W the rest, later.
+# B = torch.autograd.backward(out, grad, inputs=[x]): autograd runs only the nodes between out and x.
+# Each node computes only the outputs towards x: a linear's backward makes dX = dY·W, not dW.
+# A node pre-hook keeps the gradient dY flowing into each parameter's branch.
+# W reruns those nodes from dY, for the parameters only. B + W cost one backward (docs/pp.md).
+class _ZeroBubbleRun(_Run):
+    """run_pipeline's state for a schedule with W actions (zb)."""
+    grad_kind = W
+
+    def __init__(self, chunks: list[nn.Module], *args: Any):
+        super().__init__(chunks, *args)
+        self.params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
+        self.pending: dict[tuple, list] = {}  # what W needs
+        self.embeds: dict[tuple, tuple] = {}  # virtual stage 0: the embedding's share of W
+
+    def around_forward(self, a: Action) -> ContextManager:
+        if not self.first(a.chunk):
+            return contextlib.nullcontext()
+        return self.cut_embedding(self.chunks[a.chunk], (a.microbatch, a.chunk))
+
+    @contextlib.contextmanager
+    def cut_embedding(self, chunk: nn.Module, key: tuple):
+        """Virtual stage 0: the embedding's output becomes the chunk's input leaf.
+        So B stops there, as on any stage. The embedding's gradient waits for W."""
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            self.embeds[key], self.inputs[key] = out, out.detach().requires_grad_()
+            return self.inputs[key]
+        handle = _embedding(chunk).register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def input_grad(self, key: tuple, grad: torch.Tensor | None) -> torch.Tensor:
+        dx, self.pending[key] = backward_input(self.outputs.pop(key), grad, self.inputs.pop(key),
+                                               self.params[key[1]])
+        return dx
+
+    def backward(self, a: Action, k: int) -> torch.Tensor:
+        dx = super().backward(a, k)
+        key = (a.microbatch, a.chunk)
+        if self.first(a.chunk):
+            self.embeds[key] = (self.embeds[key], dx, list(_embedding(self.chunks[a.chunk]).parameters()))
+        return dx
+
+    def weight_grad(self, a: Action, k: int) -> None:
+        """W: the parameters' gradients, from what B kept."""
+        key = (a.microbatch, a.chunk)
+        with self.deferred(k), self.timed(a):
+            backward_weight(self.pending.pop(key), self.embeds.pop(key, None))
+
+
+def _embedding(chunk: nn.Module) -> nn.Module:
+    """The token embedding of a first stage, whose output zb cuts off as the chunk's input leaf."""
+    return _get(chunk, chunk.parts.embed) if isinstance(chunk, Stage) else chunk.model.embed_tokens
+
+
 def _parents(root: Node) -> dict[Node, list[Node]]:
     """Every node of the backward graph under `root` → the nodes whose next_functions hold it."""
     parents: dict[Node, list[Node]] = defaultdict(list)
@@ -401,8 +594,8 @@ def _parents(root: Node) -> dict[Node, list[Node]]:
 
 
 def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], dict]:
-    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met
-    (a dict: an ordered set, so every rank lists them in the same order)."""
+    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met.
+    Those are a dict, an ordered set: every rank lists them in the same order."""
     seen, met, todo = set(starts), {}, list(starts)
     while todo:
         for par in parents.get(todo.pop(), []):
@@ -416,8 +609,8 @@ def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tup
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
                    params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list]:
-    """B: the gradient of `inp` (a leaf) only. Returns it and W's groups [(params, [(node,
-    gradients flowing into it)])] for backward_weight (see "The B/W split" above)."""
+    """B: the gradient of `inp` (a leaf) only. Returns it, and W's groups for backward_weight.
+    A group is (params, [(node, the gradients flowing into it)]): the banner above says why."""
     parents = _parents(out.grad_fn)
     path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
     groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
@@ -446,11 +639,12 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
 
 
 def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
-    """W: run each group's nodes again with the saved gradients, for its parameters only; they
-    accumulate into .grad (AccumulateGrad and its hooks fire once per parameter). The groups run
-    last parameters first, the embedding last: gradients complete in the order of a plain backward,
-    the order dp/ZeRO launch their buckets in. embed: (the embedding output cut off on rank 0, its
-    gradient, the embedding's parameters), one more root."""
+    """W: run each group's nodes again with the saved gradients, for its parameters only.
+    They accumulate into .grad: AccumulateGrad and its hooks fire once per parameter.
+    The groups run last parameters first, the embedding last.
+    So gradients complete in a plain backward's order, the order dp/ZeRO launch their buckets in.
+    embed: (the embedding output cut off on rank 0, its gradient, the embedding's parameters).
+    It is one more root."""
     groups = [(ps, [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None],
                [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in reversed(work)]
     if embed is not None:
@@ -463,21 +657,36 @@ def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] |
         torch.autograd.backward(roots, grads, inputs=ps)
 
 
-# ----------------------------------------------------------------------------------------- executor
+# --- refinement: input checks. A wrong input raises the same error on every stage, never a hang.
 def serialized_p2p(device: torch.device) -> bool:
-    """Whether the P2P of one process group on `device` runs on one stream per rank, in posting
-    order: NCCL (CUDA) does (pp_schedules' "Communication model"); gloo (CPU) does not."""
+    """Whether one process group's P2P on `device` runs on one stream per rank, in posting order.
+    NCCL (CUDA) does (docs/pipeline-nccl.md); gloo (CPU) does not."""
     return device.type == "cuda"
 
 
 KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
 
 
+def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
+                  pp_group: dist.ProcessGroup | None, stage: int, n: int, seq_shards: int,
+                  check_group: dist.ProcessGroup | None, peer_groups: Mapping[int, dist.ProcessGroup] | None) -> None:
+    """run_pipeline's checks, before any message."""
+    v, param = len(chunks), next(chunks[0].parameters())
+    peers = {a.peer for a in actions if isinstance(a, Comm)}
+    if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
+        raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
+                         f"stream per rank): pass peer_groups, a 2-rank group per neighbour pair (grid.pp_peers)")
+    missing = "" if peer_groups is None or peers <= set(peer_groups) else \
+        f"it talks to stages {sorted(peers)}, peer_groups has {sorted(peer_groups)}"
+    _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
+                param.device if check_group is None else torch.device("cpu"), seq_shards, missing)
+
+
 def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: dist.ProcessGroup | None,
                 stage: int, n: int, v: int, device: torch.device, seq_shards: int, extra: str = "") -> None:
-    """Local checks, then one tiny all_gather so that every pp peer raises the same error rather
-    than some of them waiting forever for a message of another shape. The header holds host values
-    only: over a gloo group on the host (device cpu) the check never waits for the GPU."""
+    """Local checks, then one tiny all_gather: every pp peer raises the same error.
+    Otherwise some would wait forever for a message of another shape.
+    The header holds host values only. Over a gloo group (device cpu) it never waits for the GPU."""
     m = len(microbatches)
     shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
     shapes = [tuple(mb[k].shape) for mb in microbatches for k in KEYS_CHECKED if mb.get(k) is not None]
@@ -508,158 +717,6 @@ def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: di
     if any(r != rows[0] for r in rows) or not all(r[3] for r in rows):
         raise ValueError("pipeline peers disagree on the step (per stage: [micro-batches, B, S, ok]): "
                          f"{rows}; all pp peers must be given the same micro-batches")
-
-
-def _hidden_size(chunk: nn.Module) -> int:
-    return chunk.hidden_size if isinstance(chunk, Stage) else chunk.config.hidden_size
-
-
-def _embedding(chunk: nn.Module) -> nn.Module:
-    """The token embedding of a first stage, whose output zb cuts off as the chunk's input leaf."""
-    return _get(chunk, chunk.parts.embed) if isinstance(chunk, Stage) else chunk.model.embed_tokens
-
-
-def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
-                 microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
-                 step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
-                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
-                 check_group: dist.ProcessGroup | None = None,
-                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
-    """Run this rank's `actions` over `microbatches` (dicts with (B, S) input_ids and labels; every
-    other key, e.g. position_ids, goes to the model as a keyword; identical on every pp peer),
-    accumulating gradients in .grad.
-
-    model: the stage model, or its chunks (stage_chunks) when the schedule has virtual stages.
-    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks); a
-    tensor (dp.global_count) stays on its device: the loss is divided there, never read on the host.
-    no_sync: the dp/ZeRO object's context that defers its gradient reduction (hook-based dp such as
-    dp.GradSync reduces during backward); every B and W runs inside it except the last action that
-    accumulates into each chunk's parameters.
-    seq_shards: tp under sequence parallelism (tp.py): stages exchange (B, S/seq_shards, H) shards.
-    timer: a context manager around each computation (bench_theory.py measures busy time with it).
-    check_group: a gloo group of the same ranks as pp_group (train.py's grid.pp_check): the peers'
-    agreement check (_check_step) then runs on the host, so the step needs no GPU sync for it;
-    None: over pp_group, on the parameters' device (on CUDA a device→host read every step).
-    peer_groups: {neighbour stage: the 2-rank group of the pair} (grid.pp_peers, pp.neighbour_pairs):
-    each pair's messages on a communicator of its own. None: all on pp_group, which NCCL runs on one
-    stream per rank (see "Communication"): refused where that deadlocks (virtual stages, >= 3 stages).
-    Returns this dp rank's share of the step loss (sum of token losses / step_targets), broadcast
-    from the last stage to every pp peer; sum it over dp for the global loss.
-    pp_group None is the default group, as in torch.distributed (one stage when none is
-    initialized); a group of size 1 runs the whole model locally without communication."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
-    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
-    v, param = len(chunks), next(chunks[0].parameters())
-    peers = {a.peer for a in actions if isinstance(a, Comm)}
-    if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
-        raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
-                         f"stream per rank): pass peer_groups, a 2-rank group per neighbour pair (grid.pp_peers)")
-    missing = "" if peer_groups is None or peers <= set(peer_groups) else \
-        f"it talks to stages {sorted(peers)}, peer_groups has {sorted(peer_groups)}"
-    denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) else max(int(step_targets), 1)
-    _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
-                param.device if check_group is None else torch.device("cpu"), seq_shards, missing)
-    rows, seq = microbatches[0]["input_ids"].shape
-    act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
-    first = lambda c: c * n + stage == 0  # noqa: E731  virtual stage 0: token ids in, embedding
-    last = lambda c: c * n + stage == n * v - 1  # noqa: E731  the last one: loss out
-    split = any(isinstance(a, Action) and a.kind == W for a in actions)
-    grad_kind = W if split else B  # the action that accumulates into .grad
-    syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == grad_kind
-                  and a.chunk == c), default=-1) for c in range(v)}  # each chunk's last one
-    params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
-    timed = timer or (lambda a: contextlib.nullcontext())
-
-    inputs: dict[tuple, torch.Tensor] = {}    # (mb, chunk) → input leaf (received, or the cut embedding)
-    outputs: dict[tuple, torch.Tensor] = {}   # → this chunk's output (hidden states, or the loss) until B
-    in_grads: dict[tuple, torch.Tensor] = {}  # → gradient of the input, to send back
-    pending: dict[tuple, list] = {}           # → what W needs (zb)
-    embeds: dict[tuple, tuple] = {}           # → zb, virtual stage 0: the embedding's share of W
-    recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
-    sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
-    loss = torch.zeros((), dtype=torch.float32, device=param.device)
-
-    def received(what: str, key: tuple) -> torch.Tensor:
-        works, t = recvs.pop((what, *key))
-        for w in works:
-            w.wait()
-        return t
-
-    def deferred(k: int) -> ContextManager:
-        return no_sync() if no_sync is not None and k not in syncs else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def cut_embedding(chunk: nn.Module, key: tuple):
-        """zb, virtual stage 0: the embedding's output becomes the chunk's input leaf, so that B
-        stops there as on any stage (and the embedding's gradient waits for W)."""
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            embeds[key], inputs[key] = out, out.detach().requires_grad_()
-            return inputs[key]
-        handle = _embedding(chunk).register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    for k, a in enumerate(actions):
-        if isinstance(a, Comm):
-            sends[:] = [ws for ws in sends if not all(w.is_completed() for w in ws)]
-            group, peer = (pp_group, a.peer) if peer_groups is None else \
-                (peer_groups[a.peer], 1 - dist.get_rank(peer_groups[a.peer]))  # (in a pair: the other one)
-            ops, tensors = [], []
-            for msg in a.msgs:
-                key = (msg.microbatch, msg.chunk)
-                if msg.send:  # F: our output activation; B: the gradient of our input
-                    t = (outputs[key].detach() if msg.payload == F else in_grads.pop(key)).contiguous()
-                else:
-                    t = torch.empty(act_shape, dtype=param.dtype, device=param.device)  # (B, S, H)
-                ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group,
-                                      group_peer=peer))
-                tensors.append(t)
-            works = dist.batch_isend_irecv(ops)
-            for j, (msg, t) in enumerate(zip(a.msgs, tensors)):
-                mine = [works[j]] if len(works) == len(ops) else works  # NCCL: one coalesced work
-                if msg.send:
-                    sends.append(mine)
-                else:
-                    recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, t)
-            continue
-        key, c = (a.microbatch, a.chunk), chunks[a.chunk]
-        if a.kind == F:
-            mb = microbatches[a.microbatch]
-            kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
-            x = mb["input_ids"] if first(a.chunk) else received(F, key).requires_grad_()
-            with cut_embedding(c, key) if split and first(a.chunk) else contextlib.nullcontext(), timed(a):
-                if last(a.chunk):
-                    out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / denominator
-                    loss += out.detach()
-                else:
-                    out = c(x, **kwargs)  # (B, S, H)
-            if not first(a.chunk):
-                inputs[key] = x
-            outputs[key] = out
-        elif a.kind == B:
-            grad = None if last(a.chunk) else received(B, key)
-            with deferred(k), timed(a):
-                if split:
-                    dx, pending[key] = backward_input(outputs.pop(key), grad, inputs.pop(key), params[a.chunk])
-                else:
-                    torch.autograd.backward(outputs.pop(key), grad_tensors=grad)
-                    dx = None if first(a.chunk) else inputs.pop(key).grad
-            if not first(a.chunk):
-                in_grads[key] = dx
-            elif split:
-                embeds[key] = (embeds[key], dx, list(_embedding(c).parameters()))
-        else:  # W
-            with deferred(k), timed(a):
-                backward_weight(pending.pop(key), embeds.pop(key, None))
-    for ws in sends:
-        for w in ws:
-            w.wait()
-    if n > 1:
-        dist.broadcast(loss, group=pp_group, group_src=n - 1)
-    return loss
 
 
 if __name__ == "__main__":

@@ -1,69 +1,44 @@
 """Pipeline schedules as action lists, and the simulator that checks them (pure Python, no torch).
 
 What it does
-    For each of p pipeline ranks, a schedule lists what it computes and sends, in order: F
-    (forward), B (backward) and W (weight gradient) of one micro-batch on one of the rank's v chunks
-    (rank s, chunk c is virtual stage c·p + s: the layers go round the ranks v times, Megatron's
-    placement), and `Comm`s, each one batch_isend_irecv with one peer. `gpipe`, `one_f_one_b`,
-    `interleaved` and `zero_bubble` fix each rank's compute order; `add_comm` derives the messages.
-    `simulate` runs all ranks' lists against a virtual clock (it is how schedules are tested, and
-    what bench.py prints beside measured times); `show` draws a schedule as text:
-        python pp.py --show interleaved --pp 4 --micro-batches 8
+    A schedule says what each of p ranks does, in order.
+    An `Action` computes F (forward), B (backward) or W (weight gradient) of one micro-batch.
+    A `Comm` is one batch_isend_irecv with one peer.
+    `add_comm` derives the Comms from the compute orders.
+    `simulate` runs all ranks' lists against a virtual clock: it is how schedules are tested.
+    `show` draws a schedule as text. pp.py executes one.
 
-The schedules (m micro-batches, p ranks, v chunks per rank)
-    gpipe        all forwards, then all backwards: m micro-batches hold activations.
-    1f1b         p-1-s warm-up forwards, then one forward and one backward at a time, then the
-                 remaining backwards: at most p-s micro-batches in flight on rank s.
-    interleaved  1F1B over v chunks per rank. Micro-batches go in rounds (m // p of them, p to 2p-1
-                 micro-batches each, the larger first); a rank runs a round's chunk 0, then its chunk
-                 1, ..., so a micro-batch is back on rank 0 for its next chunk just as rank 0 finishes
-                 the round. Warm-up: Megatron's (v-1)·g + 2(p-1-s) forwards (g: the first round's
-                 size). (v-1)·g + p-1-s gives the same bubble with free messages and fewer activations
-                 (p=4, v=2, m=8: 8 instead of 11 chunks' on rank 0), but the extra forwards are slack
-                 for message latency: at a message cost of F/4 the simulated bubble is 25% against 30%
-                 (1F1B: 39%). m need not be a multiple of p (Megatron's rule): any m >= p gives the
-                 bubble below; m < p works with a larger bubble.
-    zb           ZB-H1 (Qi et al. 2023), for any v: each backward is split into B, the input gradient
-                 (the previous stage waits for it), and W, the weight gradient (nobody waits for it).
-                 The 1F1B / interleaved order runs with B, and rank s runs each W s backwards late: the
-                 deferred Ws fill what would be the drain bubble. Warm-up (v-1)·g + p-1-s, so every
-                 rank holds at most (v-1)·g + p chunks' activations (F to W): with g = p, p stages'
-                 worth, the first 1F1B stage's peak (ZB-H1's promise). torch's
-                 ScheduleInterleavedZeroBubble builds the same order. ZB-H2 / ZB-V (no bubble, up to
-                 twice the memory) are not built.
+The core idea: 1F1B in three phases (`textbook_1f1b`)
+    Warm-up: rank s runs p-1-s forwards, until the first gradient can come back.
+    Steady state: one forward, then one backward, until the forwards run out.
+    Cool-down: the remaining backwards.
+    So rank s holds at most p-s micro-batches' activations. GPipe (all F, then all B) holds m.
+    Both idle (p-1) / (m+p-1) of the step: the bubble.
 
-Bubble (idle share of p · step time; balanced chunks of cost f, b, w each, free messages)
-    gpipe, 1f1b   (p-1) / (m+p-1)             any f, b           p=4, m=8: 27.3%
-    interleaved   (p-1) / (v·m+p-1)           m >= p             p=4, m=8, v=2: 15.8%
-    zb            idle (p-1)(f+b-w) per rank, busy v·m(f+b+w)     f=b=w=1, p=4, m=8: 11.1% (3 of 27:
-                  a third of 1F1B's idle time, in a shorter step); v=2: 5.9%
-
-Communication model (what the simulator checks: NCCL as torch 2.13 drives it)
-    torch runs every batched P2P of a process group on that group's one NCCL communicator, and each
-    communicator on one stream per rank (ProcessGroupNCCL.cpp, pointToPoint: a batch, or any P2P
-    under eager init, takes the group's device key; "we use a single stream per communicator").
-    So a rank's batches on one communicator complete in posting order, whichever peer they go to,
-    and a send completes only once the peer posted the matching receive. `simulate` keeps one
-    stream per (rank, communicator): `pair_groups`, one 2-rank group per neighbour pair (what
-    pp.run_pipeline uses; grid.make_grid makes them), or `one_group`, all messages on the pp group.
-    On one group, interleaved and zb with v >= 2 at p >= 3 deadlock (forward-only too): a rank's
-    send to its next neighbour holds up its receive from the previous one, round the ring of
-    virtual stages. gloo never serializes, so only the simulator shows it (docs/pipeline-nccl.md).
-    Within a pair, two ranks that each send first and receive later wait for each other forever.
-    So `add_comm` puts all messages of the step in ONE global order (the time each is produced in
-    a unit-cost run) and both ranks of a pair post theirs in that order: a send right after the
-    computation that produced it, a receive right before the computation that reads it, or earlier
-    when a later message to the same peer must go first. A receive closes its batch (sends posted
-    before it ride along, as 1F1B's SEND_F+RECV_B), because on NCCL a computation waits for its
-    input's whole batch.
+Refinements (after the `# --- refinement:` banners)
+    interleaved: v chunks per rank; chunk c of rank s is virtual stage c·p + s.
+    The bubble shrinks to (p-1) / (v·m+p-1).
+    zb (ZB-H1): each backward splits into B (input gradient) and W (weight gradient).
+    Rank s runs each W s backwards late, so the Ws fill the drain bubble.
+    messages: both ranks of a pair post theirs in one global order, so nothing deadlocks.
 
 Run
+    python pp.py --show 1f1b --pp 4 --micro-batches 8
     python pp.py --show zb --pp 4 --micro-batches 8 --virtual-stages 2
-    torchrun --nproc_per_node 4 train.py --pp 4 --schedule interleaved     # executed by pp.py
 
 Reference
-    Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B as PipeDream-Flush, interleaved 1F1B);
-    Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (B/W split, ZB-H1).
+    GPipe: Huang et al. 2019. 1F1B: PipeDream-Flush, Narayanan et al. 2021.
+    Interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM). Zero bubble: Qi et al. 2023 (ZB-H1).
+
+Invariants
+    - textbook_1f1b is the general order at v = 1 (tests/test_naive.py::test_textbook_1f1b_equals_the_general_schedule).
+    - Each simulated bubble equals `bubble_formula` (tests/test_pp_schedules.py::test_simulated_schedules).
+    - Rank s holds at most p-s micro-batches under 1F1B (the same test).
+      Under zb: (v-1)·g + p chunks, g the first round's size.
+    - No schedule deadlocks on NCCL's streams (tests/test_pp_schedules.py::test_no_deadlock_on_nccl_streams).
+    - The simulator names every wrong schedule (tests/test_pp_schedules.py::test_simulator_reports_errors).
+
+More: docs/pp.md (rounds, warm-up sizes, the communication model), docs/pipeline-nccl.md.
 """
 from __future__ import annotations
 
@@ -74,16 +49,6 @@ from fractions import Fraction
 from typing import Callable, Hashable, Sequence
 
 F, B, W = "F", "B", "W"  # forward; backward (input gradient, or all of it without W); weight gradient
-
-
-def pair_groups(rank: int, peer: int) -> tuple[int, int]:
-    """The communicator of a message under pp.run_pipeline: one 2-rank group per neighbour pair."""
-    return min(rank, peer), max(rank, peer)
-
-
-def one_group(rank: int, peer: int) -> str:
-    """Every message on the one pp group: NCCL runs all of a rank's batches on one stream."""
-    return "pp"
 
 
 @dataclass(frozen=True)
@@ -99,8 +64,8 @@ class Action:
 
 @dataclass(frozen=True)
 class Msg:
-    """One tensor: an activation (payload F, to the next virtual stage) or a gradient (payload B, to
-    the previous one), of this rank's `chunk`: the chunk that produced it (send) or will read it."""
+    """One tensor of this rank's `chunk`: the chunk that produced it (send) or will read it (receive).
+    Payload F: an activation, to the next virtual stage. Payload B: a gradient, to the previous one."""
     send: bool
     payload: str
     microbatch: int
@@ -123,13 +88,15 @@ class Comm:
 Step = Action | Comm
 
 
-# ----------------------------------------------------------------------------------------- orders
-def rounds(m: int, p: int) -> list[range]:
-    """m micro-batches in max(1, m // p) rounds of near-equal size (>= p when m >= p), larger first."""
-    n = max(1, m // p)
-    base, extra = divmod(m, n)
-    starts = [k * base + min(k, extra) for k in range(n + 1)]
-    return [range(starts[k], starts[k + 1]) for k in range(n)]
+# ----------------------------------------------------------------------------------------- the core
+def textbook_1f1b(m: int, s: int, p: int) -> list[Action]:
+    """The 1F1B compute order of rank s of p, for m micro-batches."""
+    warmup = min(m, p - 1 - s)  # forwards in flight before the first backward comes back
+    order = [Action(F, i) for i in range(warmup)]  # warm-up
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        order += [Action(F, warmup + i), Action(B, i)]
+    order += [Action(B, i) for i in range(m - warmup, m)]  # cool-down: drain the backwards
+    return order
 
 
 def _gpipe_order(m: int, s: int, p: int, v: int) -> list[Action]:
@@ -138,27 +105,52 @@ def _gpipe_order(m: int, s: int, p: int, v: int) -> list[Action]:
     return [Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
 
 
+# --- refinement: virtual stages (interleaved 1F1B). docs/pp.md has the rounds and the warm-up sizes.
+def rounds(m: int, p: int) -> list[range]:
+    """m micro-batches in max(1, m // p) rounds of near-equal size, larger first.
+    Each round has >= p micro-batches when m >= p."""
+    n = max(1, m // p)
+    base, extra = divmod(m, n)
+    starts = [k * base + min(k, extra) for k in range(n + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(n)]
+
+
 def _one_f_one_b_order(m: int, s: int, p: int, v: int, split: bool) -> list[Action]:
-    """Warm-up forwards, then one forward and one backward at a time, then the remaining backwards;
-    with `split` each B is followed by the W deferred by s backwards (ZB-H1), the rest at the end."""
+    """The three phases of `textbook_1f1b` over v chunks per rank. `split`: the zb order."""
     rs = rounds(m, p)
     fwd = [(c, i) for r in rs for c in range(v) for i in r]  # a round's chunk 0, then chunk 1, ...
     bwd = [(c, i) for r in rs for c in reversed(range(v)) for i in r]  # backwards: last chunk first
-    slack = 2 if v > 1 and not split else 1  # Megatron's interleaved warm-up: see the docstring
+    slack = 2 if v > 1 and not split else 1  # Megatron's interleaved warm-up (docs/pp.md)
     warmup = min(len(fwd), (v - 1) * len(rs[0]) + slack * (p - 1 - s))
-    acts = [Action(F, i, c) for c, i in fwd[:warmup]]
-    for k, (c, i) in enumerate(bwd):
-        if warmup + k < len(fwd):
-            acts.append(Action(F, fwd[warmup + k][1], fwd[warmup + k][0]))
-        acts.append(Action(B, i, c))
-        if split and k >= s:
-            acts.append(Action(W, bwd[k - s][1], bwd[k - s][0]))
-    if split:
-        acts += [Action(W, i, c) for c, i in bwd[max(0, len(bwd) - s):]]
-    return acts
+    acts = [Action(F, i, c) for c, i in fwd[:warmup]]  # warm-up
+    for (fc, fi), (bc, bi) in zip(fwd[warmup:], bwd):  # steady state: one forward, one backward
+        acts += [Action(F, fi, fc), Action(B, bi, bc)]
+    acts += [Action(B, i, c) for c, i in bwd[len(fwd) - warmup:]]  # cool-down
+    return _with_weight_grads(acts, s) if split else acts
+
+
+# --- refinement: zero bubble (ZB-H1). B waits for nobody's W, so W can wait.
+def _with_weight_grads(acts: list[Action], s: int) -> list[Action]:
+    """After the k-th B, the W of backward k - s; the last s Ws at the end.
+    So rank s runs each W s backwards late: the deferred Ws fill the drain bubble."""
+    bwd = [a for a in acts if a.kind == B]
+    out: list[Action] = []
+    k = 0  # backwards so far
+    for a in acts:
+        out.append(a)
+        if a.kind == B:
+            if k >= s:
+                out.append(Action(W, bwd[k - s].microbatch, bwd[k - s].chunk))
+            k += 1
+    return out + [Action(W, a.microbatch, a.chunk) for a in bwd[max(0, len(bwd) - s):]]
 
 
 # ----------------------------------------------------------------------------------------- messages
+# Two ranks that each post a send first and a receive later wait for each other forever on NCCL.
+# So add_comm puts all messages of the step in ONE global order: when a unit-cost run produces each.
+# Both ranks of a pair post theirs in that order. A send goes right after the computation that made
+# it. A receive goes right before the computation that reads it, or earlier if the order says so.
+# A receive closes its batch: on NCCL a computation waits for its input's whole batch.
 def _sources(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg]]:
     """(peer, receive) that compute action a on rank s waits for: its input activation or gradient."""
     vs, last = a.chunk * p + s, p * v - 1
@@ -180,7 +172,7 @@ def _products(a: Action, s: int, p: int, v: int) -> list[tuple[int, Msg, int]]:
 
 
 def add_comm(orders: Sequence[Sequence[Action]], v: int = 1) -> list[list[Step]]:
-    """Insert the messages into per-rank compute orders (see "Communication model" above)."""
+    """The per-rank compute orders with their messages inserted (the rule above)."""
     p = len(orders)
     if p == 1:
         return [list(orders[0])]
@@ -239,6 +231,8 @@ def _build(name: str, m: int, p: int, v: int) -> tuple[tuple[Step, ...], ...]:
                          f">= 2 stages), got m={m}, p={p}, v={v}")
     if name == "gpipe":
         orders = [_gpipe_order(m, s, p, v) for s in range(p)]
+    elif name == "1f1b" and v == 1:
+        orders = [textbook_1f1b(m, s, p) for s in range(p)]
     else:
         orders = [_one_f_one_b_order(m, s, p, v, split=name == "zb") for s in range(p)]
     return tuple(tuple(steps) for steps in add_comm(orders, v))
@@ -270,9 +264,9 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "z
 
 
 def forward_only(steps: Sequence[Step]) -> list[Step]:
-    """A schedule's forwards and activation messages alone, in its order: evaluation (under no_grad)
-    through the same chunks and peers. Each pair keeps its messages' relative order, and nothing
-    waits for a backward any more, so it stays deadlock-free."""
+    """A schedule's forwards and activation messages alone, in its order: evaluation under no_grad.
+    It runs through the same chunks and peers. Each pair keeps its messages' order.
+    Nothing waits for a backward any more, so it stays deadlock-free."""
     out: list[Step] = []
     for st in steps:
         if isinstance(st, Comm):
@@ -285,8 +279,8 @@ def forward_only(steps: Sequence[Step]) -> list[Step]:
 
 def bubble_formula(name: str, m: int, p: int, v: int = 1, f: float = 1, b: float = 2,
                    w: float = 1) -> Fraction:
-    """The idle share the module docstring gives (interleaved and zb: for m >= p); f, b, w: costs
-    of one chunk's F, B and W (b is the whole backward for the schedules without W)."""
+    """The bubble of docs/pp.md: the idle share of p · step time (interleaved and zb: m >= p).
+    f, b, w: the costs of one chunk's F, B and W. Without W, b is the whole backward."""
     if name in ("gpipe", "1f1b"):
         return Fraction(p - 1, m + p - 1)
     if name == "interleaved":
@@ -296,13 +290,26 @@ def bubble_formula(name: str, m: int, p: int, v: int = 1, f: float = 1, b: float
 
 
 # ----------------------------------------------------------------------------------------- simulator
+# NCCL as torch 2.13 drives it (docs/pipeline-nccl.md): a group's batched P2P runs on one stream per
+# rank, in posting order. A send completes only once the peer posted the matching receive.
+# The simulator keeps one stream per (rank, communicator). gloo never serializes: only this shows it.
+def pair_groups(rank: int, peer: int) -> tuple[int, int]:
+    """The communicator of a message under pp.run_pipeline: one 2-rank group per neighbour pair."""
+    return min(rank, peer), max(rank, peer)
+
+
+def one_group(rank: int, peer: int) -> str:
+    """Every message on the one pp group: NCCL runs all of a rank's batches on one stream."""
+    return "pp"
+
+
 @dataclass
 class SimResult:
     makespan: float
     busy: list[float]  # per rank: time spent computing
     idle: list[float]  # per rank: makespan - busy
-    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk)s whose F ran and whose last
-    #                            backward action (W if the schedule has Ws, else B) did not yet
+    peak_in_flight: list[int]  # per rank: most (micro-batch, chunk)s between F and the last backward
+    #                            action (W if the schedule has Ws, else B)
     bubble: Fraction | float  # idle share of p · makespan (exact for rational costs)
     timeline: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
 
@@ -315,7 +322,7 @@ class _Posted:
     post: float
     lane_pos: list[int]  # per message: its index among the messages from src to dst
     times: dict = None  # message index → completion time
-    start: float | None = None  # when it reached the head of its pair stream
+    start: float | None = None  # when it reached the head of its stream
     done: float | None = None
 
 
@@ -323,17 +330,19 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
              w_cost: float = 1, comm_cost: float = 0,
              weights: Sequence[Sequence[float]] | None = None, free_messages: bool = False,
              communicator: Callable[[int, int], Hashable] = pair_groups, backward: bool = True) -> SimResult:
-    """Run every rank's list together against a virtual clock, with NCCL's semantics (module
-    docstring): a Comm is posted at once on its rank's stream of communicator(rank, peer); on one
-    stream, Comms complete in posting order; the n-th send from a to b meets the n-th receive
-    posted by b, comm_cost after both are at the head of their streams; a computation waits for
-    the Comm that brought its input. communicator: pair_groups (one 2-rank group per neighbour
-    pair, what pp.run_pipeline uses) or one_group (every message on the pp group). F, B, W cost
-    f/b/w_cost (times weights[rank][chunk]). free_messages: compute orders without Comms, an input is
-    there when its producer finished. backward=False: a forward_only schedule (only Fs are due).
-    Raises ValueError on a wrong schedule (an input never
-    received, B before F, twice the same F, a message meeting another one, a missing action) and
-    RuntimeError naming every rank's stuck action on deadlock."""
+    """Run every rank's list together against a virtual clock, with NCCL's rules (above).
+    A Comm is posted at once, on its rank's stream of communicator(rank, peer).
+    On one stream, Comms complete in posting order.
+    The n-th send from a to b meets the n-th receive posted by b.
+    It completes comm_cost after both reach the heads of their streams.
+    A computation waits for the Comm that brought its input.
+    communicator: pair_groups (what pp.run_pipeline uses) or one_group (all on the pp group).
+    F, B and W cost f/b/w_cost, times weights[rank][chunk].
+    free_messages: compute orders without Comms; an input is there when its producer finished.
+    backward=False: a forward_only schedule (only Fs are due).
+    A wrong schedule raises ValueError: an input never received, B before F, an F twice,
+    a message meeting another one, a missing action. A deadlock raises RuntimeError.
+    It names every rank's stuck action."""
     p = len(schedules)
     acts = [a for sch in schedules for a in sch if isinstance(a, Action)]
     v, m = 1 + max((a.chunk for a in acts), default=0), 1 + max((a.microbatch for a in acts), default=-1)
@@ -461,7 +470,7 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
 
 # ----------------------------------------------------------------------------------------- show
 def show(name: str, m: int, p: int, v: int = 1, f: int = 1, b: int | None = None, w: int = 1) -> str:
-    """The simulated schedule as text, one row per rank, one column per time unit (integer costs).
+    """The simulated schedule as text: one row per rank, one column per time unit (integer costs).
     Chunk c is marked by c primes: F3'' is micro-batch 3's forward on the rank's chunk 2."""
     b = (1 if name == "zb" else 2) if b is None else b
     sim = simulate([SCHEDULES[name](m, s, p, v) for s in range(p)], f, b, w)

@@ -69,6 +69,7 @@ import cli
 import cp as CP
 import data
 import dp
+import dpo as DPO
 import export as EX
 import feed
 import grid as G
@@ -124,7 +125,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
 
 
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
-                   grid: G.Grid) -> Z.DataParallel:
+                   grid: G.Grid) -> Z.DataParallelOptimizer:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
     a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
@@ -251,7 +252,7 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
     return path
 
 
-def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig,
+def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig,
            shards: dict, sampler: dp.DPSampler, grid: G.Grid) -> int:
     """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler; return
     the step to continue from (0 when there is nothing to resume). The ranks agree over the io
@@ -270,7 +271,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
     return got.step
 
 
-def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
+def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig, shards: dict,
          sampler_state: dict, grid: G.Grid, metrics: TextIO | None, lock: PR.SaveLock | None = None) -> None:
     """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
     durable, so a kill between the two loses no record. The ranks wait for each other in the io
@@ -316,13 +317,15 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         cleanup.callback(lock.release)  # before stopper.close (the stack runs backwards)
     ckpt = plan_resume(args, grid)
     try:
-        ds, tpl, eval_set = feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, [])
+        chats = args.sft or args.dpo
+        ds, tpl, eval_set = (DPO.load(args, grid) if args.dpo else feed.load_sft(args, grid) if args.sft
+                             else (feed.load_data(args, grid), None, []))
         ds.check_vocab(cfg.vocab_size)
-        val, val_batches = (None, 0) if args.sft else feed.load_val(args, ds, grid)
+        val, val_batches = (None, 0) if chats else feed.load_val(args, ds, grid)
         G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         sampler = dp.DPSampler(len(ds), args.batch_size, *grid.data, args.seed,
-                               remainder="wrap" if args.sft else "drop")
+                               remainder="wrap" if chats else "drop")
     except (OSError, ValueError) as e:
         G.fail(str(e), grid)
     meter.phase("setup")
@@ -341,6 +344,11 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     chunks = PP.stage_chunks(model, cli.layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
     for chunk in chunks:
         meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
+    # the loss, chosen once: tokens (pretraining, SFT) or preference pairs (--dpo: the loss_fn seam)
+    count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
+    if args.dpo:
+        with G.stage("DPO reference log-probs (one forward over every pair)", grid):
+            DPO.prepare(chunks, ds, args, grid)
 
     log = grid.rank == 0
     metrics = open_metrics(args.metrics, start) if args.metrics and log else None
@@ -370,7 +378,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
         with G.stage("counting the step's target tokens (dp all-reduce)", grid):
             # a device tensor, never read on the host: the loss is divided by it there
-            targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
+            targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
         with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
             loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
                                    seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,

@@ -163,7 +163,7 @@ def zero_overlap(ctx: Ctx, blocks: int = 3, per_block: int = 3) -> None:
     for stage in (1, 2):
         for bucket_mb in (25.0, 2.0):
             model = ctx.fresh()
-            opt = Z.apply_zero(model, stage, None, ctx.ocfg, bucket_mb=bucket_mb)
+            opt = Z.apply_zero_0_to_2(model, stage, None, ctx.ocfg, bucket_mb=bucket_mb)
             waits: list[float] = []
             finish = opt.sync.finish
 
@@ -240,7 +240,7 @@ def sec_cp(ctx: Ctx) -> None:
         ctx.tables["Context parallelism"] = [f"skipped: seq-len {S} is not a multiple of 2·cp = {2 * cp}"]
         return
     ours = ctx.fresh(lambda model: CP.apply_cp(model, dist.group.WORLD) or model)
-    opt = Z.apply_zero(ours, 0, None, ctx.ocfg)  # the cp ranks sum their gradients, as dp replicas do
+    opt = Z.apply_zero_0_to_2(ours, 0, None, ctx.ocfg)  # the cp ranks sum their gradients, as dp replicas do
     peer = ctx.fresh()
     popt = P.MixedPrecisionOptimizer(peer.named_parameters(), ctx.ocfg)
 
@@ -273,7 +273,7 @@ def sec_pp(ctx: Ctx) -> None:
     if ctx.cfg.tie_word_embeddings:
         ctx.tables["Pipeline"] = ["skipped: needs untied embeddings"]
         return
-    groups: dict[int, dist.ProcessGroup] = {}
+    groups: dict[int, tuple[dist.ProcessGroup, dict[int, dist.ProcessGroup]]] = {}
     for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
                          ("interleaved", ScheduleInterleaved1F1B, 2), ("zb", ScheduleInterleavedZeroBubble, 2)):
         p = max(d for d in range(1, ctx.world + 1) if ctx.world % d == 0 and d * v <= L)
@@ -281,9 +281,10 @@ def sec_pp(ctx: Ctx) -> None:
             ctx.tables.setdefault("Pipeline", []).append(f"{name} skipped: {L} layers, {ctx.world} ranks")
             continue
         if p not in groups:  # every rank creates every replica's group, in the same order
-            mine = [dist.new_group(list(range(k, k + p))) for k in range(0, ctx.world, p)]
-            groups[p] = mine[ctx.rank // p]
-        group, r, ranges = groups[p], ctx.rank % p, PP.partition(L, p * v)
+            pipelines = [list(range(k, k + p)) for k in range(0, ctx.world, p)]
+            mine = [dist.new_group(ranks) for ranks in pipelines]
+            groups[p] = mine[ctx.rank // p], PP.peer_groups(pipelines)  # on NCCL: one group per pair
+        (group, peers), r, ranges = groups[p], ctx.rank % p, PP.partition(L, p * v)
         first, last = r == 0, r == p - 1
         ours, peer = (ctx.fresh(lambda model: PP.split_stage(model, r, p, ranges)) for _ in range(2))
         chunks, peer_chunks = PP.stage_chunks(ours, ranges, r, p), PP.stage_chunks(peer, ranges, r, p)
@@ -300,7 +301,7 @@ def sec_pp(ctx: Ctx) -> None:
             return [{"input_ids": a, "labels": b} for a, b in zip(x.chunk(m), y.chunk(m))]
 
         def ours_step(i: int) -> tuple[torch.Tensor, float]:
-            loss = PP.run_pipeline(chunks, actions, micro(i), group, ctx.targets)
+            loss = PP.run_pipeline(chunks, actions, micro(i), group, ctx.targets, peer_groups=peers)
             return loss, opt.step(ctx.args.lr)
 
         def peer_step(i: int) -> tuple[torch.Tensor, float]:
@@ -313,7 +314,7 @@ def sec_pp(ctx: Ctx) -> None:
             (f", x{ctx.world // p} replicas" if ctx.world > p else "")
         ctx.add_row(f"pp {name}", f"run_pipeline {name} ({layout})", f"pipelining {cls.__name__}",
                     r_["ours"], r_["peer"])
-        bench_theory.bubble(ctx, chunks, actions, micro, name, m, p, v, group)
+        bench_theory.bubble(ctx, chunks, actions, micro, name, m, p, v, group, peers)
 
 
 def sec_ac(ctx: Ctx) -> None:

@@ -1,4 +1,4 @@
-"""Textbook versions of three core algorithms, a few lines each, to read beside the production code.
+"""Textbook versions of two core algorithms, a few lines each, to read beside the production code.
 tests/test_naive.py asserts each equal to the production path.
 
 tp_mlp: Megatron's tensor-parallel MLP as the paper draws it. Two conjugate operators: f is the
@@ -11,10 +11,8 @@ this rank's slice of the flat fp32 parameters, all-gather the updated slices.
 Production: dp.ReduceScatterSync, precision.MixedPrecisionOptimizer.step, zero.ZeroOptimizer
 (buckets, overlap, weight-decay groups and clipping on top).
 
-one_f_one_b: the 1F1B order of one pipeline rank: warm-up forwards, then one forward and one
-backward at a time (steady state), then the remaining backwards (cool-down).
-Production: pp_schedules.one_f_one_b, built by the general _one_f_one_b_order (interleaved chunks and
-the zero-bubble split too), plus the messages.
+The third, 1F1B's textbook order, is production code: pp_schedules.textbook_1f1b.
+tests/test_naive.py asserts it equal to the general order (interleaved chunks, the zero-bubble split).
 
 References: Shoeybi et al. 2019 (Megatron-LM, Fig. 3); Rajbhandari et al. 2020 (ZeRO);
 Narayanan et al. 2021 (1F1B as PipeDream-Flush).
@@ -78,13 +76,3 @@ def zero1_step(params: list[torch.Tensor], master: torch.Tensor, opt: torch.opti
         for p in params:
             p.copy_(full[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-
-
-def one_f_one_b(m: int, s: int, p: int) -> list[tuple[str, int]]:
-    """[("F" | "B", micro-batch), ...] of rank s of p, for m micro-batches."""
-    warmup = min(m, p - 1 - s)  # forwards in flight before the first backward comes back
-    order = [("F", i) for i in range(warmup)]  # warm-up
-    for i in range(m - warmup):  # steady state: one forward, one backward
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(m - warmup, m)]  # cool-down: drain the backwards
-    return order

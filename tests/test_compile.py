@@ -79,6 +79,7 @@ def _zero3(compiled: bool, rank: int, world: int) -> tuple[list[torch.Tensor], l
 
 
 def _rank(rank: int, world: int) -> dict:
+    torch._dynamo.utils.counters.clear()  # forked: a parent that compiled before must not count here
     (loss_c, grads_c), (loss_e, grads_e) = _tp(True), _tp(False)
     out = {"tp_loss": _rel(loss_c, loss_e), "tp_grads": max(_rel(grads_c[n], g) for n, g in grads_e.items())}
     (sh_c, loss_c, norm_c), (sh_e, loss_e, norm_e) = _zero3(True, rank, world), _zero3(False, rank, world)

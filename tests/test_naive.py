@@ -1,6 +1,7 @@
 """tests/naive.py's textbook algorithms equal the production paths.
 
-- 1F1B (pure Python): every rank's compute order of pp_schedules.one_f_one_b, messages left out.
+- 1F1B (pure Python): pp_schedules.textbook_1f1b (what 1f1b runs at v = 1) equals the general order
+  it stands for, and the compute order of zb with its Ws left out (messages left out).
 - TP pair and ZeRO-1 step: one launch of 2 gloo ranks (fp32). Both are bit-identical to production:
   the same products, 2-rank sums are a+b in any order, and AdamW is elementwise (no weight decay and
   no clipping here: the textbook step has one group and no norm). Each is also checked against the
@@ -31,9 +32,11 @@ def test_textbook_1f1b_equals_the_general_schedule():
     for p in (1, 2, 3, 4, 8):
         for m in (1, 2, p, p + 1, 2 * p, 3 * p + 1):
             for s in range(p):
-                general = [(a.kind, a.microbatch) for a in S.one_f_one_b(m, s, p)
-                           if isinstance(a, S.Action)]
-                assert general == naive.one_f_one_b(m, s, p), (m, s, p)
+                textbook = S.textbook_1f1b(m, s, p)
+                assert S._one_f_one_b_order(m, s, p, 1, split=False) == textbook, (m, s, p)
+                for sched in (S.one_f_one_b(m, s, p), S.zero_bubble(m, s, p)):
+                    acts = [a for a in sched if isinstance(a, S.Action) and a.kind != S.W]
+                    assert acts == textbook, (m, s, p)
 
 
 def _tp_pair(rank: int, world: int) -> dict:
@@ -73,7 +76,7 @@ def _zero1(rank: int, world: int) -> list[bool]:
     flat = F.pad(flat, (0, S_ * world - flat.numel()))  # (n·S,)
     master = flat[rank * S_:(rank + 1) * S_].clone().requires_grad_()  # (S,) this rank's fp32 slice
     adam = torch.optim.AdamW([master], lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)
-    opt = Z.apply_zero(prod, 1, None, cfg, torch.float32, bucket_mb=0.002)  # several buckets
+    opt = Z.apply_zero_0_to_2(prod, 1, None, cfg, torch.float32, bucket_mb=0.002)  # several buckets
     g = torch.Generator().manual_seed(100 + rank)  # every dp rank its own rows
     for _ in range(STEPS):
         ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)

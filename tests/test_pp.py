@@ -566,6 +566,8 @@ def _grid_and_pairs(rank: int, world: int) -> dict:
             runs.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
         out["same", schedule] = runs[0][0] == runs[1][0] and all(torch.equal(a, runs[1][1][n])
                                                                  for n, a in runs[0][1].items())
+    # pp.peer_groups, the library's own (the bench uses it): the same pairs as the grid's
+    out["peer_groups"] = {s: dist.get_process_group_ranks(pg) for s, pg in PP.peer_groups([[0, 1, 2, 3]]).items()}
     serialized = PP.serialized_p2p
     PP.serialized_p2p = lambda device: True  # as on CUDA: the one pp group is refused
     try:
@@ -628,5 +630,6 @@ def test_grid_groups_and_neighbour_pairs():
         assert calls == [((0, 1), "gloo", False), ((2, 3), "gloo", False)] and n == 1 and size == (2 if k < 2 else None)
         assert _splits(calls, k) == ["-"] and "must not overlap" in r["overlap"]  # one no-colour split each
     for r in results:
+        assert r["peer_groups"] == r["calls", 1, 4, 1][2]
         assert r["same", "interleaved"] and r["same", "zb"]
         assert "pass peer_groups" in r["refused"]

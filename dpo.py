@@ -1,0 +1,303 @@
+"""Direct preference optimization: chosen and rejected replies, a frozen reference, one loss per pair.
+
+What it does
+    A preference pair is one prompt with two replies, the chosen and the rejected. DPO raises the
+    policy's log-probability of the chosen reply relative to a frozen reference model and lowers the
+    rejected one's, with no reward model and no sampling:
+        loss = −log σ(β · ((π_c − r_c) − (π_r − r_r)))
+    π_c, π_r: the policy's summed log-probs of the reply tokens; r_c, r_r: the reference's; β (--dpo-beta)
+    sets how far the policy may move from the reference. At step 0 the policy is the reference: every
+    margin is 0 and the loss is exactly ln 2.
+    1. Data: `load_pairs` reads JSONL, one pair a line: {"chosen": chat, "rejected": chat} (full chats
+       that share the prompt turns) or {"prompt": chat or text, "chosen": chat, "rejected": chat} (the
+       replies alone). `arithmetic_pairs` is the built-in set: sft.arithmetic_chats' correct last answer
+       against a wrong one. chat.py's template masks only the LAST assistant reply of each side
+       (encode(..., last only)): earlier turns are the prompt.
+    2. Rows: `PairDataset` packs PAIRS (first-fit-decreasing, sft.ffd): both halves of a pair are two
+       documents of one row, so they are always in one micro-batch on one dp rank. Each row carries
+       `dpo_seq` (per token: 2·pair-in-row + half, −1 for padding) and `dpo_ref` (the reference's sum
+       of a document, on its first token, 0 elsewhere).
+    3. Log-probs without (T, V) logits: `DPOLoss` replaces the model's `loss_fn` seam; it calls the
+       layout's own loss (loss.py's chunked cross entropy, or tp's vocab-parallel one) with
+       reduction="none", negates it, and sums per document (`sequence_logps`). A forward pre-hook
+       (`apply_dpo`) takes dpo_seq/dpo_ref out of the model's keywords, so pp.run_pipeline passes
+       them as it passes position_ids.
+    4. The reference is the starting policy (--init-from), run ONCE before training over every row
+       in the training layout (`precompute_reference`: the forward-only pipeline of tp/sp, pp and
+       ZeRO; each dp rank its share of the rows, the sums all-gathered over dp). Cost: one forward per
+       row (about a third of one epoch's training compute), and 8 bytes per pair (two fp32 sums) on
+       every rank — no second model in memory.
+    The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks).
+    Layouts: tp/sp, pp (the loss on the last stage), dp and ZeRO-0..3 as in training; cp is refused
+    (cli.py): a pair is two packed documents, and cp's ring attention does not mask documents.
+
+Run
+    python train.py --dpo --steps 50                          # built-in arithmetic pairs
+    torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --data pairs.jsonl --tp 2 --zero 2
+
+Reference
+    Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
+    Model" (eq. 7); the data formats of TRL's DPOTrainer (explicit and implicit prompt).
+
+Builds on: sft.py, chat.py, and (the trainer's glue only) data.py, feed.py, pp.py
+    sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; the glue:
+    the tokenizer (data.py), batches (feed.py), the forward-only pipeline of the training layout
+    for the reference (pp.py)
+
+Invariants
+    - Policy = reference gives a loss of exactly ln 2 (fp32), and the loss is the formula on fixed
+      log-probs (tests/test_dpo.py::test_formula_and_ln2).
+    - sequence log-probs equal transformers' (log_softmax of its logits) on the same packed pairs
+      (tests/test_dpo.py::test_sequence_logps_match_transformers).
+    - tp2, pp2, zero2 and dp2 give the single process's losses within 1e-5 (tests/test_dpo.py::
+      test_layouts_match_single_process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import chat
+import sft
+
+Pair = tuple[chat.Conversation, chat.Conversation]  # (chosen chat, rejected chat)
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------------------- data
+def parse_pair(obj: Any) -> Pair:
+    """One JSON object → (chosen, rejected) full chats, each ending with an assistant turn."""
+    if not isinstance(obj, dict) or "chosen" not in obj or "rejected" not in obj:
+        raise ValueError("expected an object with 'chosen' and 'rejected'")
+    prompt = obj.get("prompt", [])
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list) or not all(isinstance(obj[k], list) for k in ("chosen", "rejected")):
+        raise ValueError("'prompt' (a string or turns), 'chosen' and 'rejected' (turns) must be lists")
+    sides = [sft.parse_conversation({"messages": prompt + obj[k]}) for k in ("chosen", "rejected")]
+    if any(side[-1]["role"] != "assistant" for side in sides):
+        raise ValueError("chosen and rejected must each end with an assistant reply")
+    return sides[0], sides[1]
+
+
+def load_pairs(path: str | Path) -> list[Pair]:
+    """Preference pairs from JSONL; a malformed line raises naming the file and line."""
+    pairs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    pairs.append(parse_pair(json.loads(line)))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{n}: not a preference pair: {e}") from None
+    if not pairs:
+        raise ValueError(f"{path}: no preference pairs")
+    return pairs
+
+
+def arithmetic_pairs(n: int = 1000, seed: int = 0, **kw: Any) -> list[Pair]:
+    """sft.arithmetic_chats' training chats as pairs: the correct last answer against a wrong one
+    (off by 1 to 10 either way, never the correct value)."""
+    rng = random.Random(seed)
+    chats, _ = sft.arithmetic_chats(n_train=n, seed=seed, **kw)
+    pairs = []
+    for c in chats:
+        wrong = int(c[-1]["content"]) + rng.choice([-1, 1]) * rng.randint(1, 10)
+        pairs.append((c, c[:-1] + [{"role": "assistant", "content": str(wrong)}]))
+    return pairs
+
+
+def tokenize_pair(pair: Pair, tpl: chat.ChatTemplate) -> list[tuple[list[int], list[int]]]:
+    """[(ids, shifted labels)] of chosen and rejected: targets on the last reply only."""
+    out = []
+    for turns in pair:
+        ids, flags = tpl.encode(turns, True)
+        out.append((ids, chat._labels(ids, flags)))
+    return out
+
+
+class PairDataset:
+    """Rows of seq_len positions, each packing whole pairs (sft.ffd over the pairs' sizes): ds[r] →
+    input_ids, labels, position_ids (restarting per document), dpo_seq and dpo_ref, (S,) each.
+    `ref` (pairs, 2) holds the reference's sums of (chosen, rejected), filled by set_reference."""
+
+    def __init__(self, pairs: list[Pair], tpl: chat.ChatTemplate, seq_len: int):
+        self.seq_len, self.pad_id = seq_len, tpl.pad_id
+        docs = [tokenize_pair(p, tpl) for p in pairs]
+        # a document of L ids takes L-1 positions (the model reads ids[:-1]); a pair, both of its halves
+        sizes = [sum(len(ids) - 1 for ids, _ in d) for d in docs]
+        self.docs = [d for d, n in zip(docs, sizes) if n <= seq_len]
+        self.dropped = len(docs) - len(self.docs)
+        if not self.docs:
+            raise ValueError(f"no preference pair fits --seq-len {seq_len} (both replies in one row)")
+        self.rows = sft.ffd([n for n in sizes if n <= seq_len], seq_len)
+        self.max_id = max(max(ids) for d in self.docs for ids, _ in d)
+        self.ref = torch.zeros(len(self.docs), 2)  # (pairs, 2): r_c, r_r
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+        ids, labels, pos, seq, ref = [], [], [], [], []
+        for p, k in enumerate(self.rows[r]):
+            for half, (d_ids, d_labels) in enumerate(self.docs[k]):
+                n = len(d_ids) - 1
+                ids += d_ids[:-1]
+                labels += d_labels
+                pos += range(n)
+                seq += [2 * p + half] * n
+                ref += [float(self.ref[k, half])] + [0.0] * (n - 1)
+        pad = self.seq_len - len(ids)  # the tail: one more document, no targets, no pair
+        return {"input_ids": torch.tensor(ids + [self.pad_id] * pad),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+                "position_ids": torch.tensor(pos + list(range(pad))),
+                "dpo_seq": torch.tensor(seq + [-1] * pad), "dpo_ref": torch.tensor(ref + [0.0] * pad)}
+
+    def set_reference(self, rows: list[int], sums: torch.Tensor) -> None:
+        """sums (len(rows), S): sequence_logps of those rows, slot 2p + half for pair p of the row."""
+        for r, s in zip(rows, sums.tolist()):
+            for p, k in enumerate(self.rows[r]):
+                self.ref[k] = torch.tensor(s[2 * p:2 * p + 2])
+
+    def report(self) -> str:
+        n = sum(map(len, self.rows))
+        return (f"DPO: {n} preference pairs in {len(self.rows)} rows of {self.seq_len} "
+                f"({n / len(self.rows):.1f} pairs/row)" + (f", {self.dropped} longer than a row dropped"
+                                                            if self.dropped else ""))
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        if max(self.max_id, self.pad_id) >= model_vocab_size:
+            raise ValueError(f"the DPO data holds token id {max(self.max_id, self.pad_id)} but the model's "
+                             f"vocab_size is {model_vocab_size}")
+
+
+# ----------------------------------------------------------------------------------------- the loss
+def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Per-document sums of the target tokens' log-probs: token_logps (B·S,) or (B, S), labels and
+    seq (B, S) → (B, S): [b, j] sums the targets of row b whose dpo_seq is j (slot 2p + half)."""
+    B, S = seq.shape
+    keep = (labels != IGNORE_INDEX) & (seq >= 0)  # (B, S)
+    slot = (torch.arange(B, device=seq.device)[:, None] * S + seq)[keep]  # (targets,) flat slot
+    sums = token_logps.new_zeros(B * S).index_add(0, slot, token_logps.reshape(B, S)[keep])
+    return sums.view(B, S)
+
+
+def dpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor,
+             beta: float) -> torch.Tensor:
+    """−log σ(β((π_c − r_c) − (π_r − r_r))) per pair (logsigmoid: no overflow at large margins)."""
+    return -F.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+
+
+def pairs_of(seq: torch.Tensor) -> torch.Tensor:
+    """(B, S) dpo_seq → (B, S//2) bool: pair p of row b exists (pairs are numbered 0.. per row)."""
+    n = (seq.max(dim=1).values + 1) // 2  # (B,) pairs per row
+    return torch.arange(seq.shape[1] // 2, device=seq.device) < n[:, None]
+
+
+def count_pairs(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Pairs in a micro-batch: the step's denominator (train.py's target count under --dpo)."""
+    return pairs_of(micro["dpo_seq"]).sum()
+
+
+class DPOLoss:
+    """The model's `loss_fn(hidden, weight, labels, reduction)` under DPO: the layout's own loss
+    (`base`, e.g. tp's vocab-parallel one) per token, summed per document, and the pair loss
+    ("sum": Σ over pairs, what training divides by the step's pair count; "mean"; "none": per pair).
+    `seq` and `ref` are the current micro-batch's dpo_seq and dpo_ref (set by apply_dpo's hook).
+    `record`: a list while the reference is computed: each call appends its sums (B, S), returns 0."""
+
+    def __init__(self, base: Callable[..., torch.Tensor], beta: float):
+        self.base, self.beta = base, beta
+        self.seq: torch.Tensor | None = None
+        self.ref: torch.Tensor | None = None
+        self.record: list[torch.Tensor] | None = None
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 reduction: str = "mean") -> torch.Tensor:
+        if self.seq is None:
+            raise ValueError("DPO loss without dpo_seq: give the model the PairDataset row's keys")
+        logps = sequence_logps(-self.base(hidden, weight, labels, "none"), labels, self.seq)  # (B, S)
+        if self.record is not None:
+            self.record.append(logps.detach())
+            return logps.new_zeros(())
+        refs = sequence_logps(self.ref, torch.zeros_like(labels), self.seq)  # (B, S): r on each slot
+        B, S = self.seq.shape
+        pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in (logps, refs))  # (B, S//2, 2)
+        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)  # (B, S//2)
+        losses = losses[pairs_of(self.seq)]  # (pairs,)
+        if reduction == "none":
+            return losses
+        return losses.sum() if reduction == "sum" else losses.mean()
+
+
+def _take_keys(loss: DPOLoss, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    kwargs = dict(kwargs)
+    loss.seq, loss.ref = kwargs.pop("dpo_seq", None), kwargs.pop("dpo_ref", None)
+    return args, kwargs
+
+
+def apply_dpo(chunks: list[nn.Module], beta: float) -> DPOLoss:
+    """Turn each model chunk into a DPO one: the chunk holding lm_head computes DPOLoss, every chunk
+    takes dpo_seq/dpo_ref from its keywords. Apply after tp (it wraps tp's loss_fn)."""
+    with_head = [c for c in chunks if c.lm_head is not None]
+    loss = DPOLoss(with_head[0].loss_fn if with_head else None, beta)
+    for c in chunks:
+        if c.lm_head is not None:
+            c.loss_fn = loss
+        c.register_forward_pre_hook(lambda m, a, k: _take_keys(loss, m, a, k), with_kwargs=True)
+    return loss
+
+
+# --- refinement: the trainer's glue (train.py --dpo): data, and the reference in the training layout
+def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTemplate, list]:
+    """--data's pairs, or the built-in arithmetic ones, tokenized on every rank (no cache yet)."""
+    import data
+    tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
+    ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(seed=args.seed), tpl,
+                     args.seq_len)
+    if grid.rank == 0:
+        print(ds.report(), flush=True)
+    return ds, tpl, []
+
+
+def prepare(chunks: list[nn.Module], ds: PairDataset, args: argparse.Namespace, grid: Any) -> DPOLoss:
+    """apply_dpo on this rank's chunks, then the reference's sums of every pair."""
+    loss = apply_dpo(chunks, args.dpo_beta)
+    precompute_reference(chunks, loss, ds, args, grid)
+    return loss
+
+
+@torch.no_grad()
+def precompute_reference(chunks: list[nn.Module], loss: DPOLoss, ds: PairDataset, args: argparse.Namespace,
+                         grid: Any) -> None:
+    """The reference's sums of every pair, by the starting policy itself, forward only through the
+    training layout's pipeline (pp.forward_only: tp/sp, pp, ZeRO as in training): each dp rank its
+    share of each global batch, the (rows, S) sums all-gathered over dp. The last stage keeps them
+    (the others hold zeros: they never compute the loss)."""
+    import feed  # the trainer's batches; imported here so the data and loss above stay copyable alone
+    import pp as PP
+    fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
+                                                      args.virtual_stages))
+    (dp_rank, dp_size), n, S = grid.data, len(ds), ds.seq_len
+    per = args.batch_size // dp_size
+    for b in range(math.ceil(n / args.batch_size)):
+        rows = [(b * args.batch_size + i) % n for i in range(args.batch_size)]  # the global batch
+        micro = feed.get_batch(ds, rows[dp_rank * per:(dp_rank + 1) * per], args.micro_batches, grid)
+        loss.record = []
+        PP.run_pipeline(chunks, fwd, micro, grid.pp_group, 1, seq_shards=args.tp if args.sp else 1,
+                        check_group=grid.pp_check, peer_groups=grid.pp_peers)
+        mine = torch.cat(loss.record) if loss.record else torch.zeros(per, S, device=grid.device)  # (per, S)
+        if dp_size > 1:  # gloo gathers into a flat tensor only
+            out = mine.new_empty(dp_size * per * S)
+            dist.all_gather_into_tensor(out, mine.flatten().contiguous(), group=grid.dp_group)
+            mine = out.view(dp_size * per, S)
+        ds.set_reference(rows, mine.cpu())
+    loss.record = None
