@@ -8,7 +8,7 @@ and saved with save_pretrained; every parameter is perturbed (norms away from 1)
   relative (fp32: the same products, the experts' sums grouped differently); an expert that no
   token picks (its gradient zero on both sides); full AC gives the same loss and gradients (the
   routers are not counted twice), and selective AC; export → AutoModelForCausalLM bit-equal logits, and the file
-  holds transformers' per-expert keys exactly.
+  holds transformers' per-expert keys exactly; cached greedy generation equals uncached.
 - Through the CLI: dp 2 · ZeRO-2 · full AC and dp 2 · ZeRO-3 · selective AC against the single process (micro-batches 2: each
   forward then holds the same rows on both sides, so the per-forward aux loss is the same), 1e-5.
 - Bad input: one message naming the key and its value; the layouts not built yet are refused.
@@ -187,6 +187,13 @@ def test_export_loads_bit_equal_with_transformers_keys(pair, tmp_path):
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "out" / "model.safetensors")
     with torch.no_grad():
         assert torch.equal(W.load_hf(tmp_path / "out")(ids), ours(ids))
+
+
+def test_cached_generation_equals_uncached(pair):
+    """The KV cache (model.generate) through sparse layers: the same greedy tokens as rerunning the prefix."""
+    _, _, ours, _ = pair
+    x = batch(5)[0][:, :5]
+    assert torch.equal(M.generate(ours, x, 8), M.generate(ours, x, 8, use_cache=False))
 
 
 def test_refusals_name_key_and_value():
