@@ -381,15 +381,15 @@ def sites(parts: Parts) -> list[list[nn.Module]]:
 
 
 def apply_zero_0_to_2(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
-               dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-               reduce_dtype: torch.dtype | None = None, inflight: int = 2,
-               reduce_every_micro_batch: bool = False,
-               norm_groups: Iterable[dist.ProcessGroup] = (),
-               counted: Callable[[str], bool] = lambda name: True,
-               tied: nn.Parameter | None = None, embed_group: Group = None,
-               init: Init | None = None, device: torch.device | str | None = None,
-               embed: str | None = None, layers: str | None = None, norm: str | None = None,
-               head: str | None = None) -> DataParallelOptimizer:
+                      dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
+                      reduce_dtype: torch.dtype | None = None, inflight: int = 2,
+                      reduce_every_micro_batch: bool = False,
+                      norm_groups: Iterable[dist.ProcessGroup] = (),
+                      counted: Callable[[str], bool] = lambda name: True,
+                      tied: nn.Parameter | None = None, embed_group: Group = None,
+                      init: Init | None = None, device: torch.device | str | None = None,
+                      embed: str | None = None, layers: str | None = None, norm: str | None = None,
+                      head: str | None = None) -> DataParallelOptimizer:
     """The step object for ZeRO `stage` 0-2 over `dp_group`. Stage 0 is plain DP.
     The model's parameters hold their fp32 values (after materialize, tp, ac).
     Or the model is on the meta device: then pass `init` (weights.param_reader) and `device`.
