@@ -233,5 +233,11 @@ def test_cli_dp_zero_ac_equal_single_process(tmp_path):
     want = losses(tmp_path / "1.jsonl")
     assert want[-1] < want[0] - 0.05
     for zero, mode in (("2", "full"), ("3", "selective")):
-        run_ranks(_main, 2, argv(2, "--zero", zero, "--ac-mode", mode, "--micro-batches", "1"), timeout=120)
+        run_ranks(_main, 2, argv(2, "--zero", zero, "--ac-mode", mode, "--micro-batches", "1",
+                                 "--export-hf", str(tmp_path / f"export{zero}")), timeout=120)
         assert_curve(losses(tmp_path / "2.jsonl"), want)
+    keys = {}
+    for d in (tmp_path / "init", tmp_path / "export3"):  # train.py's export: save_pretrained's keys
+        with safe_open(d / "model.safetensors", "pt") as f:
+            keys[d] = set(f.keys())
+    assert keys[tmp_path / "init"] == keys[tmp_path / "export3"] and any(".experts.1." in k for k in keys[d])
