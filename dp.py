@@ -1,54 +1,41 @@
-"""Data parallelism: the dp-rank sampler and the bucketed, overlapped gradient all-reduce.
+"""Data parallelism: the bucketed, overlapped gradient all-reduce, and the dp-rank sampler.
 
 What it does
-    `DPSampler` decides which sequences each data-parallel rank trains on. All ranks derive the same
-    global order of the dataset from (seed, epoch) with their own `torch.Generator`; optimizer step k
-    consumes entries [k·G, (k+1)·G) of that order (G = global batch) and dp rank r takes its
-    contiguous slice of G/dp of them. So step k trains on the same set of sequences whatever the dp
-    size (and whatever micro-batch split the caller makes of its slice); TP/PP peers of a dp rank
-    pass the same dp rank and see identical rows.
-    `GradSync` sums gradients over the dp group like DDP: parameters are grouped, in reverse order
-    (the order backward produces their grads), into flat buckets of about `bucket_mb` MB. A
-    post-accumulate-grad hook counts each bucket's ready grads; the moment a bucket is complete its
-    grads are packed into one flat buffer and all-reduced asynchronously while backward goes on with
-    earlier layers. Buckets are launched in one fixed order (`order`: index order, the order
-    backward completes them in); one complete before its turn waits for those before it (as DDP),
-    so ranks whose hooks fire in different orders still post the same collectives in the same
-    order — NCCL pairs them by call order. At most `inflight` (default 2) reductions are in
-    flight: launching one more first lands the oldest (waits, copies its sums back into `.grad`,
-    drops its flat buffer), so the extra memory of a backward is at most `inflight` buckets, never
-    a second copy of all gradients. Two, not one: the next bucket is queued while the previous is
-    still on the wire, so the link never idles between buckets (on NCCL the wait blocks the compute
-    stream, not the host). `finish()` lands the rest before the optimizer step.
-    With bf16 grads and reduce_dtype=torch.float32 the hook also runs on no_sync micro-steps: it
-    adds each fresh .grad into the bucket's fp32 buffer and drops it (Megatron's main_grad), so
-    accumulation AND reduction happen in fp32; `main_grad(i)` gives the fp32 sums to the optimizer.
-    `ReduceScatterSync` (the gradient side of zero.py's ZeRO) reduce-scatters the same buckets
-    instead: each rank receives the dp sum of its 1/N of every bucket (a `Piece` of each parameter).
-    `global_count` all-reduces the step's target-token count, on the device (no host sync).
+    Each dp rank trains on its own slice of the global batch.
+    `GradSync` sums the gradients over the dp group, as DDP does.
+    After `finish()` every rank holds the same summed gradient.
+    `ReduceScatterSync` reduce-scatters the same buckets instead: ZeRO's gradient side (zero.py).
+    `DPSampler` gives each dp rank its slice of every global batch.
+    `global_count` sums the step's target tokens over dp.
+
+The core idea
+    Parameters go into flat buckets of about `bucket_mb` MB, in reverse order.
+    Backward makes the last layers' gradients first, so buckets complete in that order.
+    A post-accumulate-grad hook counts each bucket's ready gradients (`GradSync._on_grad`).
+    A complete bucket is packed into one flat buffer and all-reduced asynchronously (`_launch`).
+    Backward goes on with earlier layers meanwhile.
+    `finish()` waits for the rest and writes the sums back, before the optimizer step.
+    Two refinements follow the core, each under its banner.
+    One keeps at most `inflight` reductions in flight. One keeps fp32 main gradients.
+    Their reasons, and the launch order: docs/zero.md#dppy-the-gradient-buckets.
 
 Reference
-    Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB):
-    gradient buckets in reverse order, autograd hooks, overlap, no_sync.
+    Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB).
 
 Run
     torchrun --nproc_per_node 4 train.py --model tiny --steps 20      # dp = world / (tp·pp) = 4
 
 Invariants
-    - Gradients are SUMMED over dp, never averaged: every rank's loss is its token-loss sum divided
-      by the GLOBAL target count of the step (precision.normalized_loss with `global_count`), so the
-      sum of the dp gradients is exactly the gradient of the mean loss over the global batch, however
-      the targets are spread over ranks and micro-batches.
-    - dp = 1 is an exact no-op: no hooks, no buffers, no copies; `finish()` returns at once. Unless
-      fp32 accumulation is asked for (bf16 grads, reduce_dtype=torch.float32): then the hooks run at
-      dp = 1 too (the all-reduce is skipped), as ZeRO 1-3 accumulate in fp32 at N = 1 as well.
-    - Every hook handle is kept and `remove()` drops them all: a hook closure holds this object,
-      which holds the parameters, which hold the hook in C++ — a cycle Python's gc cannot see.
-    - All ranks must produce a gradient for every parameter in each synced backward (as DDP without
-      find_unused_parameters); `finish()` names the parameters that got none instead of hanging.
-    - Memory: besides .grad (or the fp32 main buffers) a backward holds at most `inflight` packed
-      buckets plus the one being packed; a bucket is reduced at most once per step (a second synced
-      backward before finish() raises instead of summing twice).
+    - Gradients are summed over dp, never averaged: each rank divides its loss sum by the global
+      target count (precision.normalized_loss). Test: test_dp.py::test_dp_matches_single_process_and_bucketing.
+    - dp = 1 is an exact no-op: no hooks, no buffers. Only fp32 accumulation hooks in there.
+      Tests: the same, and test_zero.py::test_fp32_accumulation_of_bf16_grads.
+    - A bucket is reduced once per step. A second synced backward raises. Test: the same.
+    - A missing gradient raises in `finish()`. It never hangs. Test: the same.
+    - `remove()` drops every hook. Their cycle is invisible to gc.
+      Test: test_zero.py::test_zero_teardown_leaves_nothing_alive.
+    - Step k trains on the same sequences at any dp size.
+      Test: test_dp.py::test_sampler_epoch_coverage_and_layout_free_batches.
 """
 from __future__ import annotations
 
@@ -66,13 +53,313 @@ TWICE = ("bucket {} was reduced twice before finish(): run every accumulation mi
          "last under no_sync() and call finish() once per step")
 
 
-# ------------------------------------------------------------------------------------------ sampler
+# ------------------------------------------------------------------------------------------ grad sync
+class GradSync:
+    """Sum `.grad` over the dp group in flat buckets, overlapped with backward.
+
+        sync = GradSync(params, dp_group, bucket_mb=25)
+        for k, micro in enumerate(micro_batches):
+            with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss(micro).backward()        # the last backward launches the bucket all-reduces
+        sync.finish()                         # wait, copy the sums into .grad
+        optimizer.step(); ...; sync.remove()  # at teardown
+
+    reduce_dtype: the flat buffers' dtype (None: the grads' dtype). torch.float32 with bf16 grads
+    turns on fp32 main grads (refinement below). Subclasses (ReduceScatterSync) replace
+    `_launch` and `_land` to reduce-scatter."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
+                 inflight: int = 2, order: Sequence[int] | None = None, round_into_grad: bool = True):
+        if inflight < 1:
+            raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
+        self.params = list(params)
+        self.group, self.inflight = group, inflight
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.reduce_dtype, self.round_into_grad = reduce_dtype, round_into_grad
+        if buckets is None:
+            itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
+            buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
+        self.buckets = buckets
+        # fp32 main grads: accumulate in reduce_dtype flat buffers, one per bucket, made lazily
+        self.fp32_grads = bool(self.params) and reduce_dtype is not None and \
+            reduce_dtype.itemsize > self.params[0].dtype.itemsize
+        self.main: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._where = {i: (b, off) for b, bk in enumerate(self.buckets)
+                       for i, off in zip(bk.index, bk.offsets)}  # param → (bucket, offset)
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._sync = True
+        self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
+        # the launch order. Buckets are reduced in it, whatever order their grads complete in
+        self.in_order = True
+        self.order = list(range(len(self.buckets))) if order is None else list(order)
+        self._complete = [False] * len(self.buckets)  # all grads in, launch not yet due
+        self._next = 0  # position in self.order of the next bucket to launch
+        self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
+        self._launched: set[int] = set()  # buckets reduced since the last finish()
+        self._alias = True  # may a one-gradient bucket be reduced in the .grad itself (_pack)
+        if self.hooked():
+            for b, bucket in enumerate(self.buckets):
+                for i in bucket.index:
+                    hook = partial(self._on_grad, b, i)
+                    self.handles.append(self.params[i].register_post_accumulate_grad_hook(hook))
+
+    def hooked(self) -> bool:
+        """dp = 1 needs no communication at all: no hooks (unless accumulating in fp32)."""
+        return self.world > 1 or self.fp32_grads
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this context only accumulates into .grad (accumulation micro-steps)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
+        if self.fp32_grads:  # every micro-step: .grad → the bucket's fp32 buffer, so autograd never adds in bf16
+            self.main_grad(i, create=True).add_(param.grad)
+            param.grad = None
+        if not self._sync:
+            return
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b].index):
+            self._ready[b] = 0
+            if not self.in_order:
+                self._launch(b)
+                return
+            self._complete[b] = True
+            while self._complete[self.order[self._next]]:  # launch in self.order, never out of it
+                self._complete[self.order[self._next]] = False
+                self._launch(self.order[self._next])
+                self._next = (self._next + 1) % len(self.order)  # a whole round: the next backward
+                if self._next == 0:
+                    break
+
+    def _launch(self, b: int) -> None:
+        if b in self._launched:
+            raise RuntimeError(TWICE.format(b))
+        self._launched.add(b)
+        self._bound()
+        flat = self._pack(b)
+        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
+        self._pending[b] = (work, flat)
+
+    def _pack(self, b: int) -> torch.Tensor:
+        """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,).
+        A bucket may be one whole gradient (a large parameter: the embedding).
+        Then it is that gradient itself, reduced in place. No copy of the largest tensors."""
+        if self.fp32_grads:
+            return self.main[b]  # already flat: reduced in place
+        bucket = self.buckets[b]
+        first = self.params[bucket.index[0]].grad
+        dtype = self.reduce_dtype or first.dtype
+        if self._alias and len(bucket.index) == 1 and bucket.size == bucket.numel and \
+                first.dtype == dtype and first.is_contiguous():
+            return first.view(-1)
+        flat = torch.empty(bucket.size, dtype=dtype, device=first.device)
+        flat[bucket.numel:].zero_()
+        for i, off in zip(bucket.index, bucket.offsets):
+            g = self.params[i].grad
+            flat[off:off + g.numel()].copy_(g.reshape(-1))
+        return flat
+
+    def finish(self) -> None:
+        """Wait for every launched reduction and write the results back. Idempotent."""
+        partial_ = [b for b, n in enumerate(self._ready) if n]
+        if partial_:
+            names = [i for b in partial_ for i in self.buckets[b].index if self.params[i].grad is None]
+            raise RuntimeError(f"buckets {partial_} got only some of their gradients in the synced "
+                               f"backward (no grad for parameters at positions {names[:8]}): every "
+                               f"rank must use every parameter, or freeze the unused ones")
+        if self._next or any(self._complete):  # a round begun and not finished
+            blocked = self.order[self._next:]
+            raise RuntimeError(f"bucket {blocked[0]} got no gradient in the synced backward, so buckets "
+                               f"{[b for b in blocked if self._complete[b]]} behind it in the fixed launch "
+                               f"order were not reduced: every rank must use every parameter")
+        for b in list(self._pending):
+            self._land_bucket(b)
+        self._launched.clear()
+
+    def _land_bucket(self, b: int) -> None:
+        work, *buffers = self._pending.pop(b)
+        if work is not None:  # None: a dp=1 "collective" that was a plain copy
+            work.wait()
+        self._land(b, *buffers)
+
+    def _land(self, b: int, flat: torch.Tensor) -> None:
+        bucket = self.buckets[b]
+        for i, off in zip(bucket.index, bucket.offsets):
+            p = self.params[i]
+            if self.fp32_grads:  # the fp32 sum stays in main. .grad gets it rounded once, for any optimizer
+                if self.round_into_grad:
+                    p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
+            elif p.grad.data_ptr() != flat.data_ptr():  # else reduced in place
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+
+    def remove(self) -> None:
+        """Teardown: drop every hook (breaking the hook → self → params → hook cycle) and buffers."""
+        remove_handles(self.handles)
+        for work, *_ in self._pending.values():
+            if work is not None:
+                work.wait()
+        self._pending.clear()
+        self._launched.clear()
+        self._ready = [0] * len(self.buckets)
+        self._complete, self._next = [False] * len(self.buckets), 0
+        self.clear()
+
+    # --- refinement: at most `inflight` reductions in flight (a bounded backward peak)
+    def _bound(self) -> None:
+        """Before packing one more bucket, land the oldest until fewer than `inflight` are pending."""
+        while len(self._pending) >= self.inflight:
+            self._land_bucket(next(iter(self._pending)))
+
+    # --- refinement: fp32 main gradients (Megatron's main_grad): accumulate and sum in fp32
+    def main_grad(self, i: int, create: bool = False) -> torch.Tensor | None:
+        """Parameter i's fp32 gradient sum in its bucket's main buffer (None before any backward)."""
+        b, off = self._where[i]
+        p = self.params[i]
+        if self.main[b] is None and create:
+            self.main[b] = torch.zeros(self.buckets[b].size, dtype=self.reduce_dtype, device=p.device)
+        return None if self.main[b] is None else self.main[b][off:off + p.numel()].view_as(p)
+
+    def clear(self) -> None:
+        """Drop the main buffers (the optimizer's zero_grad): the next step accumulates from zero."""
+        self.main = [None] * len(self.buckets)
+
+
+# ------------------------------------------------------------------------------------------ buckets
+@dataclass
+class Bucket:
+    """Some parameters laid out back to back in one flat buffer.
+    Parameter `index[k]` of the owner's list occupies [offsets[k], offsets[k] + numel).
+    `size` is `numel` padded to a multiple of the dp size when the bucket is sharded (ZeRO).
+    The padding is zero."""
+    index: list[int]
+    offsets: list[int]
+    numel: int
+    size: int
+
+
+def layout(index: list[int], params: Sequence[torch.Tensor], pad_to: int = 1) -> Bucket:
+    offsets, n = [], 0
+    for i in index:
+        offsets.append(n)
+        n += params[i].numel()
+    return Bucket(index, offsets, n, -(-n // pad_to) * pad_to)
+
+
+def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: int,
+                 pad_to: int = 1) -> list[Bucket]:
+    """Group parameters in REVERSE order into buckets of at most `bucket_bytes`.
+    Backward produces the last layers' grads first. A larger parameter gets a bucket of its own."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * itemsize
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return [layout(g, params, pad_to) for g in groups if g]
+
+
+# ------------------------------------------------------------------------------------------ reduce-scatter
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter this rank owns. n may be 0.
+    Its flat elements [start, start+n) are elements [shard_start, shard_start+n) of this rank's
+    shard of bucket `bucket`."""
+    bucket: int
+    start: int
+    shard_start: int
+    n: int
+
+
+def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
+    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
+    buffers, async; N = 1 is a plain copy (no work: returns None)."""
+    if world == 1:
+        out.copy_(inp)
+        return None
+    return collective(out, inp, group=group, async_op=True)
+
+
+class ReduceScatterSync(GradSync):
+    """dp.GradSync whose buckets are reduce-scattered. Rank r receives the dp sum of elements
+    [r·S, (r+1)·S) of the bucket's flat buffer.
+    With keep_full (stage 1) they go into the owned slices of .grad, the accumulation buffer.
+    Else (stages 2-3) they go into `grad_shards`. Then .grad is dropped once packed.
+    per_micro_batch (stage 3, stage 2 on request): every backward reduces, and the shards accumulate.
+    Each bucket then launches as it completes (docs/zero.md#dppy-the-gradient-buckets).
+    Else no_sync is honoured and each bucket is reduced once per step, in `order`.
+    `on_reduced(b)` runs after each launch."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
+                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
+                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
+                 order: Sequence[int] | None = None):
+        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
+        self.per_micro_batch = per_micro_batch
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
+        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
+                         order=order)
+        self.in_order = not per_micro_batch  # each micro-batch: as completed (see the class docstring)
+        self.fp32_grads &= not per_micro_batch  # those accumulate in fp32 grad shards already
+        self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
+
+    def hooked(self) -> bool:
+        return True  # N = 1 runs the same path; the collectives become copies
+
+    def _launch(self, b: int) -> None:
+        if not self.per_micro_batch and b in self._launched:
+            raise RuntimeError(TWICE.format(b))
+        if b in self._pending:
+            self._land_bucket(b)  # an earlier micro-step's sum: accumulate it first
+        self._launched.add(b)
+        self._bound()
+        flat = self._pack(b)  # (size,)
+        if not self.keep_full:
+            for i in self.buckets[b].index:
+                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
+        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
+        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
+        self.on_reduced(b)
+
+    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
+        if self.keep_full and not self.fp32_grads:
+            for i in self.buckets[b].index:
+                pc = self.pieces[i]
+                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
+                    out[pc.shard_start:pc.shard_start + pc.n])
+        elif self.grad_shards[b] is None:
+            self.grad_shards[b] = out
+            self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
+        else:
+            self.grad_shards[b] += out
+
+    def clear(self) -> None:
+        super().clear()
+        self.grad_shards = [None] * len(self.buckets)
+
+
+# ------------------------------------------------------------------------------------------ the data side
 class DPSampler:
-    """This dp rank's sample indices, one optimizer step at a time (see the module docstring).
+    """This dp rank's sample indices, one optimizer step at a time.
+
+    All ranks derive one global order of the dataset from (seed, epoch).
+    Each uses its own `torch.Generator`. G is the global batch.
+    Optimizer step k consumes entries [k·G, (k+1)·G) of that order.
+    Dp rank r takes its contiguous slice of G/dp of them.
+    So step k trains on the same sequences at any dp size or micro-batch split.
+    TP/PP peers of a dp rank pass the same dp rank. They see identical rows.
 
     remainder "drop": an epoch's tail that does not fill a global batch is skipped (pretraining).
-    remainder "wrap": the epoch's last global batch is filled up from the start of the same
-    permutation (small SFT sets: every sample is seen at least once per epoch)."""
+    remainder "wrap": the epoch's last global batch is filled up from the permutation's start.
+    (Small SFT sets: every sample is seen at least once per epoch.)"""
 
     def __init__(self, num_samples: int, global_batch: int, dp_rank: int, dp_size: int, seed: int,
                  remainder: str = "drop"):
@@ -120,8 +407,8 @@ class DPSampler:
                 "remainder": self.remainder, "dp_size": self.dp_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the exact global sequence. The position is layout-free (an offset in the global
-        order), so a different dp size resumes exactly; a different data or batch definition raises."""
+        """Resume the exact global sequence. The position is an offset in the global order.
+        So a different dp size resumes exactly. A different data or batch definition raises."""
         bad = [f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}"
                for k in ("seed", "global_batch", "num_samples", "remainder") if state[k] != getattr(self, k)]
         if bad:
@@ -135,305 +422,15 @@ class DPSampler:
 
 
 def global_count(local: torch.Tensor | int, group: Group = None) -> torch.Tensor:
-    """Sum of a count over the dp group (e.g. the step's target tokens): pass the tensor from
-    `precision.count_targets` (it lives on the data device, which NCCL needs). Returns a 0-dim int64
-    tensor on that device and never reads it on the host (precision.normalized_loss divides by it
-    there): on CUDA the step goes on without waiting for the GPU. int() it where a number is needed."""
+    """Sum of a count over the dp group, e.g. the step's target tokens.
+    Pass the tensor from `precision.count_targets`. It lives on the data device, which NCCL needs.
+    Returns a 0-dim int64 tensor on that device. It is never read on the host here.
+    (precision.normalized_loss divides by it there.) So on CUDA the step goes on without waiting.
+    int() it where a number is needed."""
     t = local.detach().to(torch.int64).clone() if isinstance(local, torch.Tensor) else torch.tensor(local)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
-
-
-# ------------------------------------------------------------------------------------------ buckets
-@dataclass
-class Bucket:
-    """Some parameters laid out back to back in one flat buffer: parameter `index[k]` of the owner's
-    list occupies [offsets[k], offsets[k] + numel). `size` is `numel` padded to a multiple of the
-    dp size when the bucket is sharded (ZeRO); the padding is zero."""
-    index: list[int]
-    offsets: list[int]
-    numel: int
-    size: int
-
-
-def layout(index: list[int], params: Sequence[torch.Tensor], pad_to: int = 1) -> Bucket:
-    offsets, n = [], 0
-    for i in index:
-        offsets.append(n)
-        n += params[i].numel()
-    return Bucket(index, offsets, n, -(-n // pad_to) * pad_to)
-
-
-def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: int,
-                 pad_to: int = 1) -> list[Bucket]:
-    """Group parameters in REVERSE order (backward produces the last layers' grads first) into
-    buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own)."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * itemsize
-        if groups[-1] and size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    return [layout(g, params, pad_to) for g in groups if g]
-
-
-# ------------------------------------------------------------------------------------------ grad sync
-class GradSync:
-    """Sum `.grad` over the dp group in flat buckets, overlapped with backward (see module docstring).
-
-        sync = GradSync(params, dp_group, bucket_mb=25)
-        for k, micro in enumerate(micro_batches):
-            with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
-                loss(micro).backward()        # the last backward launches the bucket all-reduces
-        sync.finish()                         # wait, copy the sums into .grad
-        optimizer.step(); ...; sync.remove()  # at teardown
-
-    reduce_dtype: the dtype of the flat buffers (None: the grads' dtype; torch.float32 with bf16
-    grads accumulates the micro-steps and sums over dp in fp32: `main_grad(i)` holds the fp32 sum,
-    and with round_into_grad `.grad` that sum rounded once, for an optimizer that reads `.grad`; off,
-    `.grad` stays None — zero.py's step reads the fp32 sums, and the bf16 copy would cost 2Ψ and a
-    kernel per parameter every step). Subclasses (zero.py) replace `_launch`/`_land` to reduce-scatter."""
-
-    def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
-                 inflight: int = 2, order: Sequence[int] | None = None, round_into_grad: bool = True):
-        if inflight < 1:
-            raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
-        self.params = list(params)
-        self.group, self.inflight = group, inflight
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.reduce_dtype, self.round_into_grad = reduce_dtype, round_into_grad
-        if buckets is None:
-            itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
-            buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
-        self.buckets = buckets
-        # wide: accumulate in reduce_dtype flat buffers ("main grads", one per bucket, made lazily)
-        self.wide = bool(self.params) and reduce_dtype is not None and \
-            reduce_dtype.itemsize > self.params[0].dtype.itemsize
-        self.main: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._where = {i: (b, off) for b, bk in enumerate(self.buckets)
-                       for i, off in zip(bk.index, bk.offsets)}  # param → (bucket, offset)
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._sync = True
-        self._ready = [0] * len(self.buckets)  # grads accumulated so far in this backward, per bucket
-        # the launch order: buckets are reduced in it whatever order their grads complete in
-        self.in_order = True
-        self.order = list(range(len(self.buckets))) if order is None else list(order)
-        self._complete = [False] * len(self.buckets)  # all grads in, launch not yet due
-        self._next = 0  # position in self.order of the next bucket to launch
-        self._pending: dict[int, tuple] = {}  # bucket → (work, buffers it reads/writes), launch order
-        self._launched: set[int] = set()  # buckets reduced since the last finish()
-        self._alias = True  # may a one-gradient bucket be reduced in the .grad itself (_pack)
-        if self.hooked():
-            for b, bucket in enumerate(self.buckets):
-                for i in bucket.index:
-                    hook = partial(self._on_grad, b, i)
-                    self.handles.append(self.params[i].register_post_accumulate_grad_hook(hook))
-
-    def hooked(self) -> bool:
-        """dp = 1 needs no communication at all: no hooks (unless accumulating in fp32)."""
-        return self.world > 1 or self.wide
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside this context only accumulates into .grad (accumulation micro-steps)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
-        if self.wide:  # every micro-step: .grad → the bucket's fp32 buffer, so autograd never adds in bf16
-            self.main_grad(i, create=True).add_(param.grad)
-            param.grad = None
-        if not self._sync:
-            return
-        self._ready[b] += 1
-        if self._ready[b] == len(self.buckets[b].index):
-            self._ready[b] = 0
-            if not self.in_order:
-                self._launch(b)
-                return
-            self._complete[b] = True
-            while self._complete[self.order[self._next]]:  # launch in self.order, never out of it
-                self._complete[self.order[self._next]] = False
-                self._launch(self.order[self._next])
-                self._next = (self._next + 1) % len(self.order)  # a whole round: the next backward
-                if self._next == 0:
-                    break
-
-    def _pack(self, b: int) -> torch.Tensor:
-        """The bucket's grads in one flat buffer (reduce dtype), zero padding at the end: (size,).
-        A bucket that is one whole gradient (a large parameter: the embedding) is that gradient
-        itself, reduced in place: no copy of the largest tensors."""
-        if self.wide:
-            return self.main[b]  # already flat: reduced in place
-        bucket = self.buckets[b]
-        first = self.params[bucket.index[0]].grad
-        dtype = self.reduce_dtype or first.dtype
-        if self._alias and len(bucket.index) == 1 and bucket.size == bucket.numel and \
-                first.dtype == dtype and first.is_contiguous():
-            return first.view(-1)
-        flat = torch.empty(bucket.size, dtype=dtype, device=first.device)
-        flat[bucket.numel:].zero_()
-        for i, off in zip(bucket.index, bucket.offsets):
-            g = self.params[i].grad
-            flat[off:off + g.numel()].copy_(g.reshape(-1))
-        return flat
-
-    def _launch(self, b: int) -> None:
-        if b in self._launched:
-            raise RuntimeError(TWICE.format(b))
-        self._launched.add(b)
-        self._bound()
-        flat = self._pack(b)
-        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
-        self._pending[b] = (work, flat)
-
-    def _bound(self) -> None:
-        """Before packing one more bucket, land the oldest until fewer than `inflight` are pending."""
-        while len(self._pending) >= self.inflight:
-            self._land_bucket(next(iter(self._pending)))
-
-    def _land(self, b: int, flat: torch.Tensor) -> None:
-        bucket = self.buckets[b]
-        for i, off in zip(bucket.index, bucket.offsets):
-            p = self.params[i]
-            if self.wide:  # the fp32 sum stays in main; .grad gets it rounded once (for any optimizer)
-                if self.round_into_grad:
-                    p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
-            elif p.grad.data_ptr() != flat.data_ptr():  # else reduced in place
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-
-    def main_grad(self, i: int, create: bool = False) -> torch.Tensor | None:
-        """Parameter i's fp32 gradient sum in its bucket's main buffer (None before any backward)."""
-        b, off = self._where[i]
-        p = self.params[i]
-        if self.main[b] is None and create:
-            self.main[b] = torch.zeros(self.buckets[b].size, dtype=self.reduce_dtype, device=p.device)
-        return None if self.main[b] is None else self.main[b][off:off + p.numel()].view_as(p)
-
-    def clear(self) -> None:
-        """Drop the main buffers (the optimizer's zero_grad): the next step accumulates from zero."""
-        self.main = [None] * len(self.buckets)
-
-    def finish(self) -> None:
-        """Wait for every launched reduction and write the results back. Idempotent."""
-        partial_ = [b for b, n in enumerate(self._ready) if n]
-        if partial_:
-            names = [i for b in partial_ for i in self.buckets[b].index if self.params[i].grad is None]
-            raise RuntimeError(f"buckets {partial_} got only some of their gradients in the synced "
-                               f"backward (no grad for parameters at positions {names[:8]}): every "
-                               f"rank must use every parameter, or freeze the unused ones")
-        if self._next or any(self._complete):  # a round begun and not finished
-            blocked = self.order[self._next:]
-            raise RuntimeError(f"bucket {blocked[0]} got no gradient in the synced backward, so buckets "
-                               f"{[b for b in blocked if self._complete[b]]} behind it in the fixed launch "
-                               f"order were not reduced: every rank must use every parameter")
-        for b in list(self._pending):
-            self._land_bucket(b)
-        self._launched.clear()
-
-    def _land_bucket(self, b: int) -> None:
-        work, *buffers = self._pending.pop(b)
-        if work is not None:  # None: a dp=1 "collective" that was a plain copy
-            work.wait()
-        self._land(b, *buffers)
-
-    def remove(self) -> None:
-        """Teardown: drop every hook (breaking the hook → self → params → hook cycle) and buffers."""
-        remove_handles(self.handles)
-        for work, *_ in self._pending.values():
-            if work is not None:
-                work.wait()
-        self._pending.clear()
-        self._launched.clear()
-        self._ready = [0] * len(self.buckets)
-        self._complete, self._next = [False] * len(self.buckets), 0
-        self.clear()
-
-
-# ------------------------------------------------------------------------------------------ reduce-scatter
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter this rank owns: its flat elements [start, start+n) are elements
-    [shard_start, shard_start+n) of this rank's shard of bucket `bucket` (n may be 0)."""
-    bucket: int
-    start: int
-    shard_start: int
-    n: int
-
-
-def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
-    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
-    buffers, async; N = 1 is a plain copy (no work: returns None)."""
-    if world == 1:
-        out.copy_(inp)
-        return None
-    return collective(out, inp, group=group, async_op=True)
-
-
-class ReduceScatterSync(GradSync):
-    """dp.GradSync whose buckets are reduce-scattered: rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer, into the owned slices of .grad (keep_full, stage 1:
-    .grad is the accumulation buffer) or into `grad_shards` (stages 2-3: .grad is dropped once
-    packed). per_micro_batch: every backward reduces and the shards accumulate (stage 3, and stage 2
-    on request), each bucket launched as it completes (with several chunks per rank, micro-batches
-    interleave: no fixed round; every dp rank runs the same schedule and graph); else no_sync is
-    honoured and each bucket is reduced once per step, in `order`. `on_reduced(b)` runs after each
-    launch."""
-
-    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
-                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
-                 order: Sequence[int] | None = None):
-        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
-        self.per_micro_batch = per_micro_batch
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
-        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
-                         order=order)
-        self.in_order = not per_micro_batch  # each micro-batch: as completed (see the class docstring)
-        self.wide &= not per_micro_batch  # those accumulate in fp32 grad shards already
-        self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
-
-    def hooked(self) -> bool:
-        return True  # N = 1 runs the same path; the collectives become copies
-
-    def _launch(self, b: int) -> None:
-        if not self.per_micro_batch and b in self._launched:
-            raise RuntimeError(TWICE.format(b))
-        if b in self._pending:
-            self._land_bucket(b)  # an earlier micro-step's sum: accumulate it first
-        self._launched.add(b)
-        self._bound()
-        flat = self._pack(b)  # (size,)
-        if not self.keep_full:
-            for i in self.buckets[b].index:
-                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
-        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
-        self.on_reduced(b)
-
-    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
-        if self.keep_full and not self.wide:
-            for i in self.buckets[b].index:
-                pc = self.pieces[i]
-                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
-                    out[pc.shard_start:pc.shard_start + pc.n])
-        elif self.grad_shards[b] is None:
-            self.grad_shards[b] = out
-            self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
-        else:
-            self.grad_shards[b] += out
-
-    def clear(self) -> None:
-        super().clear()
-        self.grad_shards = [None] * len(self.buckets)
 
 
 def remove_handles(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

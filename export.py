@@ -97,8 +97,10 @@ def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig
     try:
         for i, specs in enumerate(files):
             name = W.shard_name(first + i, total)
-            W.write_safetensors(tmp / name, specs, itertools.islice(tensors, len(specs)), {"format": "pt"})
-            report["weights"] |= {n: name for n, _, _ in specs}
+            # transformers' on-disk names: an MoE layer's fused experts are written one per expert
+            disk, pieces = W.hf_tensors(specs, itertools.islice(tensors, len(specs)), cfg)
+            W.write_safetensors(tmp / name, disk, pieces, {"format": "pt"})
+            report["weights"] |= {n: name for n, _, _ in disk}
     except (OSError, ValueError) as e:
         report["error"] = str(e)
     for _ in tensors:  # the remaining gathers, with the peers, whatever happened here

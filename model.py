@@ -9,18 +9,23 @@ What it does
     qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
     safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
     ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
+    Three mixtures of experts, `model_type` mixtral, qwen3_moe and olmoe (MOE_FAMILIES): the MLP of a
+    sparse layer (`LlamaConfig.is_sparse`) is moe.MoE; OLMoE's q/k RMSNorm spans the whole
+    projection (qk_norm_whole). With `output_router_logits` the loss adds `router_aux_loss_coef` ·
+    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM.
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
     (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
-    numerics follow transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
+    Jiang et al. 2024 (Mixtral), Muennighoff et al. 2024 (OLMoE); numerics follow
+    transformers/models/{llama,qwen2,qwen3,mistral,mixtral,qwen3_moe,olmoe}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py — causal attention within packed documents; the layer's
-    elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits (the
-    default `loss_fn`)
+Builds on: attention.py, ops.py, loss.py, moe.py — causal attention within packed documents; the
+    layer's elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits
+    (the default `loss_fn`); the MoE block, its router losses and the recorder of router logits
 
 Invariants
     - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
@@ -39,7 +44,9 @@ Invariants
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
-      and a window shorter than the sequence (tests/test_families.py).
+      and a window shorter than the sequence (tests/test_families.py); the MoE families too, with and
+      without the load-balancing loss, an expert no token picks, AC (each router counted
+      once), export bit-equal (tests/test_moe_models.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
     - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
@@ -52,6 +59,7 @@ Invariants
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -64,6 +72,7 @@ import torch.nn as nn
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 from loss import linear_cross_entropy
+from moe import MoE, MoEConfig, record_router_logits, router_loss
 from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
@@ -81,7 +90,24 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, mlp_bias=False)),
     "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False,
                                            mlp_bias=False, layer_types=None)),
+    # the mixtures of experts (moe.MoE replaces the MLP where `is_sparse` says so):
+    #   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
+    #   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
+    #              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
+    #   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
+    "mixtral": ("MixtralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
+                                           layer_types=None, norm_topk_prob=True, mlp_only_layers=(),
+                                           decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False,
+                                              mlp_bias=False, layer_types=None)),
+    "olmoe": ("OlmoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True, mlp_bias=False,
+                                       sliding_window=None, layer_types=None, mlp_only_layers=(),
+                                       decoder_sparse_step=1)),
 }
+for _dense in ("llama", "qwen2", "qwen3", "mistral"):  # a stray num_experts key is ignored, as by transformers
+    FAMILIES[_dense][1]["num_experts"] = 0
+FAMILIES["qwen3"][1]["qk_norm_whole"] = False
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # transformers' class defaults of the keys a config.json may omit, where they differ by family
 _DEFAULTS = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
@@ -89,6 +115,13 @@ _DEFAULTS = {
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
     "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
                     sliding_window=4096),
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
+                    rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
+    "olmoe": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -120,6 +153,16 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of every q and k head, before RoPE (Qwen3)
     sliding_window: int | None = None  # a query sees the last sliding_window positions, its own included
     layer_types: tuple[str, ...] | None = None  # per layer one of LAYER_TYPES; None: all slide (Mistral)
+    # mixture of experts (MOE_FAMILIES; num_experts 0: dense). See moe.py and `is_sparse`.
+    qk_norm_whole: bool = False  # the q/k RMSNorm over the whole projection, all heads at once (OLMoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int = 0  # per expert (Qwen3-MoE's key; Mixtral/OLMoE: intermediate_size)
+    norm_topk_prob: bool = False  # renormalize the k weights (Mixtral always)
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False  # transformers adds coef · load-balancing loss only then
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: dense layers
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
@@ -144,7 +187,7 @@ class LlamaConfig:
             bad.append(f"attention_dropout={d['attention_dropout']} (only 0.0)")
         # transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_theta + rope_scaling
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        theta = rope.pop("rope_theta", d.get("rope_theta", defaults.get("rope_theta", 10000.0)))
         if not _NUM[0](theta):
             bad.append(f"rope_theta must be {_NUM[1]}, got {theta!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -154,6 +197,7 @@ class LlamaConfig:
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
+        moe = _read_moe(d, family, bad)
         window, layer_types = _read_window(d, family, bad)
         if bad:
             raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
@@ -168,12 +212,12 @@ class LlamaConfig:
             num_key_value_heads=d.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads,
             head_dim=d.get("head_dim", defaults["head_dim"]) or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", defaults["max_position_embeddings"]),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=d.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": "llama3"},
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
-            **{**read, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
+            **{**read, **moe, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
         )
         cfg.validate()
         return cfg
@@ -194,6 +238,20 @@ class LlamaConfig:
             d["mlp_bias"] = self.mlp_bias
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
+        if self.model_type in ("mixtral", "qwen3_moe"):
+            d["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen3_moe":
+            d |= {"use_sliding_window": self.sliding_window is not None, "attention_bias": self.attention_bias,
+                  "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                  "mlp_only_layers": list(self.mlp_only_layers), "decoder_sparse_step": self.decoder_sparse_step}
+        if self.model_type == "olmoe":
+            d |= {"attention_bias": self.attention_bias, "norm_topk_prob": self.norm_topk_prob}
+            del d["head_dim"]  # OLMoE derives it (hidden_size / heads)
+        if self.num_experts:
+            d |= {"num_experts" if self.model_type == "olmoe" else "num_local_experts": self.num_experts,
+                  "num_experts_per_tok": self.num_experts_per_tok,
+                  "router_aux_loss_coef": self.router_aux_loss_coef,
+                  "output_router_logits": self.output_router_logits}
         if self.model_type in ("qwen2", "qwen3"):  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -215,6 +273,20 @@ class LlamaConfig:
         transformers' sliding mask), or None: plain causal attention."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's rule; the other
+        MoE families have no dense layer: mlp_only_layers (), decoder_sparse_step 1)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def moe_config(self) -> MoEConfig:
+        """The sparse layers' moe.MoEConfig. Mixtral keeps the combine weights in fp32, Qwen3-MoE and
+        OLMoE cast them to the logits' dtype (moe.py's `fp32_weights`)."""
+        return MoEConfig(hidden=self.hidden_size, intermediate=self.moe_intermediate_size,
+                         num_experts=self.num_experts, top_k=self.num_experts_per_tok,
+                         renormalize=self.norm_topk_prob, fp32_weights=self.model_type == "mixtral",
+                         aux_loss_coef=self.router_aux_loss_coef)
+
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -235,6 +307,14 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
+        if self.model_type in MOE_FAMILIES and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                                    and self.moe_intermediate_size >= 1):
+            raise ValueError(f"{self.model_type}: need 1 <= num_experts_per_tok={self.num_experts_per_tok} <= "
+                             f"num_experts={self.num_experts} and moe_intermediate_size="
+                             f"{self.moe_intermediate_size} >= 1")
+        if self.model_type == "olmoe" and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"olmoe: head_dim={self.head_dim} × num_attention_heads={self.num_attention_heads} "
+                             f"must be hidden_size={self.hidden_size} (its q norm spans hidden_size)")
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
@@ -251,10 +331,16 @@ def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tupl
     types = d.get("layer_types")
     if family == "llama":  # LlamaConfig has no window: transformers ignores these keys
         return None, None
-    if family == "mistral":
+    if family == "olmoe":  # transformers' OLMoE has no window
+        return None, None
+    if family == "qwen3_moe":  # every layer slides with use_sliding_window; it reads no layer_types
+        if types is not None:
+            bad.append(f"layer_types={types} (transformers' Qwen3-MoE ignores it)")
+        return (d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None), None
+    if family in ("mistral", "mixtral"):
         if types is not None:
             bad.append(f"layer_types={types} (transformers' Mistral ignores it: a Ministral checkpoint?)")
-        return d.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]), None
+        return d.get("sliding_window", _DEFAULTS[family]["sliding_window"]), None
     window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
     if types is None:
         first = d.get("max_window_layers", 28)
@@ -269,6 +355,33 @@ def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tupl
     if window is None or "sliding_attention" not in types:
         return None, None
     return window, tuple(types)
+
+
+def _read_moe(d: dict, family: str, bad: list[str]) -> dict:
+    """The MoE fields of LlamaConfig from config.json (empty for a dense family), with the family's
+    defaults; what is not implemented goes to `bad`, naming the key and its value."""
+    if family not in MOE_FAMILIES:
+        return {}
+    defaults = _DEFAULTS[family]
+    # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
+    given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
+    if len(given) > 1:
+        bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
+    if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
+        bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
+    if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
+        bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
+    if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
+        bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
+    return dict(num_experts=given.pop() if given else defaults["num_experts"],
+                num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+                moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+                                       if family == "qwen3_moe" else d["intermediate_size"]),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+                output_router_logits=d.get("output_router_logits", False),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1))
 
 
 # config.json keys read here: (required, type check, what the check means)
@@ -291,6 +404,14 @@ _HF_KEYS = {
     "sliding_window": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
     "max_window_layers": (False, lambda v: _ID[0](v) and v is not None, "an integer >= 0"),
     "layer_types": (False, lambda v: v is None or isinstance(v, list), "a list or null"),
+    "num_experts": (False, *_INT), "num_local_experts": (False, *_INT), "num_experts_per_tok": (False, *_INT),
+    "moe_intermediate_size": (False, *_INT), "decoder_sparse_step": (False, *_INT),
+    "norm_topk_prob": (False, *_BOOL), "output_router_logits": (False, *_BOOL),
+    "router_aux_loss_coef": (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                             "a number >= 0"),
+    "mlp_only_layers": (False, lambda v: v is None or isinstance(v, list) and all(_ID[0](x) and x is not None
+                                                                                  for x in v),
+                        "a list of layer indices or null"),
     "eos_token_id": (False, lambda v: _ID[0](v) or isinstance(v, list) and len(v) > 0
                      and all(_ID[0](x) and x is not None for x in v), "a token id, a list of them or null"),
 }
@@ -331,17 +452,23 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        if cfg.is_sparse(n):  # transformers 5's fused in-memory layout (weights.py writes one per expert)
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * mi, h),
+                       p + "mlp.experts.down_proj": (e, h, mi)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}
         if cfg.attention_bias or cfg.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         if cfg.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-        if cfg.mlp_bias:
+            shapes |= {p + "self_attn.q_norm.weight": (q,) if cfg.qk_norm_whole else (hd,),
+                       p + "self_attn.k_norm.weight": (kv,) if cfg.qk_norm_whole else (hd,)}
+        if cfg.mlp_bias and not cfg.is_sparse(n):
             shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
                        p + "mlp.down_proj.bias": (h,)}
     shapes["model.norm.weight"] = (h,)
@@ -410,9 +537,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
-        # Qwen3: one (hd,) weight shared by every head (tp replicates it; each rank's heads add to its grad)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3: one (hd,) weight shared by every head (tp replicates it; each rank's heads add to its grad);
+        # OLMoE (qk_norm_whole): one weight over the whole projection, its statistics over all heads
+        self.qk_norm_whole = cfg.qk_norm_whole
+        qn, kn = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_whole else (hd, hd)
+        self.q_norm = RMSNorm(qn, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(kn, cfg.rms_norm_eps) if cfg.qk_norm else None
         # this layer's sliding window (None: causal); attn_fn honours it, and so must any file that
         # swaps attn_fn (cp.py reads `window` to refuse what its ring cannot mask)
         self.window = cfg.window(layer)
@@ -429,7 +559,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
-        if self.q_norm is not None:  # over hd, per head
+        if self.q_norm is not None and self.qk_norm_whole:  # over all heads at once (OLMoE)
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # over hd, per head
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         # with a cache: this call's S positions follow the cached ones (generation, below)
@@ -464,7 +596,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.moe_config()) if cfg.is_sparse(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Documents | torch.Tensor | None, *, cache: "LayerCache | None" = None) -> torch.Tensor:
@@ -521,11 +653,13 @@ class Llama(nn.Module):
         elif docs is None:
             docs = Documents.from_position_ids(position_ids)
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
-        for name, layer in m.layers.items():
-            if cache is None:
-                h = layer(h, cos, sin, docs)
-            else:
-                h = layer(h, cos, sin, docs, cache=cache.layer(name))
+        aux = labels is not None and self.config.output_router_logits and self.config.num_experts > 0
+        with record_router_logits(self) if aux else contextlib.nullcontext() as router_logits:
+            for name, layer in m.layers.items():
+                if cache is None:
+                    h = layer(h, cos, sin, docs)
+                else:
+                    h = layer(h, cos, sin, docs, cache=cache.layer(name))
         if cache is not None:
             cache.length += S
             h = h[:, -1:]  # (B, 1, H): generation reads the next token only
@@ -535,7 +669,13 @@ class Llama(nn.Module):
             return h
         if labels is None:
             return self.logits_fn(self.lm_head(h))  # (B, S, V)
-        return self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
+        loss = self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
+        if not aux:
+            return loss
+        # transformers: mean token loss + coef · load-balancing loss of this forward (all layers pooled);
+        # a summed loss gets the term once per target token, so sum / count is transformers' loss
+        extra = router_loss([t for t in router_logits if t is not None], self.config.moe_config())
+        return loss + extra * ((labels != -100).sum() if reduction == "sum" else 1)
 
 
 # ----------------------------------------------------------------------------------------- compile

@@ -126,7 +126,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
 
 
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
-                   grid: G.Grid) -> Z.DataParallel:
+                   grid: G.Grid) -> Z.DataParallelOptimizer:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
     a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
@@ -253,7 +253,7 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
     return path
 
 
-def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg: M.LlamaConfig,
+def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig,
            shards: dict, sampler: dp.DPSampler, grid: G.Grid) -> int:
     """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler; return
     the step to continue from (0 when there is nothing to resume). The ranks agree over the io
@@ -272,7 +272,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallel, cfg
     return got.step
 
 
-def save(args: argparse.Namespace, step: int, opt: Z.DataParallel, cfg: M.LlamaConfig, shards: dict,
+def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig, shards: dict,
          sampler_state: dict, grid: G.Grid, metrics: TextIO | None, lock: PR.SaveLock | None = None) -> None:
     """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
     durable, so a kill between the two loses no record. The ranks wait for each other in the io

@@ -10,7 +10,10 @@ What it does
     from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
     the buffers alone. `save_hf` writes full tensors as an HF directory that
     `AutoModelForCausalLM.from_pretrained` loads as the same family (config.json with its
-    architectures and model_type, generation_config.json, safetensors, the tokenizer); `load_config`
+    architectures and model_type, generation_config.json, safetensors, the tokenizer). MoE experts:
+    transformers 5 fuses them in memory (as model.py does) but save_pretrained writes one tensor per
+    expert and projection; `hf_pieces` maps one layout to the other, save_hf writes the per-expert
+    one and the reader takes either (only the experts a rank holds are read); `load_config`
     reads a config.json of any of model.FAMILIES (one error naming the file and every bad key and
     value) and `load_hf` the whole model. The pieces serve a streaming export too (export.py
     writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
@@ -37,6 +40,8 @@ Invariants
     - An export owns its folder: it is written whole into `<dir>.tmp` and swapped in, so no file of
       an older export (a stale index or shard) survives, and a crash leaves the older one complete.
       A folder holding anything an export does not write is refused, never deleted.
+    - An MoE export holds exactly save_pretrained's keys and loads bit-equal in transformers
+      (tests/test_moe_models.py::test_export_loads_bit_equal_with_transformers_keys).
 
 Builds on: model.py
 """
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import json
 import math
 import os
@@ -115,6 +121,70 @@ class SafetensorsDir:
             return sl[index]
 
 
+# --- the experts on disk: transformers 5 fuses them in memory, save_pretrained writes one per expert
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
+Piece = tuple[str, tuple]  # a disk tensor's name and where it sits in the in-memory tensor (an index)
+
+
+def hf_pieces(name: str, cfg: LlamaConfig) -> list[Piece]:
+    """Where in-memory tensor `name` lives in transformers' on-disk layout (what save_pretrained
+    writes): [(name, ())] for every tensor but a sparse layer's. There the router is `gate.weight`
+    (Mixtral: under `block_sparse_moe`), and expert e of `gate_up_proj` (E, 2I, H) is two files'
+    tensors: rows [0, I) the gate (Mixtral `w1`, else `gate_proj`), rows [I, 2I) the up (`w3`,
+    `up_proj`); expert e of `down_proj` (E, H, I) is one (`w2`, `down_proj`), each (I, H) / (H, I)."""
+    m = _FUSED.fullmatch(name)
+    if m is None:
+        return [(name, ())]
+    layer, what = m.groups()
+    mixtral = cfg.model_type == "mixtral"
+    block = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    if what == "gate.weight":
+        return [(f"{block}.gate.weight", ())]
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    e_all, i = range(cfg.num_experts), cfg.moe_intermediate_size
+    if what == "experts.down_proj":
+        return [(f"{block}.experts.{e}.{down}.weight", (e,)) for e in e_all]
+    return [piece for e in e_all for piece in ((f"{block}.experts.{e}.{gate}.weight", (e, slice(0, i))),
+                                                (f"{block}.experts.{e}.{up}.weight", (e, slice(i, 2 * i))))]
+
+
+def _piece_shape(full: tuple[int, ...], at: tuple) -> tuple[int, ...]:
+    """The shape of full-tensor[at] for an index of leading ints and row slices."""
+    shape = list(full)
+    for d, ix in enumerate(at):
+        shape[d] = -1 if isinstance(ix, int) else ix.stop - ix.start
+    return tuple(n for n in shape if n != -1)
+
+
+def hf_disk_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Disk name → shape of every tensor save_pretrained writes for this config."""
+    return {disk: _piece_shape(full, at) for name, full in global_shapes(cfg).items()
+            for disk, at in hf_pieces(name, cfg)}
+
+
+def hf_tensors(specs: list["Spec"], tensors: Iterable[torch.Tensor],
+               cfg: LlamaConfig) -> tuple[list["Spec"], Iterator[torch.Tensor]]:
+    """In-memory specs and tensors → transformers' on-disk ones (hf_pieces): views, no copy."""
+    disk = [(d, _piece_shape(shape, at), dtype) for name, shape, dtype in specs for d, at in hf_pieces(name, cfg)]
+    pieces = (t[at] for (name, _, _), t in zip(specs, tensors, strict=True) for _, at in hf_pieces(name, cfg))
+    return disk, pieces
+
+
+def _read_block(src: SafetensorsDir, name: str, full: tuple[int, ...], index: tuple[slice, ...],
+                cfg: LlamaConfig) -> torch.Tensor:
+    """tensor[index] of in-memory `name` from either layout on disk: as it is named in memory, or
+    in pieces (hf_pieces), of which only the experts in index[0] are read."""
+    pieces = hf_pieces(name, cfg)
+    if name in src.files or len(pieces) == 1 and pieces[0][1] == ():
+        return src.block(name if name in src.files else pieces[0][0], full, index)
+    e0, e1, _ = index[0].indices(full[0])
+    out = torch.empty((e1 - e0, *full[1:]))  # (experts read, ...) in memory's layout
+    for disk, at in pieces:
+        if e0 <= at[0] < e1:
+            out[(at[0] - e0, *at[1:])] = src.block(disk, _piece_shape(full, at), (slice(None),))
+    return out[(slice(None), *index[1:])]
+
+
 def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
                  shards: dict[str, Shard] | None = None) -> Callable[[str, int, int], torch.Tensor]:
     """read(name, start, stop) → fp32 CPU tensor (stop - start,): elements [start, stop) of
@@ -142,7 +212,7 @@ def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
             index[shard.dim] = slice(min(shard.start, full[shard.dim]),
                                      min(shard.start + shard.size, full[shard.dim]))
         if src is not None:
-            got = src.block(key, full, tuple(index))
+            got = _read_block(src, key, full, tuple(index), cfg)
         else:
             got = init_tensor(key, full, seed, cfg.initializer_range)[tuple(index)]
         rows = torch.zeros((r1 - r0, *shape[1:]))  # padding (past the global size) stays zero
@@ -369,10 +439,12 @@ def finish_hf(tmp: Path, out_dir: str | os.PathLike, cfg: LlamaConfig, weight_ma
     """Complete an export written into `tmp` (begin_export): the index (several shards),
     config.json and generation_config.json with the tokenizer's bos/eos/pad ids, the tokenizer
     files; then swap it in (commit_export)."""
-    missing = sorted(set(global_shapes(cfg)) - set(weight_map))
+    # either layout: a fused expert tensor by its in-memory name, or all its pieces (hf_pieces)
+    missing = sorted(n for n in global_shapes(cfg) if n not in weight_map
+                     and any(d not in weight_map for d, _ in hf_pieces(n, cfg)))
     if missing:
         raise ValueError(f"export: no shard holds {len(missing)} tensors, e.g. {missing[:3]}")
-    shapes = global_shapes(cfg)
+    shapes = global_shapes(cfg) | hf_disk_shapes(cfg)
     if len(set(weight_map.values())) > 1:
         total = sum(math.prod(shapes[k]) * dtype.itemsize for k in weight_map)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -402,13 +474,15 @@ def save_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | os.
     if missing:
         raise ValueError(f"save_hf: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
     dtype = state[next(iter(shapes))].dtype
-    files = plan_shards([(k, shapes[k], dtype) for k in shapes], max_shard_bytes)
+    # transformers' on-disk layout: one tensor per expert and projection (hf_pieces)
+    specs, tensors = hf_tensors([(k, shapes[k], dtype) for k in shapes], (state[k] for k in shapes), cfg)
+    files = plan_shards(specs, max_shard_bytes)
     tmp = begin_export(out_dir)
     weight_map = {}
     try:
         for i, specs in enumerate(files):
             name = shard_name(i, len(files))
-            write_safetensors(tmp / name, specs, (state[k] for k, _, _ in specs), metadata={"format": "pt"})
+            write_safetensors(tmp / name, specs, itertools.islice(tensors, len(specs)), metadata={"format": "pt"})
             weight_map |= {k: name for k, _, _ in specs}
         finish_hf(tmp, out_dir, cfg, weight_map, dtype, tokenizer)
     except BaseException:

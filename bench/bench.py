@@ -163,7 +163,7 @@ def zero_overlap(ctx: Ctx, blocks: int = 3, per_block: int = 3) -> None:
     for stage in (1, 2):
         for bucket_mb in (25.0, 2.0):
             model = ctx.fresh()
-            opt = Z.apply_zero(model, stage, None, ctx.ocfg, bucket_mb=bucket_mb)
+            opt = Z.apply_zero_0_to_2(model, stage, None, ctx.ocfg, bucket_mb=bucket_mb)
             waits: list[float] = []
             finish = opt.sync.finish
 
@@ -240,7 +240,7 @@ def sec_cp(ctx: Ctx) -> None:
         ctx.tables["Context parallelism"] = [f"skipped: seq-len {S} is not a multiple of 2·cp = {2 * cp}"]
         return
     ours = ctx.fresh(lambda model: CP.apply_cp(model, dist.group.WORLD) or model)
-    opt = Z.apply_zero(ours, 0, None, ctx.ocfg)  # the cp ranks sum their gradients, as dp replicas do
+    opt = Z.apply_zero_0_to_2(ours, 0, None, ctx.ocfg)  # the cp ranks sum their gradients, as dp replicas do
     peer = ctx.fresh()
     popt = P.MixedPrecisionOptimizer(peer.named_parameters(), ctx.ocfg)
 

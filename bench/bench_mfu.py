@@ -2,7 +2,7 @@
 
 What it does
     For the `1b` preset in bf16 at seq 2048 (fp32 masters, fp32 gradient accumulation: train.py's
-    defaults, through zero.apply_zero stage 0), one configuration after another in a fresh model:
+    defaults, through zero.apply_zero_0_to_2 stage 0), one configuration after another in a fresh model:
       layers  eager | --compile (model.compile_layers)      AC  none | selective | full
     then the same steps through transformers' LlamaForCausalLM (sdpa) with the same weights, batches
     and optimizer. Each row: median step time after warm-up (CUDA-synchronized), tokens/s, MFU =
@@ -146,7 +146,7 @@ def ours(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch.device, com
         AC.apply_ac(model, ac)
     if compiled:
         M.compile_layers(model)
-    opt = Z.apply_zero(model, 0, None, P.OptimConfig(lr=args.lr), torch.bfloat16, reduce_dtype=torch.float32)
+    opt = Z.apply_zero_0_to_2(model, 0, None, P.OptimConfig(lr=args.lr), torch.bfloat16, reduce_dtype=torch.float32)
     tokens = args.batch * args.seq_len
 
     def step(i: int) -> torch.Tensor:

@@ -7,18 +7,18 @@ What it does
                 with the measured F/B/W costs, and the closed form; bench.sec_pp calls it.
     sec_memory  two bf16 steps of ZeRO stages 0-3 without and with full AC (and pp=2 1F1B with
                 ZeRO-1/2), built from the meta device as train.py builds: the bytes each rank holds
-                after the gradient reduction, read from the tensors (zero3.persistent_bytes), beside
+                after the gradient reduction, read from the tensors (zero_memory.persistent_bytes), beside
                 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N, with the step's saved activations
                 (ac.SavedActivationMeter); then three columns per layout: persistent bytes, the
                 measured peak (memory.PeakMeter, at the allocator on CPU and CUDA alike) and the
-                formula with zero3.peak_extras, beside the peak minus the activations (what grows
+                formula with zero_memory.peak_extras, beside the peak minus the activations (what grows
                 with the micro-batch: the peak at twice the rows minus the peak). Then one decoder
                 layer's saved activations (no AC, selective, full) beside ac.py's formulas and
                 Korthikanti et al.'s sbh(34 + 5as/h).
     fake_pg     (`python -m bench.bench_theory`) one rank of a large layout on this machine: torch's fake
                 process group runs one rank of dp ranks in one process with real compute and memory
                 and no-op collectives; the 1b preset's setup and step peak under ZeRO-3 beside
-                16Ψ/N and zero3.peak_extras.
+                16Ψ/N and zero_memory.peak_extras.
 
 Run
     torchrun --nproc_per_node 4 -m bench.bench --only pp,memory
@@ -50,6 +50,7 @@ import precision as P
 import weights as W
 import zero as Z
 import zero3 as Z3
+import zero_memory as ZM
 from bench.bench_ctx import Ctx
 
 
@@ -183,12 +184,12 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
             loss.backward()
         opt.finish()
         if it:
-            held = Z3.persistent_bytes(opt)
+            held = ZM.persistent_bytes(opt)
         meter.phase("step")
         opt.step(ctx.args.lr)
         meter.phase(None)
         meter.settle()
-    extras = Z3.peak_extras(opt)
+    extras = ZM.peak_extras(opt)
     base = meter.peaks["base"]
     peaks = {name: (p.allocated - base.allocated, p.reserved) for name, p in meter.peaks.items()}
     meter.close()
@@ -237,7 +238,7 @@ def sec_memory(ctx: Ctx) -> None:
                "formula + extras", "(peak - act.) / (formula + extras)", "every phase within", "setup peak"],
               peak_rows, note="Training peak = the largest of forward, backward and step (second step). "
               "Activations = what grows with the micro-batch: peak(2b) - peak(b), so peak - activations "
-              "= 2 peak(b) - peak(2b), the fixed part of the peak. Extras: zero3.peak_extras (buckets, "
+              "= 2 peak(b) - peak(2b), the fixed part of the peak. Extras: zero_memory.peak_extras (buckets, "
               "units and step chunk here 1/16 of the model).")
     if ctx.rank == 0:
         activations(ctx)
@@ -249,7 +250,7 @@ def held_total(r: dict) -> int:
 
 def persistent_row(name: str, stage: int, everyone: list[dict]) -> list:
     r = max(everyone, key=held_total)  # the fullest rank
-    formula = Z3.formula_bytes(stage, r["psi"], r["dp"])
+    formula = ZM.formula_bytes(stage, r["psi"], r["dp"])
     return [name, r["dp"], *map(mib, (r["params"], r["grads"], r["master"], r["adam_m"] + r["adam_v"],
                                       held_total(r), formula)),
             f"{held_total(r) / formula:.4f}", mib(r["act"]), mib(r["autograd"])]
@@ -261,7 +262,7 @@ def peak_row(name: str, stage: int, once: list[dict], twice: list[dict]) -> list
         return max((r["peaks"][p][0], p) for p in MEM.TRAINING)
     k = max(range(len(once)), key=lambda i: top(once[i])[0])
     r, r2 = once[k], twice[k]
-    formula = Z3.formula_bytes(stage, r["psi"], r["dp"])
+    formula = ZM.formula_bytes(stage, r["psi"], r["dp"])
     fixed = {p: 2 * r["peaks"][p][0] - r2["peaks"][p][0] for p in MEM.TRAINING}
     within = all(fixed[p] <= formula + r["extras"][p] for p in MEM.TRAINING)
     peak, phase = top(r)
@@ -322,7 +323,7 @@ class TiledCollectives:
 
 def fake_pg(argv: list[str] | None = None) -> str:
     """One rank of a dp layout in this process (torch's fake process group): setup and per-phase
-    peaks of two bf16 steps, beside the ZeRO formula and zero3.peak_extras. Returns the markdown."""
+    peaks of two bf16 steps, beside the ZeRO formula and zero_memory.peak_extras. Returns the markdown."""
     import argparse
 
     import dp as DP
@@ -358,13 +359,13 @@ def fake_pg(argv: list[str] | None = None) -> str:
             loss = P.normalized_loss(model(x[:, :-1], labels=x[:, 1:], reduction="sum"), a.rows * a.seq_len)
         loss.backward()
         opt.finish()
-        held = sum(Z3.persistent_bytes(opt).values())
+        held = sum(ZM.persistent_bytes(opt).values())
         meter.phase("step")
         opt.step(1e-4)
         meter.phase(None)
         meter.settle()
-    psi, extras = cfg.num_params(), Z3.peak_extras(opt)
-    formula = Z3.formula_bytes(a.zero, psi, a.dp)
+    psi, extras = cfg.num_params(), ZM.peak_extras(opt)
+    formula = ZM.formula_bytes(a.zero, psi, a.dp)
     unit = max(b.size for b in opt.sync.buckets) * 2  # the largest bucket / unit, bf16 bytes
     gib = lambda n: f"{n / 2**30:.4f}"  # noqa: E731
     md_row = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
@@ -373,7 +374,7 @@ def fake_pg(argv: list[str] | None = None) -> str:
              "16Ψ/N + the largest unit (bf16)"]]
     rows += [[phase, gib(meter.peaks[phase].allocated), gib(act[phase]),
               gib(meter.peaks[phase].allocated - act[phase]), gib(formula + extras[phase]),
-              "16Ψ/N + zero3.peak_extras"] for phase in MEM.TRAINING]
+              "16Ψ/N + zero_memory.peak_extras"] for phase in MEM.TRAINING]
     text = "\n".join([
         f"`python bench_theory.py {' '.join(sys.argv[1:] if argv is None else argv)}`: rank {a.rank} of "
         f"dp={a.dp}, ZeRO-{a.zero}{' + AC full' if a.ac else ''}, {a.model} ({psi / 1e9:.3f}B params), "

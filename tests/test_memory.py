@@ -9,7 +9,7 @@ What is compared with what:
 - Every ZeRO stage at dp=2 and dp=4 (bf16 compute, fp32 masters; the `tiny` preset with 10 kB
   buckets and a 16 kB step chunk, so that buckets, units and chunks are small against the model):
   per phase (forward, backward, step of the second step, Adam's state allocated), the measured peak
-  minus the activations is at most the formula plus the stated extras (zero3.peak_extras). Activations
+  minus the activations is at most the formula plus the stated extras (zero_memory.peak_extras). Activations
   are what grows with the micro-batch: 2·peak(b) − peak(2b) is the fixed part of the peak (it lies
   between the fixed parts at the program points where the two peaks occur), the loss chunk included.
   A control shows the bound can fail: the full fp32 gradient copy of the old step exceeds it.
@@ -40,6 +40,7 @@ import precision as P
 import weights as W
 import zero as Z
 import zero3 as Z3
+import zero_memory as ZM
 from dist import run_ranks
 
 CFG = M.PRESETS["tiny"]
@@ -62,7 +63,7 @@ def meta_model() -> tuple[M.Llama, Z.Init]:
 
 def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dict, dict]:
     """Two bf16 steps of `micro` micro-batches of `rows` rows: the second step's peak per phase,
-    and zero.peak_extras per phase."""
+    and zero_memory.peak_extras per phase."""
     gc.collect()  # a previous layout's optimizer (reference cycles) must not count here
     meter = MEM.PeakMeter("cpu")
     meter.phase("base")  # what this process holds already: not the layout's
@@ -85,7 +86,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
         opt.step(1e-3)
         meter.phase(None)
         meter.settle()
-    extras = Z3.peak_extras(opt)  # the stated extras, from this rank's buckets and pieces
+    extras = ZM.peak_extras(opt)  # the stated extras, from this rank's buckets and pieces
     peaks = {name: p.allocated - base for name, p in meter.peaks.items()}
     meter.close()
     opt.teardown()
@@ -117,16 +118,16 @@ def check_layouts(results: list[dict], n: int) -> None:
         for stage in range(4):
             for phase in MEM.TRAINING:
                 got = fixed(out[stage], phase)
-                want = Z3.formula_bytes(stage, psi, n) + out["extras", stage][phase]
+                want = ZM.formula_bytes(stage, psi, n) + out["extras", stage][phase]
                 assert got <= want, (n, stage, phase, got, want)
-            assert fixed(out[stage], "step") >= Z3.formula_bytes(stage, psi, n)  # all the state counted
+            assert fixed(out[stage], "step") >= ZM.formula_bytes(stage, psi, n)  # all the state counted
         # two micro-batches at ZeRO-2: once per step holds the full-size gradient in backward
         # (ZeRO-1's 2Ψ + 2Ψ), every micro-batch keeps ZeRO-2's bound
         once, every = (fixed(out["m2"][mode], "backward") for mode in (False, True))
-        assert every <= Z3.formula_bytes(2, psi, n) + out["extras", 2]["backward"] < once, (once, every)
-        assert once >= Z3.formula_bytes(1, psi, n) - 2 * psi / n
+        assert every <= ZM.formula_bytes(2, psi, n) + out["extras", 2]["backward"] < once, (once, every)
+        assert once >= ZM.formula_bytes(1, psi, n) - 2 * psi / n
         # control: an unchunked bf16 step (a full fp32 gradient copy) breaks the step bound
-        assert fixed(out["control"], "step") > Z3.formula_bytes(0, psi, n) + out["extras", 0]["step"]
+        assert fixed(out["control"], "step") > ZM.formula_bytes(0, psi, n) + out["extras", 0]["step"]
 
 
 def test_zero_peaks_dp2():
@@ -241,7 +242,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
         meter.phase(None)
         meter.settle()
         out[name] = (meter.peaks["setup"].allocated - meter.peaks["base"].allocated,
-                     sum(Z3.persistent_bytes(opt).values()),
+                     sum(ZM.persistent_bytes(opt).values()),
                      max(opt.params[i].numel() for i in range(len(opt.params))))
         meter.close()
         if name == "meta":  # the pieces equal the same elements of the full seeded init

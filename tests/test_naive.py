@@ -76,7 +76,7 @@ def _zero1(rank: int, world: int) -> list[bool]:
     flat = F.pad(flat, (0, S_ * world - flat.numel()))  # (n·S,)
     master = flat[rank * S_:(rank + 1) * S_].clone().requires_grad_()  # (S,) this rank's fp32 slice
     adam = torch.optim.AdamW([master], lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)
-    opt = Z.apply_zero(prod, 1, None, cfg, torch.float32, bucket_mb=0.002)  # several buckets
+    opt = Z.apply_zero_0_to_2(prod, 1, None, cfg, torch.float32, bucket_mb=0.002)  # several buckets
     g = torch.Generator().manual_seed(100 + rank)  # every dp rank its own rows
     for _ in range(STEPS):
         ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)

@@ -34,6 +34,7 @@ import tp as TP
 import weights as W
 import zero as Z
 import zero3 as Z3
+import zero_memory as ZM
 from dist import run_ranks
 from pp import (norm_counted, one_f_one_b, partition, run_pipeline, split_stage, tied_copy,
                 tied_embedding_ranks)
@@ -170,7 +171,7 @@ def _dp2(rank: int, world: int) -> dict:
     out["tied"] = [same(run(s, WORLD, tie=True), tied0) for s in (1, 3)]
     # ZeRO-2: no full-size gradient survives backward
     m = make_model()
-    opt = Z.apply_zero(m, 2, WORLD, P.OptimConfig(lr=LR))
+    opt = Z.apply_zero_0_to_2(m, 2, WORLD, P.OptimConfig(lr=LR))
     x, y = dataset()
     m(x[:2], labels=y[:2], reduction="sum").backward()
     out["zero2_grads_none"] = all(p.grad is None for p in m.parameters())
@@ -231,7 +232,7 @@ def _dp4(rank: int, world: int) -> dict:
                 opt.finish()
                 if k == 0:
                     opt.step(LR)
-            out["bytes"][dtype, stage] = (Z3.persistent_bytes(opt), len(opt.buckets) if stage else 0)
+            out["bytes"][dtype, stage] = (ZM.persistent_bytes(opt), len(opt.buckets) if stage else 0)
             opt.teardown()
     out["tpdp"] = tp_dp(rank, tp_groups[rank // 2], dp_groups[rank % 2])
     return out
@@ -420,11 +421,11 @@ def test_bad_input():
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
         Z3.apply_zero(make_model(), 4, None, P.OptimConfig())
     with pytest.raises(ValueError, match=r"0, 1 or 2 here \(stage 3: zero3.apply_zero\), got 3"):
-        Z.apply_zero(make_model(), 3, None, P.OptimConfig())  # zero.py alone builds stages 0-2
+        Z.apply_zero_0_to_2(make_model(), 3, None, P.OptimConfig())  # zero.py alone builds stages 0-2
     m = make_model()  # no embedding group; a parameter of another model (the group is never used)
     for tied, group in ((m.lm_head.weight, None), (torch.nn.Parameter(torch.zeros(1)), object())):
         with pytest.raises(ValueError, match="tied must be a trainable parameter .* embedding group"):
-            Z.apply_zero(m, 1, None, P.OptimConfig(), tied=tied, embed_group=group)
+            Z.apply_zero_0_to_2(m, 1, None, P.OptimConfig(), tied=tied, embed_group=group)
 
 
 def _overlap(rank: int, world: int) -> dict:
@@ -433,7 +434,7 @@ def _overlap(rank: int, world: int) -> dict:
     x, y = dataset()
     for stage in (1, 2):
         m = make_model()
-        opt = Z.apply_zero(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        opt = Z.apply_zero_0_to_2(m, stage, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
         launched: list[int] = []
         real = opt._launch_gather
 
@@ -477,7 +478,7 @@ def _overlap(rank: int, world: int) -> dict:
     # first) are still reduced in one order; a bucket with no gradient blocks those behind it
     for case in ("orders", "missing"):
         m = make_model()
-        opt = Z.apply_zero(m, 1, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
+        opt = Z.apply_zero_0_to_2(m, 1, dist.group.WORLD, P.OptimConfig(lr=LR), bucket_mb=0.02)
         launched, real = [], opt.sync._launch
         opt.sync._launch = lambda b: launched.append(b) or real(b)
         for p in opt.params:

@@ -1,0 +1,243 @@
+"""Whole MoE models (mixtral, qwen3_moe, olmoe) against transformers' own classes, and through the CLI.
+
+Reference: tiny random models with odd sizes (hidden 40, 5 heads, 5 experts, k = 2), built with
+transformers' config and model classes (its eager expert loop: grouped_mm needs 16-byte strides)
+and saved with save_pretrained; every parameter is perturbed (norms away from 1).
+- In process: logits, the loss without and with the load-balancing loss (output_router_logits,
+  router_aux_loss_coef 0.3 so the term weighs), in both reductions, and every gradient within 1e-5
+  relative (fp32: the same products, the experts' sums grouped differently); an expert that no
+  token picks (its gradient zero on both sides); full AC gives the same loss and gradients (the
+  routers are not counted twice), and selective AC; export → AutoModelForCausalLM bit-equal logits, and the file
+  holds transformers' per-expert keys exactly; cached greedy generation equals uncached.
+- Through the CLI: dp 2 · ZeRO-2 · full AC and dp 2 · ZeRO-3 · selective AC against the single process (micro-batches 2: each
+  forward then holds the same rows on both sides, so the per-forward aux loss is the same), 1e-5.
+- Bad input: one message naming the key and its value; the layouts not built yet are refused.
+OLMoE's configs default pad_token_id 1, which transformers' embedding freezes (padding_idx); ours
+has no padding row, so the tests set pad_token_id None (docs/moe.md).
+"""
+import re
+
+import pytest
+import torch
+import transformers as T
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import ac
+import cli
+import data
+import grid as G
+import model as M
+import weights as W
+from dist import run_ranks
+from test_train import _main, assert_curve, losses
+
+CASES = {  # family: (config class, its switches)
+    "mixtral": (T.MixtralConfig, dict(num_local_experts=5, sliding_window=9)),
+    # layer 1 dense (mlp_only_layers), the rest sparse, renormalized top-k
+    "qwen3_moe": (T.Qwen3MoeConfig, dict(num_experts=5, moe_intermediate_size=14, mlp_only_layers=[1],
+                                          head_dim=12, norm_topk_prob=True)),
+    "olmoe": (T.OlmoeConfig, dict(num_experts=5, pad_token_id=None)),
+}
+
+
+def hf_model(family: str, seed: int = 0, vocab: int = 101, **kw) -> torch.nn.Module:
+    config_cls, switches = CASES[family]
+    torch.manual_seed(seed)
+    cfg = config_cls(**{**dict(vocab_size=vocab, hidden_size=40, intermediate_size=22, num_hidden_layers=3,
+                               num_attention_heads=5, num_key_value_heads=1, num_experts_per_tok=2,
+                               max_position_embeddings=128, output_router_logits=True,
+                               router_aux_loss_coef=0.3), **switches, **kw})
+    cfg._experts_implementation = "eager"  # their reference loop
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    return model
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+    assert err <= rtol, f"relative error {err:.2e} > {rtol}"
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    ref = hf_model(request.param)
+    d = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(d)
+    return request.param, ref, W.load_hf(d), d
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (2, 24), transformers' labels (it shifts them) and ours (already aligned: ours[t] = theirs[t+1])."""
+    g = torch.Generator().manual_seed(seed)
+    ids, theirs = torch.randint(0, 101, (2, 24), generator=g), torch.randint(0, 101, (2, 24), generator=g)
+    theirs[0, :6] = -100
+    ours = torch.cat([theirs[:, 1:], torch.full((2, 1), -100)], dim=1)
+    return ids, theirs, ours
+
+
+def grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_config_switches_read(pair):
+    family, ref, ours, _ = pair
+    c = ours.config
+    assert M.LlamaConfig.from_hf(c.to_hf()) == c
+    kinds = [type(layer.mlp).__name__ for layer in ours.model.layers.values()]
+    assert kinds == (["MoE", "MLP", "MoE"] if family == "qwen3_moe" else ["MoE"] * 3)
+    a = ours.model.layers["0"].self_attn
+    assert (None if a.q_norm is None else tuple(a.q_norm.weight.shape)) == {
+        "mixtral": None, "qwen3_moe": (12,), "olmoe": (40,)}[family]
+    assert [ours.model.layers[str(i)].self_attn.window for i in range(3)] == (
+        [9] * 3 if family == "mixtral" else [None] * 3)
+    assert (c.num_experts, c.num_experts_per_tok, c.router_aux_loss_coef, c.output_router_logits) == (5, 2, 0.3, True)
+
+
+def test_logits_loss_aux_and_grads_equal_transformers(pair):
+    """The loss with the aux term (transformers: CE mean + coef · load_balancing_loss over all
+    layers), without it (output_router_logits off), and the summed reduction (sum / count = mean)."""
+    family, ref, ours, _ = pair
+    ids, theirs, labels = batch()
+    with torch.no_grad():
+        assert_close(ours(ids), ref(ids, use_cache=False).logits)
+    out = ref(ids, labels=theirs, use_cache=False)
+    assert out.aux_loss > 0.1  # the aux term weighs in the comparison
+    loss = ours(ids, labels=labels)
+    assert_close(loss, out.loss)
+    want, got = grads(ref, out.loss), grads(ours, loss)
+    assert got.keys() == want.keys()
+    for n, g in got.items():
+        assert_close(g, want[n])
+    count = (labels != -100).sum()
+    assert_close(ours(ids, labels=labels, reduction="sum") / count, out.loss)
+    ours.config.output_router_logits = False
+    try:  # without the aux term: the token loss alone, as transformers
+        plain = ref(ids, labels=theirs, use_cache=False, output_router_logits=False).loss
+        assert_close(ours(ids, labels=labels), plain)
+        assert abs(plain - out.loss) > 1e-2
+    finally:
+        ours.config.output_router_logits = True
+
+
+def test_expert_without_tokens():
+    """Expert 4 never picked: a constant channel 0 of every embedding (the norm keeps it large and
+    positive) and a router row that reads only it, negatively. Its gradients are zero; all equal."""
+    ref = hf_model("qwen3_moe")
+    with torch.no_grad():
+        ref.model.embed_tokens.weight[:, 0] = 3.0
+        for layer in ref.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight[4] = 0.0
+                layer.mlp.gate.weight[4, 0] = -10.0
+    cfg = M.LlamaConfig.from_hf(ref.config.to_dict())
+    ours = M.build(cfg).to_empty(device="cpu")
+    ours.load_state_dict(ref.state_dict())
+    ours.model.rotary_emb.reset_buffers()
+    ids, theirs, labels = batch(2)
+    out = ref(ids, labels=theirs, use_cache=False)
+    for logits in out.router_logits:  # not vacuous: no token picks expert 4 in any sparse layer
+        assert 4 not in logits.topk(2, dim=-1).indices
+    loss = ours(ids, labels=labels)
+    assert_close(loss, out.loss)
+    want, got = grads(ref, out.loss), grads(ours, loss)
+    for n, g in got.items():
+        assert_close(g, want[n])
+    for n in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+        assert not got[n][4].any() and got[n][3].any()
+
+
+def test_ac_counts_each_router_once(pair):
+    """ac.apply_ac, full and selective: recompute reruns routers in backward; loss and gradients as without."""
+    family, _, ours, _ = pair
+    ids, _, labels = batch(3)
+    loss = ours(ids, labels=labels)
+    want = grads(ours, loss)
+    for mode in ("full", "selective"):
+        ac.apply_ac(ours, mode)
+        try:
+            loss_ac = ours(ids, labels=labels)
+            got = grads(ours, loss_ac)
+        finally:
+            ac.remove_ac(ours)
+        assert torch.equal(loss_ac, loss), mode
+        for n, g in got.items():
+            assert torch.equal(g, want[n]), (mode, n)
+
+
+def test_export_loads_bit_equal_with_transformers_keys(pair, tmp_path):
+    family, ref, ours, saved = pair
+    W.save_hf(dict(ours.named_parameters()), ours.config, tmp_path / "out")
+    keys = {}
+    for d in (saved, tmp_path / "out"):
+        with safe_open(d / "model.safetensors", "pt") as f:
+            keys[d] = set(f.keys())
+    assert keys[saved] == keys[tmp_path / "out"]  # save_pretrained's layout: one tensor per expert
+    assert any(".experts.4." in k for k in keys[saved])
+    back = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
+    assert type(back) is type(ref)
+    ids = batch(4)[0]
+    with torch.no_grad():
+        assert torch.equal(back(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+    # the fused in-memory layout on disk (a transformers state_dict saved as it is) reads too
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "out" / "model.safetensors")
+    with torch.no_grad():
+        assert torch.equal(W.load_hf(tmp_path / "out")(ids), ours(ids))
+
+
+def test_cached_generation_equals_uncached(pair):
+    """The KV cache (model.generate) through sparse layers: the same greedy tokens as rerunning the prefix."""
+    _, _, ours, _ = pair
+    x = batch(5)[0][:, :5]
+    assert torch.equal(M.generate(ours, x, 8), M.generate(ours, x, 8, use_cache=False))
+
+
+def test_refusals_name_key_and_value():
+    good = hf_model("mixtral").config.to_dict()
+    cases = {
+        "router_jitter_noise=0.1 (only 0.0)": dict(good, router_jitter_noise=0.1),
+        "num_experts=4 != num_local_experts=5": dict(good, num_experts=4),
+        "'mlp_only_layers' must be a list of layer indices or null": dict(good, mlp_only_layers=[-1]),
+        "clip_qkv=8.0 (only null)": dict(hf_model("olmoe").config.to_dict(), clip_qkv=8.0),
+        "need 1 <= num_experts_per_tok=6 <= num_experts=5": dict(good, num_experts_per_tok=6),
+    }
+    for message, d in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            M.LlamaConfig.from_hf(d)
+    cfg = M.LlamaConfig.from_hf(good)
+    grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
+    for flags, message in ((["--tp", "2"], "--tp with an MoE model (mixtral, 5 experts): not yet"),
+                           (["--pp", "2"], "--pp with an MoE model"), (["--cp", "2"], "--cp with"),
+                           (["--compile"], "--compile with")):
+        errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), cfg, grid)
+        assert any(message in e for e in errors), (flags, errors)
+    assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
+
+
+def test_cli_dp_zero_ac_equal_single_process(tmp_path):
+    """qwen3_moe (a dense layer among the sparse ones) from its save_pretrained dir through train.main."""
+    hf_model("qwen3_moe", vocab=260, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8).save_pretrained(tmp_path / "init")
+    (tmp_path / "corpus.txt").write_text(open(__file__, encoding="utf-8").read() * 4)
+    data.prepare(tmp_path / "corpus.txt", tmp_path / "data")
+
+    def argv(world: int, *extra: str) -> list[str]:
+        return ["--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "data"), "--steps", "4",
+                "--seq-len", "16", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
+                "--metrics", str(tmp_path / f"{world}.jsonl"), *extra]
+    run_ranks(_main, 1, argv(1, "--micro-batches", "2"))
+    want = losses(tmp_path / "1.jsonl")
+    assert want[-1] < want[0] - 0.05
+    for zero, mode in (("2", "full"), ("3", "selective")):
+        run_ranks(_main, 2, argv(2, "--zero", zero, "--ac-mode", mode, "--micro-batches", "1",
+                                 "--export-hf", str(tmp_path / f"export{zero}")), timeout=120)
+        assert_curve(losses(tmp_path / "2.jsonl"), want)
+    keys = {}
+    for d in (tmp_path / "init", tmp_path / "export3"):  # train.py's export: save_pretrained's keys
+        with safe_open(d / "model.safetensors", "pt") as f:
+            keys[d] = set(f.keys())
+    assert keys[tmp_path / "init"] == keys[tmp_path / "export3"] and any(".experts.1." in k for k in keys[d])

@@ -1,0 +1,84 @@
+"""ZeRO's memory account: what a rank holds between steps, and the most it may add at its peak.
+
+What it does
+    `formula_bytes(stage, psi, n)` is the ZeRO table: bytes per rank between steps.
+    `persistent_bytes(opt)` reads the same numbers from the tensors a step object holds.
+    `peak_extras(opt)` gives the most a phase may add to that state and the activations.
+    tests/test_memory.py and bench/bench_theory.py check measured peaks against them.
+
+The core idea
+    Mixed-precision AdamW holds 16 bytes a parameter.
+    That is bf16 params and grads, and the fp32 master, m and v.
+    Each ZeRO stage divides more of it by the dp size N.
+    Between steps that is the whole state. At the peak, in-flight buffers come on top.
+    The derivation of every term: docs/memory.md.
+
+Reference
+    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
+
+Run
+    torchrun --nproc_per_node 4 -m bench.bench --only pp,memory      # the measured peaks
+    python -m bench.bench_theory --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
+
+Invariants
+    - persistent_bytes equals formula_bytes up to the padding. Test: tests/test_zero.py::test_zero_dp4_memory_and_tp2_dp2.
+    - peak − activations ≤ formula_bytes + peak_extras, per phase. Test: tests/test_memory.py::test_zero_peaks_dp2.
+
+Builds on: zero.py (its step objects), precision.py (the step's chunk size)
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+import precision as P
+from zero import DataParallelOptimizer
+
+
+def formula_bytes(stage: int, psi: int, n: int) -> float:
+    """The ZeRO table (docs/memory.md): bytes per rank between steps.
+    Ψ = psi parameters over N = n ranks. bf16 params and grads; fp32 master, Adam m and v."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def persistent_bytes(opt: DataParallelOptimizer) -> dict[str, int]:
+    """Bytes this rank holds for params, grads, fp32 master, Adam m and v, read from the tensors.
+    Each storage counts once, in the first category holding it.
+    (An fp32 master that IS the param counts as params.) A freed stage-3 unit counts 0.
+    Call it between finish() and step() to see the grads."""
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor | None]) -> int:
+        storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors if t is not None)}
+        new = {ptr: n for ptr, n in storages.items() if n and ptr not in seen}
+        seen.update(new)
+        return sum(new.values())
+
+    state = [opt.optimizer.state.get(m, {}) for m in opt.master]
+    return {"params": total([*opt.params, *getattr(opt, "param_shards", [])]),
+            "grads": total([p.grad for p in opt.params] + getattr(opt.sync, "grad_shards", [])
+                           + opt.sync.main),
+            "master": total(opt.master),
+            "adam_m": total(s.get("exp_avg") for s in state),
+            "adam_v": total(s.get("exp_avg_sq") for s in state)}
+
+
+def peak_extras(opt: DataParallelOptimizer) -> dict[str, int]:
+    """The extras of docs/memory.md#at-the-peak-the-extras, in bytes.
+    They come from this rank's own buckets (or units) and master pieces.
+    Per phase ("forward", "backward", "step"): the most it may hold beyond the table and the activations.
+    A test or benchmark checks a measured peak against them."""
+    c, r = opt.dtype.itemsize, (opt.reduce_dtype or opt.dtype).itemsize
+    k, n, stage3 = opt.inflight, opt.world, opt.stage == 3  # a zero3.Zero3Optimizer
+    bucket = max((b.size for b in opt.sync.buckets), default=0)  # elements; a unit at stage 3
+    piece = max((m.numel() for m in opt.master), default=0)
+    gloo = opt.device.type == "cpu"  # gloo stages every collective through a full-size buffer
+    small = 8 * len(opt.master) + 1024  # Adam's step counters, scalars
+    units = (opt.prefetch + 1) * bucket * c + gloo * opt.prefetch * bucket * c if stage3 else 0
+    grads = (k + 2) * bucket * r + k * (bucket // max(n, 1)) * r + gloo * k * bucket * r
+    chunk = 4 * max(P.STEP_CHUNK_BYTES // 4, piece) + 12 * piece  # fp32 grads, AdamW's temporaries
+    gathers = gloo * k * bucket * c if opt.stage in (1, 2) else 0  # in place: gloo's staging only
+    pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
+    return {"forward": small + units + pending + gathers,
+            "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk}
