@@ -171,8 +171,8 @@ def _grpo_main(rank: int, world: int, argv: list[str]) -> dict:
 
 
 def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkeypatch):
-    """train.main --grpo, 3 steps: the single process samples (the rollouts recorded); tp2 and
-    dp2·zero1 replay the same replies. Every step's loss, reward log and the updated parameters
+    """train.main --grpo, 3 steps: the single process samples (the rollouts recorded); tp2,
+    dp2·zero1 and dp2·zero2 replay the same replies. Every step's loss, reward log and the updated parameters
     within 1e-5 relative (fp32; tp and dp reorder sums; the parameters in norm, see below). KL to the
     initial weights is on."""
     import json
@@ -204,7 +204,8 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
     start = W.load_hf(tmp_path / "init").state_dict()
     assert all((want_params[n] - start[n]).abs().max() > 1e-4 for n in start)  # the steps moved every tensor
     assert want[-1]["kl"] > 0 and want[0]["kl"] == 0  # the policy leaves the reference after step 1
-    for name, world, extra in (("tp2", 2, ["--tp", "2"]), ("dp2-zero1", 2, ["--zero", "1"])):
+    for name, world, extra in (("tp2", 2, ["--tp", "2"]), ("dp2-zero1", 2, ["--zero", "1"]),
+                               ("dp2-zero2", 2, ["--zero", "2"])):
         got, params = run(name, world, *extra)
         assert "generated" not in ROLLOUTS, name  # every rollout replayed, none sampled anew
         for g, w in zip(got, want):
