@@ -32,7 +32,7 @@ Invariants
     - validate returns messages and raises nothing: the user sees every problem of a command at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
 
-Builds on: grid.py (validate reads the world size from a Grid), grpo.py (the verifier), model.py, pp.py, sft.py, tp.py, weights.py
+Builds on: grid.py (a Grid's world size), grpo.py (its verifier), model.py, pp.py, sft.py, tp.py, weights.py
 """
 from __future__ import annotations
 

@@ -173,7 +173,8 @@ class PromptSet:
     def check_vocab(self, model_vocab_size: int) -> None:
         top = max(max(p) for p in self.prompts)
         if top >= model_vocab_size:
-            raise ValueError(f"the GRPO prompts hold token id {top} but the model's vocab_size is {model_vocab_size}")
+            raise ValueError(f"the GRPO prompts hold token id {top} but the model's vocab_size is "
+                             f"{model_vocab_size}")
 
 
 def load_prompts(path: str) -> list[tuple[list, str]]:
@@ -187,7 +188,8 @@ def load_prompts(path: str) -> list[tuple[list, str]]:
                 if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
                     raise ValueError(f"{path}:{n}: expected an object with 'prompt' and 'answer'")
                 p = obj["prompt"]
-                out.append(([{"role": "user", "content": p}] if isinstance(p, str) else p, str(obj["answer"])))
+                turns = [{"role": "user", "content": p}] if isinstance(p, str) else p
+                out.append((turns, str(obj["answer"])))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
@@ -207,11 +209,13 @@ def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
     encoded = [(tpl.render(turns, True), gold) for turns, gold in items]
     fits = [(p, g) for p, g in encoded if len(p) + args.grpo_max_new <= args.seq_len]
     if not fits:
-        raise ValueError(f"no GRPO prompt fits --seq-len {args.seq_len} with --grpo-max-new {args.grpo_max_new}")
+        raise ValueError(f"no GRPO prompt fits --seq-len {args.seq_len} with --grpo-max-new "
+                         f"{args.grpo_max_new}")
     ds = PromptSet([p for p, _ in fits], [g for _, g in fits], len(encoded) - len(fits))
     if grid.rank == 0:
         print(f"GRPO: {len(ds)} prompts, {args.grpo_group} replies each per step"
-              + (f", {ds.dropped} longer than --seq-len − --grpo-max-new dropped" if ds.dropped else ""), flush=True)
+              + (f", {ds.dropped} longer than --seq-len − --grpo-max-new dropped" if ds.dropped else ""),
+              flush=True)
     return ds, tpl, eval_set
 
 
@@ -232,7 +236,8 @@ class GRPOLoss:
         if self.batch is None:
             return self.base(hidden, weight, labels, reduction)
         if reduction != "sum":
-            raise ValueError(f"the GRPO loss is a sum over reply tokens (the pipeline divides), got {reduction!r}")
+            raise ValueError(f"the GRPO loss is a sum over reply tokens (the pipeline divides), "
+                             f"got {reduction!r}")
         logp = -self.base(hidden, weight, labels, "none").view(labels.shape)  # (B, S)
         b, mask = self.batch, labels != IGNORE_INDEX
         loss, stats = grpo_loss(logp, b["grpo_old"], b["grpo_adv"], mask, 1, self.clip_eps, self.kl_beta,
@@ -272,7 +277,8 @@ class Trainer:
         """(B, S) per-token log-probs under the policy now (the old ones) or the reference."""
         if not ref:
             return token_logps(self.model, ids, labels)
-        out = torch.func.functional_call(self.model, self.ref, (ids,), {"labels": labels, "reduction": "none"})
+        kw = {"labels": labels, "reduction": "none"}
+        out = torch.func.functional_call(self.model, self.ref, (ids,), kw)  # (B·S,) token losses
         return -out.view(labels.shape)
 
     def score(self, ro: Rollout, gold: str) -> torch.Tensor:
@@ -300,7 +306,8 @@ class Trainer:
         return self.batch(ros, torch.stack(rewards), micro_batches)
 
     @torch.no_grad()
-    def batch(self, ros: list[Rollout], rewards: torch.Tensor, micro_batches: int) -> list[dict[str, torch.Tensor]]:
+    def batch(self, ros: list[Rollout], rewards: torch.Tensor,
+              micro_batches: int) -> list[dict[str, torch.Tensor]]:
         """Fixed rollouts (P of G replies) and their rewards (P, G) → the step's micro-batches."""
         L = max(ro.labels.shape[1] for ro in ros)
         pad = lambda t, v: torch.nn.functional.pad(t, (0, L - t.shape[1]), value=v)  # noqa: E731
@@ -310,8 +317,8 @@ class Trainer:
         mask = labels != IGNORE_INDEX
         r = rewards.flatten().double()
         self.loss.sums = torch.zeros(2, dtype=torch.float64)
-        self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())), (r >= 1).sum().double(),
-                                  mask.sum().double().cpu()])
+        self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())),
+                                  (r >= 1).sum().double(), mask.sum().double().cpu()])
         micro = []
         for i, l, g in zip(ids.chunk(micro_batches), labels.chunk(micro_batches), adv.chunk(micro_batches)):
             mb = {"input_ids": i, "labels": l, "grpo_adv": g, "grpo_old": self.logps(i, l)}
@@ -330,8 +337,8 @@ class Trainer:
             dist.all_reduce(t, group=group)
         s, s2, n, right, tokens, clipped, kl = t.tolist()
         mean = s / n
-        return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5, "accuracy": right / n,
-                "reply_len": tokens / n, "kl": kl / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1)}
+        return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
+                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1)}
 
 
 def stats_text(s: dict[str, float]) -> str:
