@@ -32,7 +32,7 @@ Invariants
     - validate returns messages and raises nothing: the user sees every problem of a command at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
 
-Builds on: grid.py (validate reads the world size from a Grid), model.py, pp.py, sft.py, tp.py, weights.py
+Builds on: grid.py (a Grid's world size), grpo.py (its verifier), model.py, pp.py, sft.py, tp.py, weights.py
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 import grid as G
+import grpo
 import model as M
 import pp as PP
 import sft
@@ -125,6 +126,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dpo", action="store_true", help="DPO on preference-pair JSONL (--data) or the built-in arithmetic "
                                          "pairs; the reference is the starting model (--init-from)")
     a("--dpo-beta", type=float, default=None, help="--dpo: β of the loss (default 0.1)")
+    # reinforcement learning with a verifiable reward (grpo.py)
+    a("--grpo", action="store_true", help="GRPO on prompt JSONL ({prompt, answer}: --data) or the built-in "
+                                          "arithmetic questions; start from a model that can answer (--init-from)")
+    a("--grpo-group", type=int, default=None, help="--grpo: replies sampled per prompt, G (default 8)")
+    a("--grpo-clip", type=float, default=None, help="--grpo: ε of the clipped ratio (default 0.2)")
+    a("--grpo-kl", type=float, default=None, help="--grpo: β of the k3 KL to the initial model; > 0 holds a "
+                                                  "copy of the initial weights (default 0: off)")
+    a("--grpo-temperature", type=float, default=None, help="--grpo: sampling temperature (default 1.0)")
+    a("--grpo-max-new", type=int, default=None, help="--grpo: reply tokens at most (default 8)")
+    a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' of (reply, gold) → "
+                                       "float (default grpo:arithmetic_reward, exact match)")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--io-timeout", type=float, default=3600.0,
@@ -162,9 +174,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft or args.dpo else 256
     if args.lr is None:
-        args.lr = 2e-4 if args.sft or args.dpo else 1e-3
+        args.lr = 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
     if args.dpo and args.dpo_beta is None:
         args.dpo_beta = 0.1
+    if args.grpo:  # `is None`: a user's 0 reaches validate_grpo
+        for flag, value in GRPO_DEFAULTS.items():
+            if getattr(args, flag) is None:
+                setattr(args, flag, value)
     if args.model is None and args.init_from is None:
         args.model = "tiny"
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -211,6 +227,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
                       "exact-match accuracy on its built-in held-out chats")
     errors += validate_dpo(args)
+    errors += validate_grpo(args)
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -334,6 +351,47 @@ def validate_dpo(args: argparse.Namespace) -> list[str]:
     if args.cp > 1:
         errors.append("--cp with --dpo: a pair is two packed documents, which cp's ring attention "
                       "cannot mask (not built)")
+    return errors
+
+
+GRPO_DEFAULTS = {"grpo_group": 8, "grpo_clip": 0.2, "grpo_kl": 0.0, "grpo_temperature": 1.0, "grpo_max_new": 8,
+                 "verifier": "grpo:arithmetic_reward"}
+
+
+def validate_grpo(args: argparse.Namespace) -> list[str]:
+    """--grpo's flags (grpo.py): generation runs in the training process, on whole parameters and
+    whole sequences, so the layouts where a rank lacks either are refused."""
+    errors = []
+    given = [f"--{f.replace('_', '-')}" for f in GRPO_DEFAULTS if getattr(args, f) is not None]
+    if given and not args.grpo:
+        errors.append(f"{' / '.join(given)} go with --grpo")
+    if not args.grpo:
+        return errors
+    if args.sft or args.dpo:
+        errors.append("--grpo with --sft / --dpo: they are separate trainings; choose one (GRPO usually starts "
+                      "from an SFT model: --init-from its export)")
+    if args.zero == 3:
+        errors.append("--zero 3 with --grpo: generation needs whole parameters at every decode step (not built); "
+                      "use --zero 2")
+    if args.pp > 1:
+        errors.append("--pp with --grpo: generation runs the whole model on each rank (not built); use --pp 1")
+    if args.cp > 1:
+        errors.append("--cp with --grpo: generation decodes whole sequences, which cp splits; use --cp 1")
+    if args.sp:
+        errors.append("--sp with --grpo: a decode step's one token cannot be split over the tp ranks; drop --sp")
+    if args.grpo_group < 2:
+        errors.append(f"--grpo-group must be >= 2 (a group of one has advantage 0), got {args.grpo_group}")
+    if args.grpo_max_new < 1:
+        errors.append(f"--grpo-max-new must be >= 1, got {args.grpo_max_new}")
+    for flag in ("grpo_clip", "grpo_temperature"):
+        if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
+            errors.append(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if not (math.isfinite(args.grpo_kl) and args.grpo_kl >= 0):
+        errors.append(f"--grpo-kl must be >= 0, got {args.grpo_kl}")
+    try:
+        grpo.load_verifier(args.verifier)
+    except ValueError as e:
+        errors.append(f"--verifier: {e}")
     return errors
 
 

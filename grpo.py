@@ -1,6 +1,5 @@
-"""GRPO's parts: G sampled replies per prompt, a verifier's reward, group-normalized advantages, the
-clipped token-level surrogate. (The training loop, `train.py --grpo`, is not built yet:
-docs/post-training.md.)
+"""GRPO: G sampled replies per prompt, a verifier's reward, group-normalized advantages, the clipped
+token-level surrogate, and the trainer's glue of `train.py --grpo`.
 
 What it does
     Group Relative Policy Optimization replaces PPO's value model by the other replies to the same
@@ -24,10 +23,17 @@ Reference
     Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1); Schulman et al. 2017 (PPO's clipped surrogate);
     Schulman 2020, "Approximating KL Divergence" (k3); Yu et al. 2025, "DAPO" (token-level loss).
 
-Run
-    (the trainer is not built yet; the parts are used as in tests/test_grpo.py)
+    The trainer (refinement below): each step the policy itself samples in the training process (no
+    weight sync), `Trainer.rollout_batch` scores, normalizes and takes the old log-probs (no grad;
+    one update per rollout batch, so the ratio starts at 1), and the loss runs through the model's
+    `loss_fn` seam (GRPOLoss), as dpo.py's does. Layouts: dp, tp, ZeRO-0..2 (cli.py refuses the rest).
 
-Builds on: model.py (generate: the KV cache and per-sample seeds)
+Run
+    python train.py --grpo --init-from DIR --grpo-group 8 [--grpo-kl 0.04] [--verifier pkg.mod:fn]
+    torchrun --nproc_per_node 4 train.py --grpo --init-from DIR --tp 2 --zero 1 --data prompts.jsonl
+
+Builds on: model.py (generate: the KV cache, per-sample seeds); the glue: sft.py, data.py
+    (the built-in arithmetic questions, the chat template)
 
 Invariants
     - Advantages equal the formula; an all-equal group gives exactly 0 (tests/test_grpo.py::
@@ -37,13 +43,15 @@ Invariants
     - rollout draws G replies per prompt, reproducible from the seed, reply masks ending at the end
       token (tests/test_grpo.py::test_rollout_and_reward).
     - At tp2 the loss and gradients on fixed rollouts equal the single process's within 1e-5
-      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts).
+      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
+      losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
+      test_trainer_layouts_equal_single_process_on_fixed_rollouts).
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -148,3 +156,192 @@ def load_verifier(path: str) -> Callable[[str, str], float]:
     if not callable(fn):
         raise ValueError(f"verifier {path!r} is not callable")
     return fn
+
+
+# --- refinement: the trainer's glue (train.py --grpo): prompts, a step's rollouts as micro-batches
+@dataclass
+class PromptSet:
+    """Prompts (token ids, ending with the generation prompt) and the gold answer each is scored
+    against. `len` and `check_vocab` as train.py asks of a data set; the sampler draws prompt indices."""
+    prompts: list[list[int]]
+    golds: list[str]
+    dropped: int = 0  # prompts longer than --seq-len − --grpo-max-new
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        top = max(max(p) for p in self.prompts)
+        if top >= model_vocab_size:
+            raise ValueError(f"the GRPO prompts hold token id {top} but the model's vocab_size is "
+                             f"{model_vocab_size}")
+
+
+def load_prompts(path: str) -> list[tuple[list, str]]:
+    """JSONL, one {"prompt": text or chat turns, "answer": gold} a line → [(turns, gold)]."""
+    import json
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                obj = json.loads(line)
+                if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
+                    raise ValueError(f"{path}:{n}: expected an object with 'prompt' and 'answer'")
+                p = obj["prompt"]
+                turns = [{"role": "user", "content": p}] if isinstance(p, str) else p
+                out.append((turns, str(obj["answer"])))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
+    """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups), and
+    the built-in set's held-out chats for train.py's exact-match eval (none with --data)."""
+    import data
+    import sft
+    tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
+    if args.data:
+        items, eval_set = load_prompts(args.data), []
+    else:
+        chats, eval_set = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0, seed=args.seed)
+        items = [(c[:-1], c[-1]["content"]) for c in chats]
+    encoded = [(tpl.render(turns, True), gold) for turns, gold in items]
+    fits = [(p, g) for p, g in encoded if len(p) + args.grpo_max_new <= args.seq_len]
+    if not fits:
+        raise ValueError(f"no GRPO prompt fits --seq-len {args.seq_len} with --grpo-max-new "
+                         f"{args.grpo_max_new}")
+    ds = PromptSet([p for p, _ in fits], [g for _, g in fits], len(encoded) - len(fits))
+    if grid.rank == 0:
+        print(f"GRPO: {len(ds)} prompts, {args.grpo_group} replies each per step"
+              + (f", {ds.dropped} longer than --seq-len − --grpo-max-new dropped" if ds.dropped else ""),
+              flush=True)
+    return ds, tpl, eval_set
+
+
+class GRPOLoss:
+    """The model's `loss_fn(hidden, weight, labels, reduction)` under GRPO: the layout's own loss
+    (`base`: loss.py's chunked cross entropy, or tp's vocab-parallel one) per token, then grpo_loss
+    ("sum": Σ ℓ, which the pipeline divides by the step's global reply-token count). `batch` holds
+    the micro-batch's grpo_old, grpo_adv (and grpo_ref), set by the pre-hook of `Trainer`; without
+    them (the no-grad log-prob passes) it is `base` itself. `sums` (clipped tokens, Σ KL) for the log."""
+
+    def __init__(self, base: Callable[..., torch.Tensor], clip_eps: float, kl_beta: float):
+        self.base, self.clip_eps, self.kl_beta = base, clip_eps, kl_beta
+        self.batch: dict[str, torch.Tensor] | None = None
+        self.sums = torch.zeros(2, dtype=torch.float64)
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 reduction: str = "mean") -> torch.Tensor:
+        if self.batch is None:
+            return self.base(hidden, weight, labels, reduction)
+        if reduction != "sum":
+            raise ValueError(f"the GRPO loss is a sum over reply tokens (the pipeline divides), "
+                             f"got {reduction!r}")
+        logp = -self.base(hidden, weight, labels, "none").view(labels.shape)  # (B, S)
+        b, mask = self.batch, labels != IGNORE_INDEX
+        loss, stats = grpo_loss(logp, b["grpo_old"], b["grpo_adv"], mask, 1, self.clip_eps, self.kl_beta,
+                                b.get("grpo_ref"))
+        n = mask.sum().double()  # on the device: the log's one all-reduce reads it (no host sync here)
+        self.sums = self.sums.to(logp.device) + torch.stack([stats.clip_fraction, stats.kl]).double() * n
+        return loss
+
+
+KEYS = ("grpo_old", "grpo_adv", "grpo_ref")
+
+
+class Trainer:
+    """One GRPO step's data: `rollout_batch` turns the sampler's prompt indices into micro-batches
+    (rollouts, rewards, advantages, old and reference log-probs); `stats` is its log. Built after
+    tp (it wraps the model's loss_fn) and after the optimizer has materialized the parameters.
+    The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards, run with
+    torch.func.functional_call: one more copy of the weights per rank, no second module."""
+
+    def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):
+        self.model, self.args, self.tpl, self.device = model, args, tpl, device
+        self.verifier = load_verifier(args.verifier)
+        self.loss = GRPOLoss(model.loss_fn, args.grpo_clip, args.grpo_kl)
+        model.loss_fn = self.loss
+        model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
+        self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
+                    else None)
+        self.local = torch.zeros(5, dtype=torch.float64)  # Σr, Σr², replies, right (r >= 1), reply tokens
+
+    def _take_keys(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        batch = {k: kwargs.pop(k) for k in KEYS if k in kwargs}
+        self.loss.batch = batch or None
+        return args, kwargs
+
+    def logps(self, ids: torch.Tensor, labels: torch.Tensor, ref: bool = False) -> torch.Tensor:
+        """(B, S) per-token log-probs under the policy now (the old ones) or the reference."""
+        if not ref:
+            return token_logps(self.model, ids, labels)
+        kw = {"labels": labels, "reduction": "none"}
+        out = torch.func.functional_call(self.model, self.ref, (ids,), kw)  # (B·S,) token losses
+        return -out.view(labels.shape)
+
+    def score(self, ro: Rollout, gold: str) -> torch.Tensor:
+        """(G,) rewards: the verifier on each decoded reply, its end token removed (a reply cut at
+        --grpo-max-new is scored as it stands: the verifier decides)."""
+        end = self.tpl.end_id
+        return torch.tensor([float(self.verifier(self.tpl.decode(r[:-1] if r and r[-1] == end else r), gold))
+                             for r in ro.replies()])
+
+    @torch.no_grad()
+    def rollout_batch(self, opt: Any, ds: PromptSet, rows: list[int], step: int,
+                      micro_batches: int) -> list[dict[str, torch.Tensor]]:
+        """This dp rank's prompts → G replies each (reply j of prompt r draws with the seed of
+        (--seed, step, r, j): the same in every layout), scored, as right-padded rows split into
+        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref)."""
+        a = self.args
+        opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
+        ros, rewards = [], []
+        for r in rows:
+            prompt = torch.tensor([ds.prompts[r]], device=self.device)  # (1, S_r)
+            ro = rollout(self.model, prompt, a.grpo_group, a.grpo_max_new, self.tpl.end_id,
+                         seed=hash((a.seed, step, r)) % 2**63, temperature=a.grpo_temperature)
+            ros.append(ro)
+            rewards.append(self.score(ro, ds.golds[r]))
+        return self.batch(ros, torch.stack(rewards), micro_batches)
+
+    @torch.no_grad()
+    def batch(self, ros: list[Rollout], rewards: torch.Tensor,
+              micro_batches: int) -> list[dict[str, torch.Tensor]]:
+        """Fixed rollouts (P of G replies) and their rewards (P, G) → the step's micro-batches."""
+        L = max(ro.labels.shape[1] for ro in ros)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, L - t.shape[1]), value=v)  # noqa: E731
+        ids = torch.cat([pad(ro.ids[:, :-1], self.tpl.pad_id) for ro in ros])  # (P·G, L)
+        labels = torch.cat([pad(ro.labels, IGNORE_INDEX) for ro in ros])  # (P·G, L)
+        adv = group_advantages(rewards).flatten().to(self.device)  # (P·G,)
+        mask = labels != IGNORE_INDEX
+        r = rewards.flatten().double()
+        self.loss.sums = torch.zeros(2, dtype=torch.float64)
+        self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())),
+                                  (r >= 1).sum().double(), mask.sum().double().cpu()])
+        micro = []
+        for i, l, g in zip(ids.chunk(micro_batches), labels.chunk(micro_batches), adv.chunk(micro_batches)):
+            mb = {"input_ids": i, "labels": l, "grpo_adv": g, "grpo_old": self.logps(i, l)}
+            if self.ref is not None:
+                mb["grpo_ref"] = self.logps(i, l, ref=True)
+            micro.append(mb)
+        return micro
+
+    def stats(self, group: Any = None) -> dict[str, float]:
+        """The step's log over every dp rank (one all-reduce of 7 numbers; none on a group of one):
+        reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
+        reply length (tokens, the end token included), mean KL and clip fraction per reply token."""
+        import torch.distributed as dist
+        t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        s, s2, n, right, tokens, clipped, kl = t.tolist()
+        mean = s / n
+        return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
+                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1)}
+
+
+def stats_text(s: dict[str, float]) -> str:
+    """The step line's GRPO part."""
+    return (f"reward {s['reward_mean']:.3f} ± {s['reward_std']:.3f} · acc {s['accuracy']:.1%} · "
+            f"reply {s['reply_len']:.1f} tok · kl {s['kl']:.4f} · clip {s['clip_fraction']:.1%}")

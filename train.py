@@ -73,6 +73,7 @@ import dpo as DPO
 import export as EX
 import feed
 import grid as G
+import grpo as GR
 import memory as MEM
 import model as M
 import pp as PP
@@ -317,9 +318,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         cleanup.callback(lock.release)  # before stopper.close (the stack runs backwards)
     ckpt = plan_resume(args, grid)
     try:
-        chats = args.sft or args.dpo
-        ds, tpl, eval_set = (DPO.load(args, grid) if args.dpo else feed.load_sft(args, grid) if args.sft
-                             else (feed.load_data(args, grid), None, []))
+        chats = args.sft or args.dpo or args.grpo
+        ds, tpl, eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
+                             else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if chats else feed.load_val(args, ds, grid)
         G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp)
@@ -349,6 +350,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     if args.dpo:
         with G.stage("DPO reference log-probs (one forward over every pair)", grid):
             DPO.prepare(chunks, ds, args, grid)
+    # --grpo: the step's batch is made by sampling from the policy itself (grpo.Trainer.rollout_batch),
+    # the sampler giving prompt indices; the loss is grpo's through the same loss_fn seam
+    rl = GR.Trainer(model, args, tpl, grid.device) if args.grpo else None
 
     log = grid.rank == 0
     metrics = open_metrics(args.metrics, start) if args.metrics and log else None
@@ -367,8 +371,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
-    prefetch = feed.Prefetcher(lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid), sampler,
-                          max(args.steps - start, 0), grid.device)
+    load = (lambda rows: [{"rows": torch.tensor(rows)}]) if rl else (
+        lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid))
+    prefetch = feed.Prefetcher(load, sampler, max(args.steps - start, 0), grid.device)
     t_start, bad, good = time.time(), 0, 0
     stopped = 0
     for step in range(start, args.steps):
@@ -376,6 +381,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         logs = log and (step % args.log_every == 0 or step == args.steps - 1)
         meter.phase("data")
         sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
+        if rl:
+            with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
+                micro = rl.rollout_batch(opt, ds, micro[0]["rows"].tolist(), step, args.micro_batches)
         with G.stage("counting the step's target tokens (dp all-reduce)", grid):
             # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
@@ -387,6 +395,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             opt.finish()  # dp / ZeRO reductions land
             if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
                 dist.all_reduce(loss, group=grid.dp_group)
+        rl_stats = rl.stats(grid.dp_group) if rl else {}
         meter.settle()  # nothing in flight: the one point of the step where the meter may restart
         loss_host = feed.host_copy(loss)  # read after the step's sync, below: free
         lr = cli.lr_at(step, args)
@@ -416,9 +425,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
                   f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
-                  f" · ETA {eta:.0f}s", flush=True)
+                  + (f" · {GR.stats_text(rl_stats)}" if rl else "") + f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt}
+                  "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt, **rl_stats}
         evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
         if evaluate:
             opt.finish_gathers()  # evaluation reads complete parameters

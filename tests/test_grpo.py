@@ -122,3 +122,96 @@ def test_tp2_equals_single_process_on_fixed_rollouts(tmp_path):
         assert loss == pytest.approx(want_loss, rel=1e-5)
         for n, g in want_grads.items():
             assert (grads[n] - g).abs().max() <= 1e-5 * g.abs().max(), n
+
+
+# ------------------------------------------------------------------------------ the trainer (train.py --grpo)
+def char_reward(reply: str, gold: str) -> float:
+    """A verifier by import path that scores a random model's replies unevenly (groups differ)."""
+    return float(sum(map(ord, reply)) % 3)
+
+
+def test_flags_refused():
+    import cli
+    import grid as G
+
+    def errors(*argv: str) -> str:
+        grid = G.Grid(rank=0, world=2, device=torch.device("cpu"))
+        return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), M.PRESETS["tiny"], grid))
+    assert errors("--grpo") == ""
+    assert "choose one" in errors("--grpo", "--sft") and "choose one" in errors("--grpo", "--dpo")
+    assert "--zero 3 with --grpo" in errors("--grpo", "--zero", "3")
+    assert "--pp with --grpo" in errors("--grpo", "--pp", "2")
+    assert "--cp with --grpo" in errors("--grpo", "--cp", "2")
+    assert "--sp with --grpo" in errors("--grpo", "--tp", "2", "--sp")
+    assert "--grpo-group must be >= 2" in errors("--grpo", "--grpo-group", "1")
+    assert "--grpo-kl must be >= 0" in errors("--grpo", "--grpo-kl", "-1")
+    assert "--grpo-clip must be > 0" in errors("--grpo", "--grpo-clip", "0")
+    assert "--verifier: " in errors("--grpo", "--verifier", "grpo:nope")
+    assert "go with --grpo" in errors("--grpo-group", "4")
+
+
+ROLLOUTS: dict = {}  # (prompt ids, seed) → Rollout: the single process's samples, replayed by the layouts
+
+
+def _replay(real):
+    def rollout(model, prompts, group, max_new_tokens, end_id, seed, **kw):
+        key = (tuple(prompts.flatten().tolist()), seed)
+        if key not in ROLLOUTS:
+            ROLLOUTS[key] = real(model, prompts, group, max_new_tokens, end_id, seed, **kw)
+            ROLLOUTS.setdefault("generated", 0)
+            ROLLOUTS["generated"] += 1
+        return ROLLOUTS[key]
+    return rollout
+
+
+def _grpo_main(rank: int, world: int, argv: list[str]) -> dict:
+    import train
+    train.main(argv)
+    return ROLLOUTS
+
+
+def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkeypatch):
+    """train.main --grpo, 3 steps: the single process samples (the rollouts recorded); tp2,
+    dp2·zero1 and dp2·zero2 replay the same replies. Every step's loss, reward log and the updated parameters
+    within 1e-5 relative (fp32; tp and dp reorder sums; the parameters in norm, see below). KL to the
+    initial weights is on."""
+    import json
+    cfg = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        initializer_range=0.3)
+    W.save_hf(W.materialize(M.build(cfg), "cpu", seed=0).state_dict(), cfg, tmp_path / "init")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                               for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2)]))
+    monkeypatch.setattr(grpo, "rollout", _replay(grpo.rollout))
+    ROLLOUTS.clear()
+
+    def run(name: str, world: int, *extra: str) -> tuple[list[dict], dict]:
+        argv = ["--grpo", "--init-from", str(tmp_path / "init"), "--data", str(prompts), "--seq-len", "48",
+                "--batch-size", "4", "--steps", "3", "--lr", "1e-2", "--warmup", "0", "--grpo-group", "4",
+                "--grpo-max-new", "5", "--grpo-kl", "0.1", "--verifier", "test_grpo:char_reward",
+                "--log-every", "100", "--metrics", str(tmp_path / f"{name}.jsonl"),
+                "--export-hf", str(tmp_path / name), *extra]
+        got = run_ranks(_grpo_main, world, argv)[0]
+        ROLLOUTS.update(got)
+        records = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        return records, W.load_hf(tmp_path / name).state_dict()
+
+    want, want_params = run("single", 1)
+    generated = ROLLOUTS.pop("generated")
+    assert generated == 12 and len(want) == 3  # 4 prompts × 3 steps, each sampled once
+    assert all(r["reward_std"] > 0 and r["loss"] != 0 for r in want)
+    start = W.load_hf(tmp_path / "init").state_dict()
+    assert all((want_params[n] - start[n]).abs().max() > 1e-4 for n in start)  # the steps moved every tensor
+    assert want[-1]["kl"] > 0 and want[0]["kl"] == 0  # the policy leaves the reference after step 1
+    for name, world, extra in (("tp2", 2, ["--tp", "2"]), ("dp2-zero1", 2, ["--zero", "1"]),
+                               ("dp2-zero2", 2, ["--zero", "2"])):
+        got, params = run(name, world, *extra)
+        assert "generated" not in ROLLOUTS, name  # every rollout replayed, none sampled anew
+        for g, w in zip(got, want):
+            for k in ("loss", "reward_mean", "reward_std", "accuracy", "reply_len", "kl", "clip_fraction"):
+                assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (name, k)
+        for n, w in want_params.items():  # in norm: AdamW turns round-off in a near-zero gradient
+            # into an update of about ±lr on that element (m/√v ≈ sign g), so a few elements differ by
+            # ~1e-4 at lr 1e-2 while a wrong gradient would move every element by ~lr
+            assert (params[n] - w).norm() <= 1e-5 * w.norm(), (name, n)
