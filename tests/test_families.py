@@ -29,6 +29,7 @@ import model as M
 import weights as W
 from dist import run_ranks
 from loss import cross_entropy
+from test_model import assert_close
 from test_train import _main, assert_curve, losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,11 +58,6 @@ def hf_model(case: str, vocab: int = 101, seed: int = 0, **kw) -> torch.nn.Modul
         for p in model.parameters():  # biases off 0, norms off 1: a forgotten one shows
             p.add_(torch.randn(p.shape) * 0.1)
     return model
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
-    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-    assert err <= rtol, f"relative error {err:.2e} > {rtol}"
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -30,6 +30,7 @@ import grid as G
 import model as M
 import weights as W
 from dist import run_ranks
+from test_model import assert_close
 from test_train import _main, assert_curve, losses
 
 CASES = {  # family: (config class, its switches)
@@ -54,11 +55,6 @@ def hf_model(family: str, seed: int = 0, vocab: int = 101, **kw) -> torch.nn.Mod
         for p in model.parameters():
             p.add_(torch.randn(p.shape) * 0.1)
     return model
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
-    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-    assert err <= rtol, f"relative error {err:.2e} > {rtol}"
 
 
 @pytest.fixture(scope="module", params=list(CASES))
