@@ -57,28 +57,34 @@ def signal_at_step(n: int, signum: int = signal.SIGTERM, ranks=(0,)):
     return patch
 
 
+LAYOUTS = {"one": (1, ()), "dp2": (2, ()), "pp2": (2, ("--pp", "2"))}  # name: (world, flags)
+
+
 @pytest.fixture(scope="module")
 def straight(dirs):
-    """The uninterrupted curves, one process and dp 2."""
-    assert run_ranks(_run, 1, argv(dirs, "ref1.jsonl")) == [0]
-    assert run_ranks(_run, 2, argv(dirs, "ref2.jsonl")) == [0, 0]
-    return {1: losses(dirs / "ref1.jsonl"), 2: losses(dirs / "ref2.jsonl")}
+    """The uninterrupted curves of each layout."""
+    out = {}
+    for name, (world, flags) in LAYOUTS.items():
+        assert run_ranks(_run, world, argv(dirs, f"ref_{name}.jsonl", *flags)) == [0] * world
+        out[name] = losses(dirs / f"ref_{name}.jsonl")
+    return out
 
 
-@pytest.mark.parametrize("world,signum,ranks", [(1, signal.SIGTERM, (0,)), (2, signal.SIGUSR1, (1,))])
-def test_signal_mid_run_saves_the_step_reached_and_resume_is_bit_exact(dirs, straight, capfd, world,
+@pytest.mark.parametrize("layout,signum,ranks", [("one", signal.SIGTERM, (0,)), ("dp2", signal.SIGUSR1, (1,)),
+                                                 ("pp2", signal.SIGTERM, (0,))])
+def test_signal_mid_run_saves_the_step_reached_and_resume_is_bit_exact(dirs, straight, capfd, layout,
                                                                        signum, ranks):
-    """The signal arrives during step 3 (dp 2: on rank 1 only). Every rank agrees to stop after step
-    4 (the agreement is one step late), saves step 4, exits 128 + signum; --resume auto then ends on
-    the uninterrupted curve, bit for bit."""
-    ck, m = dirs / f"ck_sig{world}", f"sig{world}.jsonl"
-    got = run_ranks(_run, world, argv(dirs, m, "--save", str(ck)), signal_at_step(3, signum, ranks))
+    """The signal arrives during step 3 (dp 2: on rank 1 only; pp 2: on the first stage only). Every
+    rank agrees to stop after step 4 (the agreement is one step late), saves step 4, exits 128 +
+    signum; --resume auto then ends on the uninterrupted curve of the same layout, bit for bit."""
+    (world, flags), ck, m = LAYOUTS[layout], dirs / f"ck_sig_{layout}", f"sig_{layout}.jsonl"
+    got = run_ranks(_run, world, argv(dirs, m, "--save", str(ck), *flags), signal_at_step(3, signum, ranks))
     assert got == [128 + signum] * world
     assert newest(ck) == ["step_00000004"] and not (ck / "LOCK.json").exists()
     assert f"stopped by {signal.Signals(signum).name} after step 4" in capfd.readouterr().out
     assert [s for s, _ in losses(dirs / m)] == [1, 2, 3, 4]  # flushed before the save
-    assert run_ranks(_run, world, argv(dirs, m, "--save", str(ck), "--resume", "auto")) == [0] * world
-    assert losses(dirs / m) == straight[world]
+    assert run_ranks(_run, world, argv(dirs, m, "--save", str(ck), "--resume", "auto", *flags)) == [0] * world
+    assert losses(dirs / m) == straight[layout]
 
 
 def _polls(rank: int, world: int) -> tuple[list[int], bool]:
