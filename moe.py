@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,16 +125,14 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden))
         nn.init.normal_(self.weight, std=0.02)
+        # a seam: the weight as the forward uses it. tp.py's sequence parallelism passes it through
+        # its f (each tp rank routes its own tokens, so the gradient is summed over tp)
+        self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = lambda w: w
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.used_weight())  # (N, E) in x's dtype
+        logits = F.linear(x, self.weight_fn(self.weight))  # (N, E) in x's dtype
         weights, experts = route(logits, self.cfg.top_k, self.cfg.renormalize, self.cfg.fp32_weights)
         return logits, weights, experts
-
-    def used_weight(self) -> torch.Tensor:
-        """The weight the forward multiplies by. A seam: tp.py's sequence parallelism passes it
-        through its f (each tp rank routes its own tokens, so the gradient is summed over tp)."""
-        return self.weight
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -227,6 +225,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         for w in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(w, std=0.02)
+        self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = lambda w: w  # the seam of Router's
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         impl = self.cfg.experts_impl
@@ -240,15 +239,10 @@ class Experts(nn.Module):
                 host_counts: list[int] | None = None) -> torch.Tensor:
         """x (M, H) sorted by local expert, counts (E_local,) on the device; host_counts the same
         as ints when the caller already has them (EP), so the loop costs no extra sync."""
-        gate_up, down = self.used_weights()
+        gate_up, down = self.weight_fn(self.gate_up_proj), self.weight_fn(self.down_proj)
         if self.use_grouped(x):
             return experts_grouped(x, counts, gate_up, down)
         return experts_loop(x, host_counts if host_counts is not None else counts.tolist(), gate_up, down)
-
-    def used_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_proj, down_proj) as the forward multiplies by them: the seam of
-        `Router.used_weight` (tp.py's sequence parallelism)."""
-        return self.gate_up_proj, self.down_proj
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

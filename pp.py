@@ -18,6 +18,10 @@ The stage: what it receives and returns
       kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
       returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
               (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
+      extras  what a stage passes on besides its hidden states (model.Llama.stage_extras: an MoE
+              model's router statistics, for the load-balancing loss that pools every stage's
+              routers). It returns (h, *extras); the next stage takes them as keywords; their
+              gradients come back with the activation's, so autograd does the rest.
     attotron's Llama is its own stage. transformers' decoders become a `Stage`.
     So do models described by `Parts(embed, layers, norm, head, positions)`. docs/pp.md has the rest.
 
@@ -37,6 +41,8 @@ Invariants
     - Checkpoints ignore pp and v (tests/test_pp_cli.py::test_interleaved_checkpoint_is_layout_free).
     - A Stage equals transformers' own model (tests/test_foreign_tp_pp.py::test_pp_alone_on_transformers_and_gpt).
     - Peers given different micro-batches all raise; none hangs (tests/test_pp.py::test_pp2).
+    - An MoE model with the load-balancing loss equals the single process at pp2, every schedule,
+      with tp, sp and AC (tests/test_moe_layouts.py).
 
 Builds on: pp_schedules.py (actions, schedules, simulator). More: docs/pp.md, docs/pipeline-nccl.md.
 """

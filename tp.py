@@ -7,7 +7,8 @@ What it does
     It returns the shard map {parameter name: Shard}: `weights.materialize` reads slices with it.
     Models: attotron's Llama (on meta), transformers' decoders, any other described by `Parts`.
     Qwen3's per-head q/k norms stay replicated (ReplicatedRMSNorm); their gradients are summed over tp.
-    A mixture of experts (moe.MoE) is not split: every tp rank holds all its experts (refinement below).
+    A mixture of experts (moe.MoE, the layers config.is_sparse names) is not split: every tp rank
+    holds all its experts (refinement at the end).
 
 The core idea
     A block (attention, MLP) is column layers, then one row layer.
@@ -44,8 +45,7 @@ Invariants
       tp + sp equal the single process, aux loss on (tests/test_moe_layouts.py).
     - f and g equal the textbook pair in tests/naive.py (tests/test_naive.py).
 
-Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm), moe.py (its
-    MoE block: the experts stay whole on every tp rank, see "refinement: mixtures of experts").
+Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm).
 """
 from __future__ import annotations
 
@@ -60,7 +60,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loss import VocabParallelLinearCrossEntropy, reduce_loss
-from moe import MoE, Experts, Router
 from ops import rms_norm
 
 Group = dist.ProcessGroup | None
@@ -418,11 +417,14 @@ def default_parts(model: nn.Module) -> Parts:
     return Parts(plan=ours)
 
 
-def _layer_plan(layer: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
+def _layer_plan(plan: dict[str, Style], sparse: bool) -> dict[str, Style]:
     """The plan of one layer: a sparse layer (moe.MoE) keeps its experts whole, so no 'mlp.' entry."""
-    if isinstance(getattr(layer, "mlp", None), MoE):
-        return {pattern: style for pattern, style in plan.items() if not pattern.startswith("mlp.")}
-    return plan
+    return {pattern: style for pattern, style in plan.items() if not (sparse and pattern.startswith("mlp."))}
+
+
+def _sparse_layers(model: nn.Module, ours: bool) -> set[str]:
+    """The names of attotron's sparse decoder layers (config.is_sparse); none for other models."""
+    return {i for i in model.model.layers.keys() if model.config.is_sparse(int(i))} if ours else set()
 
 
 def _matches(layer: nn.Module, plan: dict[str, Style]) -> list[tuple[str, Style]]:
@@ -479,14 +481,14 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return new
 
 
-def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool) -> tuple[list, bool]:
+def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool, sparse: set[str]) -> tuple[list, bool]:
     """Every check of apply_tp, before its first change: a call that raises leaves the model as it was.
     Returns [(layer, "layers.i.", name inside it, style)] of the plan, and whether the head is tied."""
     layers = _get(model, parts.layers)
     todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
                                                                 layer.get_submodule(name), parts))
             for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
-            for name, style in _matches(layer, _layer_plan(layer, parts.plan))]
+            for name, style in _matches(layer, _layer_plan(parts.plan, i in sparse))]
     for i, layer in layers.named_children():
         for attr in parts.heads:
             if _get(layer, attr) % tp:
@@ -551,7 +553,8 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
         _check_heads(model, tp)
         if len(devices) > 1:
             raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
-    todo, tied = _planned(model, parts, tp, meta=devices == {True})
+    sparse = _sparse_layers(model, ours)
+    todo, tied = _planned(model, parts, tp, meta=devices == {True}, sparse=sparse)
     layers, embed, head = _get(model, parts.layers), _get(model, parts.embed), _get(model, parts.head)
     new = dict(group=tp_group, device="meta")
     # ours: the block's input enters the region once, not per column layer (refinements below)
@@ -566,7 +569,7 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
             layer_new = column(old.in_features, old.out_features, old.bias is not None,
                                parts=style.parts if isinstance(style, Fused) else (), **kw)
         _swap(model, prefix + name, layer_new)
-    for _, layer in layers.named_children():
+    for i, layer in layers.named_children():
         for attr in parts.heads:
             _set(layer, attr, _get(layer, attr) // tp)
         if ours:
@@ -578,12 +581,12 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
                     setattr(a, name, norm_cls(getattr(a, name), tp_group))
             if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
                 a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
-                if isinstance(m, MoE):  # ... but a sparse layer routes this rank's S/tp tokens
+                if i in sparse:  # ... but a sparse layer routes this rank's S/tp tokens
                     _sequence_parallel_moe(layer, tp_group)
                     model.router_stats_fn = partial(reduce_from_region, group=tp_group)
             else:  # f once per block: see _enter_region
                 a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-                if not isinstance(m, MoE):  # whole experts on replicated tokens: dL/dx is complete
+                if i not in sparse:  # whole experts on replicated tokens: dL/dx is complete
                     m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
     if embed is not None:
         vocab_embedding = SequenceParallelEmbedding if sequence_parallel else VocabParallelEmbedding
@@ -787,38 +790,17 @@ def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> t
 # a replicated parameter in the grad norm on tp rank 0 only). That costs tp× the expert FLOPs.
 # With sp each rank routes its own S/tp tokens: the post-attention norm does not gather, the block
 # maps (B, S/tp, H) to (B, S/tp, H), and the router's and experts' weights enter through f (as a
-# sequence-parallel norm's), so their gradients are summed over tp inside autograd. The aux loss
+# sequence-parallel norm's, by moe.py's weight_fn seams), so their gradients are summed over tp
+# inside autograd. The aux loss
 # pools all tokens of the forward: the router statistics are all-reduced (model.router_stats_fn,
 # g: each rank's copy of the loss passes its gradient straight back to its own rows).
 # OLMoE's q/k norm spans the whole projection, all heads: ShardedRMSNorm.
-class SequenceParallelRouter(Router):
-    """A router of this rank's S/tp tokens: its weight enters through f (grads summed over tp)."""
-
-    def __init__(self, router: Router, group: Group):
-        nn.Module.__init__(self)
-        self.cfg, self.weight, self.group = router.cfg, router.weight, group  # the same (meta) parameter
-
-    def used_weight(self) -> torch.Tensor:
-        return copy_to_region(self.weight, self.group)
-
-
-class SequenceParallelExperts(Experts):
-    """Experts fed by this rank's S/tp tokens: their weights enter through f (grads summed over tp)."""
-
-    def __init__(self, experts: Experts, group: Group):
-        nn.Module.__init__(self)
-        self.cfg, self.group = experts.cfg, group
-        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj  # the same parameters
-
-    def used_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return copy_to_region(self.gate_up_proj, self.group), copy_to_region(self.down_proj, self.group)
-
-
 def _sequence_parallel_moe(layer: nn.Module, group: Group) -> None:
-    """A sparse decoder layer under sp: the MoE block runs on the S/tp tokens this rank holds."""
-    layer.post_attention_layernorm = ReplicatedRMSNorm(layer.post_attention_layernorm, group)  # no gather
-    layer.mlp.gate = SequenceParallelRouter(layer.mlp.gate, group)
-    layer.mlp.experts = SequenceParallelExperts(layer.mlp.experts, group)
+    """A sparse decoder layer under sp: the MoE block runs on the S/tp tokens this rank holds.
+    Its post-attention norm does not gather; the router's and the experts' weights enter through f
+    (moe.py's `weight_fn` seams), so their gradients are summed over tp, as a norm weight's."""
+    layer.post_attention_layernorm = ReplicatedRMSNorm(layer.post_attention_layernorm, group)
+    layer.mlp.gate.weight_fn = layer.mlp.experts.weight_fn = partial(copy_to_region, group=group)
 
 
 class ShardedRMSNorm(nn.Module):
