@@ -3,9 +3,11 @@
 Reference: the single process of the same flags, seed, data and global batch, from the same
 save_pretrained directory (transformers' own classes, test_moe_models.hf_model), with
 output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing term weighs.
-- Families: Qwen3-MoE-like (layer 0 dense through mlp_only_layers: the first pipeline stage's
-  first chunk has no router, its statistics are constants) and OLMoE-like (its q/k norm spans the
-  whole projection: under tp its statistics span the tp ranks, tp.ShardedRMSNorm).
+- Layouts: tp2, tp2 + sp, pp2 1f1b, pp2 zb on both families; tp2 · sp · pp2 interleaved with
+  selective AC on Qwen3-MoE-like (layer 0 dense through mlp_only_layers: the first chunk has no
+  router, its statistics are constants), tp2 · pp2 1f1b with full AC on OLMoE-like (its q/k norm
+  spans the whole projection: under tp its statistics span the tp ranks, tp.ShardedRMSNorm).
+  1f1b and interleaved keep several micro-batches in flight: their statistics must not mix.
 - The aux loss is per forward (docs/moe.md), so every layout runs the same rows per forward: the
   reference's micro-batches are REF_MICRO, a layout's are REF_MICRO / dp.
 - Compared per step: the loss and the grad norm (a 2× gradient, or a replicated parameter counted
@@ -29,17 +31,19 @@ from test_moe_models import hf_model
 from test_train import _main, assert_curve
 
 REF_MICRO = 4  # micro-batches of the reference: 2 rows per forward at --batch-size 8
-LAYOUTS = {  # name: (world, flags); dp = world / (tp · pp)
+LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp)
     "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
     "pp2-zb": (2, ["--pp", "2", "--schedule", "zb"]),
-    "tp2-sp-pp2-ac-full": (4, ["--tp", "2", "--sp", "--pp", "2", "--ac-mode", "full"]),
-    "tp2-pp2-interleaved-ac": (4, ["--tp", "2", "--pp", "2", "--schedule", "interleaved", "--ac"]),
 }
-FAMILIES = {  # family: hf_model overrides (4 layers: pp 2 × 2 virtual stages of one layer)
-    "qwen3_moe": dict(mlp_only_layers=[0]),
-    "olmoe": dict(),
+FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC, one variant each)
+    # 4 layers (pp 2 × 2 virtual stages of one layer); layer 0 dense: under interleaved the first
+    # chunk has no router, its statistics are constants
+    "qwen3_moe": (dict(mlp_only_layers=[0]),
+                  {"tp2-sp-pp2-interleaved-ac": (4, ["--tp", "2", "--sp", "--pp", "2", "--schedule", "interleaved",
+                                                     "--ac"])}),
+    "olmoe": (dict(), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"])}),
 }
 
 
@@ -61,7 +65,7 @@ def _main_own_stage_aux(rank: int, world: int, argv: list[str]) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_layouts_equal_single_process(family, tmp_path):
     hf_model(family, vocab=260, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             num_hidden_layers=4, **FAMILIES[family]).save_pretrained(tmp_path / "init")
+             num_hidden_layers=4, **FAMILIES[family][0]).save_pretrained(tmp_path / "init")
     (tmp_path / "corpus.txt").write_text(open(__file__, encoding="utf-8").read() * 8)
     data.prepare(tmp_path / "corpus.txt", tmp_path / "data")
 
@@ -74,7 +78,7 @@ def test_layouts_equal_single_process(family, tmp_path):
     run_ranks(_main, 1, argv("ref", 1, []))
     want = curve(tmp_path / "ref.jsonl")
     assert want[-1][0] < want[0][0] - 0.05  # the curve moves: comparing it is not vacuous
-    for name, (world, flags) in LAYOUTS.items():
+    for name, (world, flags) in {**LAYOUTS, **FAMILIES[family][1]}.items():
         run_ranks(_main, world, argv(name, world, flags), timeout=120)
         got = curve(tmp_path / f"{name}.jsonl")
         for j in (0, 1):  # the losses, then the grad norms
