@@ -272,7 +272,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
 
 
 def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
-    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3 and AC; the layouts
+    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, AC and --compile; the layouts
     not built yet for it are refused by name (docs/moe.md)."""
     if not cfg.num_experts:
         return []
@@ -281,7 +281,6 @@ def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
            "--pp": (args.pp > 1, "the load-balancing loss pools the routers of all stages"),
            "--cp": (args.cp > 1, "each cp rank's forward would pool only its part of the sequence in the "
                                  "load-balancing loss; untested with experts"),
-           "--compile": (args.compile, "the experts' data-dependent shapes are not traced yet"),
            "--sft": (args.sft and cfg.output_router_logits,
                      "padding rows would count in the load-balancing loss (output_router_logits is true)")}
     return [f"{flag} {what} ({reason})" for flag, (bad, reason) in why.items() if bad]

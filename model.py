@@ -702,17 +702,29 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
     checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
     own policy path), before the optimizer. Layers of one shape share one compiled graph (the
     parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
-    Returns the layers left eager: a checkpointed layer whose attention runs eagerly (`packed` rows,
-    i.e. Documents, or another attn_fn such as cp.py's ring) would break the graph inside the
-    checkpoint, and dynamo then runs the whole checkpoint eagerly — compiling it would only add
-    tracing; the caller says so in its log (train.py)."""
-    eager = []
+    A mixture-of-experts block (moe.MoE) runs eagerly between two graphs of its layer: its
+    dispatch has data-dependent shapes (the rows per expert) and, under EP, a host sync (`.tolist()`
+    of the exchanged counts), either of which breaks the graph.
+    Returns what is left eager, for the caller's log (train.py): the name of each layer left eager
+    whole — a checkpointed layer whose attention runs eagerly (`packed` rows, i.e. Documents, or
+    another attn_fn such as cp.py's ring) or that holds an MoE block would break the graph inside
+    the checkpoint, and dynamo then runs the whole checkpoint eagerly: compiling it would only add
+    tracing — then "<layer>.<path>" of each MoE block that runs eagerly inside a compiled layer."""
+    eager, blocks = [], []
     for name, layer in model.model.layers.items():
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
-        if own is not None and (packed or layer.self_attn.attn_fn is not attend):
+        moes = [(f"{name}.{path}", m) for path, m in layer.named_modules() if isinstance(m, MoE)]
+        if own is not None and (packed or layer.self_attn.attn_fn is not attend or moes):
             eager.append(name)
             continue
         layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
+        for path, block in moes:  # an instance forward (a wrapper) as it is; else as below, no cycle
+            if (mine := block.__dict__.get("forward")) is not None:
+                block.forward = torch.compiler.disable(mine)
+            else:
+                fn, ref = torch.compiler.disable(type(block).forward), weakref.ref(block)
+                block.forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
+            blocks.append(path)
         if own is not None:
             fn = torch.compile(own, **options)
             forward = functools.wraps(own)(lambda *args, fn=fn, **kwargs: fn(*args, **kwargs))
@@ -721,7 +733,7 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
             forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
         forward.compiled = True
         layer.forward = forward
-    return eager
+    return eager + blocks
 
 
 # ----------------------------------------------------------------------------------------- weights

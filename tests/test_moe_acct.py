@@ -102,3 +102,20 @@ def test_ep_memory_formula():
             assert ZM.ep_formula_bytes(0, dense, experts, 8, ep) == 8 * held  # 16 bytes a held parameter
     finally:
         dist.destroy_process_group()
+
+
+def test_compiled_moe_layers_equal_eager():
+    """aot_eager (the trace without inductor's codegen): each MoE block eager between two graphs of its
+    layer, named in what compile_layers returns; a checkpointed MoE layer is left eager whole."""
+    import ac as AC
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = (W.materialize(M.build(TINY), "cpu", seed=7) for _ in range(2))
+    assert M.compile_layers(compiled, backend="aot_eager") == ["0.mlp", "1.mlp"]
+    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    assert_same(run(compiled, ids, ids), run(eager, ids, ids), 1e-6)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # before, after the block
+    checkpointed = W.materialize(M.build(TINY), "cpu", seed=7)
+    AC.apply_ac(checkpointed, "selective")
+    assert M.compile_layers(checkpointed, backend="aot_eager") == ["0", "1"]
