@@ -27,6 +27,7 @@ import model as M
 import moe
 import weights as W
 import zero_memory as ZM
+from dist import run_ranks
 from test_families import assert_same, run
 
 # Mixtral-8x7B-like: V 32000, H 4096, L 32, 32 heads of 128 (8 kv), I 14336, E 8, k 2, untied
@@ -119,3 +120,27 @@ def test_compiled_moe_layers_equal_eager():
     checkpointed = W.materialize(M.build(TINY), "cpu", seed=7)
     AC.apply_ac(checkpointed, "selective")
     assert M.compile_layers(checkpointed, backend="aot_eager") == ["0", "1"]
+
+
+def _exchange(rank: int, world: int) -> dict:
+    from bench import bench_moe as BM
+    torch.manual_seed(0)
+    block = moe.shard_experts(moe.MoE(moe.MoEConfig(hidden=8, intermediate=4, num_experts=4, top_k=2)),
+                              moe.ep_groups(world))
+    x, g = (torch.randn(12, 8, generator=torch.Generator().manual_seed(rank + s)) for s in (1, 9))
+    real = BM.count_bytes(block, x, g)
+    BM.balanced(block)
+    return {"real": real, "balanced": BM.count_bytes(block, x, g)}
+
+
+def test_all_to_all_bytes_equal_the_formula_when_balanced():
+    """bench_moe's count at ep = 2 (2 forked ranks, 12 tokens, k 2, H 8, fp32): balanced routing sends
+    exactly 2·N·k·H·b·(ep−1)/ep token-row bytes forward and again backward, plus the (ep−1)·E/ep
+    int64 counts in forward only; any routing sends as much backward as forward (the reverse splits)."""
+    from bench.bench_moe import all_to_all_formula
+    formula = all_to_all_formula(12, 2, 8, 4, 2)
+    assert formula == 2 * 12 * 2 * 8 * 4 / 2
+    for out in run_ranks(_exchange, 2):
+        assert out["balanced"] == {("forward", "counts"): 2 * 8, ("forward", "rows"): formula,
+                                   ("backward", "rows"): formula}, out
+        assert out["real"][("forward", "rows")] == out["real"][("backward", "rows")], out
