@@ -16,8 +16,9 @@ rank's median fwd+bwd CPU and wall time, averaged over the ranks, and the ratio 
 median over steps of the paired CPU times). Then the all-to-all bytes per layer per rank, counted
 at `torch.distributed.all_to_all_single` (what each call sends to other ranks: the token rows of
 moe._AllToAll, apart from the per-expert counts), forward and backward, against the formula
-2·N·k·H·b·(ep−1)/ep per direction, under the real routing and under a balanced one (token t picks
-experts t·k … t·k+k−1 mod E, so every expert gets N·k/E rows from every rank).
+2·N·k·H·b·(ep−1)/ep per direction, under three routings: the real one (the router at its init on
+Gaussian tokens: close to uniform), a skewed one (expert e drawn with odds 1/(e+1)) and a balanced
+one (token t picks experts t·k … t·k+k−1 mod E: every expert gets N·k/E rows from every rank).
 
 Builds on: moe.py
 
@@ -162,15 +163,23 @@ def all_to_all_formula(tokens: int, top_k: int, hidden: int, itemsize: int, ep: 
     return 2 * tokens * top_k * hidden * itemsize * (ep - 1) / ep
 
 
-def balanced(block: moe.MoE) -> None:
-    """Replace the block's router by a balanced one: token t picks experts t·k … t·k+k−1 mod E with
-    weights 1/k. Every expert gets N·k/E of a rank's rows when E divides N·k. `del
-    block.gate.forward` restores the learned router."""
+def fixed_routing(block: moe.MoE, kind: str, seed: int = 0) -> None:
+    """Replace the block's router by a fixed one, weights 1/k; `del block.gate.forward` restores
+    the learned router. "balanced": token t picks experts t·k … t·k+k−1 mod E, so every expert gets
+    N·k/E of a rank's rows when E divides N·k. "zipf": each token draws k distinct experts, expert
+    e with odds 1/(e+1) (seeded): the low experts, on the low ep ranks, are hot."""
     E, k = block.cfg.num_experts, block.cfg.top_k
+    odds = 1 / torch.arange(1, E + 1, dtype=torch.float32)  # (E,)
 
     def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        experts = torch.arange(x.shape[0] * k, device=x.device).view(-1, k) % E  # (N, k)
-        return x.new_zeros(x.shape[0], E), torch.full((x.shape[0], k), 1 / k, device=x.device), experts
+        n = x.shape[0]
+        if kind == "balanced":
+            experts = torch.arange(n * k, device=x.device).view(n, k) % E  # (N, k)
+        else:
+            experts = torch.multinomial(odds.expand(n, E), k, generator=torch.Generator().manual_seed(seed))
+        return x.new_zeros(n, E), torch.full((n, k), 1 / k, device=x.device), experts.to(x.device)
+    if kind not in ("balanced", "zipf"):
+        raise ValueError(f"routing {kind!r}: balanced or zipf")
     block.gate.forward = route
 
 
@@ -207,9 +216,10 @@ def ep_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         for ep, block in blocks.items():
             times[name, ep] = steps[ep]
             sent[name, ep, "real"] = count_bytes(block, x, g)
-            balanced(block)
-            sent[name, ep, "balanced"] = count_bytes(block, x, g)
-            del block.gate.forward
+            for kind in ("zipf", "balanced"):
+                fixed_routing(block, kind, seed=rank)
+                sent[name, ep, kind] = count_bytes(block, x, g)
+                del block.gate.forward
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, sent))
     if rank == 0:

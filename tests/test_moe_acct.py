@@ -129,7 +129,7 @@ def _exchange(rank: int, world: int) -> dict:
                               moe.ep_groups(world))
     x, g = (torch.randn(12, 8, generator=torch.Generator().manual_seed(rank + s)) for s in (1, 9))
     real = BM.count_bytes(block, x, g)
-    BM.balanced(block)
+    BM.fixed_routing(block, "balanced")
     return {"real": real, "balanced": BM.count_bytes(block, x, g)}
 
 
