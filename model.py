@@ -54,8 +54,8 @@ Invariants
       the uncached decode's, every family, tp1 and tp2 (tests/test_generate.py).
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
       (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
-      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks
-      and everything between the layers stay eager.
+      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks,
+      everything between the layers and each MoE block (between two graphs of its layer) stay eager.
 """
 from __future__ import annotations
 
@@ -719,11 +719,9 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
             continue
         layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
         for path, block in moes:  # an instance forward (a wrapper) as it is; else as below, no cycle
-            if (mine := block.__dict__.get("forward")) is not None:
-                block.forward = torch.compiler.disable(mine)
-            else:
-                fn, ref = torch.compiler.disable(type(block).forward), weakref.ref(block)
-                block.forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
+            forward = block.__dict__.get("forward") or (
+                lambda *args, fn=type(block).forward, ref=weakref.ref(block), **kwargs: fn(ref(), *args, **kwargs))
+            block.forward = torch.compiler.disable(forward)  # the whole wrapper: dynamo skips its frame
             blocks.append(path)
         if own is not None:
             fn = torch.compile(own, **options)
