@@ -17,7 +17,7 @@ median over steps of the paired CPU times). Then the all-to-all bytes per layer 
 at `torch.distributed.all_to_all_single` (what each call sends to other ranks: the token rows of
 moe._AllToAll, apart from the per-expert counts), forward and backward, against the formula
 2·N·k·H·b·(ep−1)/ep per direction, under three routings: the real one (the router at its init on
-Gaussian tokens: close to uniform), a skewed one (expert e drawn with odds 1/(e+1)) and a balanced
+Gaussian tokens: close to uniform), a skewed one ("zipf": expert e drawn with odds 1/(e+1)) and a balanced
 one (token t picks experts t·k … t·k+k−1 mod E: every expert gets N·k/E rows from every rank).
 
 Builds on: moe.py
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ep", action="store_true", help="expert parallelism over --world forked gloo ranks")
-    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--world", type=int, default=4, help="--ep: how many ranks to fork")
     args = ap.parse_args()
     if args.ep:
         with socket.socket() as sock:  # a free port for the ranks' rendezvous
@@ -125,7 +125,6 @@ def main() -> None:
             cpu, wall = (statistics.median(t[i] for t in ts) for i in (0, 1))
             ratio = statistics.median(t[0] / b[0] for t, b in zip(ts, base))
             print(f"{name:<16}{k:<26}{cpu * 1e3:>9.1f}{wall * 1e3:>9.1f}{ratio:>8.3f}")
-
 
 
 # --- refinement: expert parallelism (--ep): step time at ep = 1, 2, 4 and the all-to-all bytes
