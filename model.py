@@ -12,7 +12,8 @@ What it does
     Three mixtures of experts, `model_type` mixtral, qwen3_moe and olmoe (MOE_FAMILIES): the MLP of a
     sparse layer (`LlamaConfig.is_sparse`) is moe.MoE; OLMoE's q/k RMSNorm spans the whole
     projection (qk_norm_whole). With `output_router_logits` the loss adds `router_aux_loss_coef` ·
-    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM.
+    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM; a
+    pipeline stage passes its routers' statistics on with its hidden states (`stage_extras`).
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
@@ -33,12 +34,13 @@ Invariants
     - The model is unaware of parallelism: head counts come from weight shapes, layers live in a
       ModuleDict keyed by their global index (so a pipeline stage can drop the ones it does not own
       and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
-      pipeline stage then maps hidden states to hidden states). Two plain attributes are the seams
-      tp.py uses for a vocab-sharded head: `loss_fn(hidden, weight, labels, reduction)` (lm_head and
-      the loss in one: hidden (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns
-      full-vocab logits to the user). A third, `Attention.attn_fn(q, k, v, docs)`, is the attention
-      itself (attention.attend), for a file that swaps in another algorithm (cp.py's ring attention)
-      without editing this one.
+      pipeline stage then maps hidden states to hidden states). Three plain attributes are the seams
+      tp.py uses: `loss_fn(hidden, weight, labels, reduction)` (lm_head and the loss in one: hidden
+      (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns full-vocab logits to the
+      user) for a vocab-sharded head; `router_stats_fn(stats)` turns a forward's router statistics
+      into those of all its rows (sequence parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
+      is the attention itself (attention.attend), for a file that swaps in another algorithm (cp.py's
+      ring attention) without editing this one.
     - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
       the cross-entropy over vocabulary chunks with a hand-written backward.
     - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
@@ -72,7 +74,7 @@ import torch.nn as nn
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 from loss import linear_cross_entropy
-from moe import MoE, MoEConfig, record_router_logits, router_loss
+from moe import MoE, MoEConfig, record_router_logits, stats_loss, router_stats as router_stats_of
 from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
@@ -626,10 +628,24 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
+        # this forward's router statistics (moe.router_stats) → those of all its rows: tp.py's
+        # sequence parallelism all-reduces them (each rank routes its own tokens)
+        self.router_stats_fn: Callable[[torch.Tensor], torch.Tensor] = lambda stats: stats
+
+    def stage_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a pipeline stage (pp.py) passes on with its hidden states, {keyword: (shape, dtype)}:
+        with the load-balancing loss on, the routers' statistics of the stages so far (2E + 2,) fp32.
+        A model without lm_head then returns (hidden states, router_stats); one without embeddings
+        takes the earlier stages' as the keyword `router_stats`. The loss is then one function of
+        every stage's routers, and autograd brings each its exact gradient."""
+        if not (self.config.output_router_logits and self.config.num_experts > 0):
+            return {}
+        return {"router_stats": ((2 * self.config.num_experts + 2,), torch.float32)}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
-                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None,
+                router_stats: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
         position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
         within each document (a new one starts wherever the position does not continue).
@@ -638,7 +654,8 @@ class Llama(nn.Module):
         mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
         logits (B, S, V), or hidden states on a stage without lm_head.
         cache: a KVCache (generation, below): input_ids continue the cached positions, the keys and
-        values are appended, and only the last position's logits (B, 1, V) are returned."""
+        values are appended, and only the last position's logits (B, 1, V) are returned.
+        router_stats: the earlier pipeline stages' router statistics (`stage_extras`)."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
         B, S = h.shape[:2]
@@ -653,7 +670,8 @@ class Llama(nn.Module):
         elif docs is None:
             docs = Documents.from_position_ids(position_ids)
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
-        aux = labels is not None and self.config.output_router_logits and self.config.num_experts > 0
+        # the aux loss's statistics: for the loss, or for the next pipeline stage (no lm_head)
+        aux = bool(self.stage_extras()) and cache is None and (labels is not None or self.lm_head is None)
         with record_router_logits(self) if aux else contextlib.nullcontext() as router_logits:
             for name, layer in m.layers.items():
                 if cache is None:
@@ -663,10 +681,15 @@ class Llama(nn.Module):
         if cache is not None:
             cache.length += S
             h = h[:, -1:]  # (B, 1, H): generation reads the next token only
+        if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
+            moe_cfg = self.config.moe_config()
+            own = self.router_stats_fn(router_stats_of([t for t in router_logits if t is not None],
+                                                       moe_cfg.num_experts, moe_cfg.top_k, device=h.device))
+            stats = own if router_stats is None else router_stats + own
         if m.norm is not None:
             h = m.norm(h)
         if self.lm_head is None:
-            return h
+            return (h, stats) if aux else h
         if labels is None:
             return self.logits_fn(self.lm_head(h))  # (B, S, V)
         loss = self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
@@ -674,8 +697,7 @@ class Llama(nn.Module):
             return loss
         # transformers: mean token loss + coef · load-balancing loss of this forward (all layers pooled);
         # a summed loss gets the term once per target token, so sum / count is transformers' loss
-        extra = router_loss([t for t in router_logits if t is not None], self.config.moe_config())
-        return loss + extra * ((labels != -100).sum() if reduction == "sum" else 1)
+        return loss + stats_loss(stats, moe_cfg) * ((labels != -100).sum() if reduction == "sum" else 1)
 
 
 # ----------------------------------------------------------------------------------------- compile

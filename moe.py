@@ -15,7 +15,9 @@ What it does
     transformers block's state_dict loads into `MoE` as a copy.
     Losses: `load_balancing_loss` (Switch: E·Σ_i f_i·P_i, pooled over layers exactly as
     transformers' `load_balancing_loss_func`) and `router_z_loss` (ST-MoE); `router_loss` applies
-    the config's coefficients. `record_router_logits` collects every router's logits of a forward.
+    the config's coefficients. Both are made of `router_stats`, sums over rows that add up across
+    pipeline stages and sequence shards. `record_router_logits` collects every router's logits of a
+    forward.
     Expert parallelism (`shard_experts`): the E experts are split over the ep ranks of a group. A
     layer sends each (token, expert) row to the rank that holds the expert by an all-to-all with
     variable splits (the counts travel first), runs its local experts, and sends the rows back.
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,9 +125,12 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden))
         nn.init.normal_(self.weight, std=0.02)
+        # a seam: the weight as the forward uses it. tp.py's sequence parallelism passes it through
+        # its f (each tp rank routes its own tokens, so the gradient is summed over tp)
+        self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = lambda w: w
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # (N, E) in x's dtype
+        logits = F.linear(x, self.weight_fn(self.weight))  # (N, E) in x's dtype
         weights, experts = route(logits, self.cfg.top_k, self.cfg.renormalize, self.cfg.fp32_weights)
         return logits, weights, experts
 
@@ -220,6 +225,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         for w in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(w, std=0.02)
+        self.weight_fn: Callable[[torch.Tensor], torch.Tensor] = lambda w: w  # the seam of Router's
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         impl = self.cfg.experts_impl
@@ -233,10 +239,10 @@ class Experts(nn.Module):
                 host_counts: list[int] | None = None) -> torch.Tensor:
         """x (M, H) sorted by local expert, counts (E_local,) on the device; host_counts the same
         as ints when the caller already has them (EP), so the loop costs no extra sync."""
+        gate_up, down = self.weight_fn(self.gate_up_proj), self.weight_fn(self.down_proj)
         if self.use_grouped(x):
-            return experts_grouped(x, counts, self.gate_up_proj, self.down_proj)
-        return experts_loop(x, host_counts if host_counts is not None else counts.tolist(),
-                            self.gate_up_proj, self.down_proj)
+            return experts_grouped(x, counts, gate_up, down)
+        return experts_loop(x, host_counts if host_counts is not None else counts.tolist(), gate_up, down)
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -424,51 +430,74 @@ def grad_reduce_plan(model: nn.Module, dp_group: Group,
 # --- refinement: the router losses and recording the routers' logits ---
 
 
+def router_stats(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                 attention_mask: torch.Tensor | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """What the router losses need from a forward's layers, each summed over all their rows:
+    (2E + 2,) fp32 = [P (E): the router probabilities | picks (E): the top-k picks | rows |
+    z: logsumexp(logits)²]. Only P and z carry gradients. Every entry is a sum over rows, so the
+    statistics of two pieces of one forward add up to the whole's: the stages of a pipeline (pp.py
+    carries them with the activations), the sequence shards of sp (tp.py all-reduces them).
+    The softmax runs in the logits' dtype, as transformers' load_balancing_loss_func.
+    attention_mask (B, S) of 0/1: padding rows count for nothing, in every layer. device: where
+    the statistics of no layer (an empty list: a pipeline stage of dense layers only) are made."""
+    E = num_experts
+    stats = torch.zeros(2 * E + 2, dtype=torch.float32,
+                        device=router_logits[0].device if router_logits else device)
+    for logits in router_logits:  # each (B·S, E)
+        probs = torch.softmax(logits, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)  # (B·S, k)
+        keep = (torch.ones(logits.shape[0], device=logits.device) if attention_mask is None
+                else attention_mask.reshape(-1).to(device=logits.device, dtype=torch.float32))  # (B·S,)
+        picks = torch.zeros(E, device=logits.device).scatter_add_(0, chosen.reshape(-1),
+                                                                  keep.repeat_interleave(top_k))
+        z = torch.logsumexp(logits.float(), dim=-1) ** 2  # (B·S,)
+        stats = stats + torch.cat([(probs.float() * keep[:, None]).sum(0), picks,  # (2E + 2,)
+                                   keep.sum()[None], (z * keep).sum()[None]])
+    return stats
+
+
+def balance_loss_of(stats: torch.Tensor) -> torch.Tensor:
+    """Switch's E·Σ_i f_i·P_i from `router_stats`, as transformers: f_i (the picks) and P_i over the
+    rows of all layers together, so Σ f_i = k and a perfectly balanced router scores k. The picks
+    and the row count are constants: the gradient flows through P only."""
+    E = (stats.numel() - 2) // 2
+    prob, picks, rows = stats[:E], stats[E:2 * E].detach(), stats[2 * E].detach()
+    return E * torch.sum((picks / rows) * (prob / rows))
+
+
+def z_loss_of(stats: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss from `router_stats`: the mean over all layers' rows of logsumexp(logits)²."""
+    return stats[-1] / stats[-2].detach()
+
+
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Switch's auxiliary loss E·Σ_i f_i·P_i, as transformers' load_balancing_loss_func: f_i is
     the number of top-k picks of expert i and P_i the sum of its router probability, both summed
-    over every layer's rows and divided by the rows of all layers together (so Σ f_i = k: a
-    perfectly balanced router scores k). The softmax runs in the logits' dtype, as theirs.
-    attention_mask (B, S) of 0/1: padding rows count for nothing, in every layer."""
-    device = router_logits[0].device
-    picks = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    for logits in router_logits:  # each (B·S, E)
-        probs = torch.softmax(logits, dim=-1)
-        _, chosen = torch.topk(probs, top_k, dim=-1)  # (B·S, k)
-        keep = (torch.ones(logits.shape[0], device=device) if attention_mask is None
-                else attention_mask.reshape(-1).to(device=device, dtype=torch.float32))  # (B·S,)
-        picks = picks + torch.zeros_like(picks).scatter_add_(
-            0, chosen.reshape(-1), keep.repeat_interleave(top_k))
-        prob = prob + (probs.float() * keep[:, None]).sum(0)
-        rows = rows + keep.sum()
-    return num_experts * torch.sum((picks / rows) * (prob / rows))
+    over every layer's rows and divided by the rows of all layers together (`balance_loss_of`)."""
+    return balance_loss_of(router_stats(router_logits, num_experts, top_k, attention_mask))
 
 
 def router_z_loss(router_logits: Sequence[torch.Tensor],
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """ST-MoE's z-loss: the mean over all layers' rows of logsumexp(logits)², in fp32. It keeps
     the logits small, which the softmax's fp32 rounding and bf16 logits need."""
-    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
-    rows = torch.zeros_like(total)
-    for logits in router_logits:
-        z = torch.logsumexp(logits.float(), dim=-1) ** 2  # (B·S,)
-        keep = torch.ones_like(z) if attention_mask is None else attention_mask.reshape(-1).to(z)
-        total = total + (z * keep).sum()
-        rows = rows + keep.sum()
-    return total / rows
+    E = router_logits[0].shape[-1]
+    return z_loss_of(router_stats(router_logits, E, 1, attention_mask))
+
+
+def stats_loss(stats: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """What the routers add to the training loss, from a whole forward's `router_stats`: the
+    config's coefficients times the losses."""
+    loss = cfg.aux_loss_coef * balance_loss_of(stats)
+    return loss + cfg.z_loss_coef * z_loss_of(stats) if cfg.z_loss_coef else loss
 
 
 def router_loss(router_logits: Sequence[torch.Tensor], cfg: MoEConfig,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """What the routers add to the training loss: the config's coefficients times the losses."""
-    loss = cfg.aux_loss_coef * load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k,
-                                                   attention_mask)
-    if cfg.z_loss_coef:
-        loss = loss + cfg.z_loss_coef * router_z_loss(router_logits, attention_mask)
-    return loss
+    return stats_loss(router_stats(router_logits, cfg.num_experts, cfg.top_k, attention_mask), cfg)
 
 
 @contextlib.contextmanager

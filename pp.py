@@ -18,6 +18,10 @@ The stage: what it receives and returns
       kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
       returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
               (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
+      extras  what a stage passes on besides its hidden states (model.Llama.stage_extras: an MoE
+              model's router statistics, for the load-balancing loss that pools every stage's
+              routers). It returns (h, *extras); the next stage takes them as keywords; their
+              gradients come back with the activation's, so autograd does the rest.
     attotron's Llama is its own stage. transformers' decoders become a `Stage`.
     So do models described by `Parts(embed, layers, norm, head, positions)`. docs/pp.md has the rest.
 
@@ -37,6 +41,8 @@ Invariants
     - Checkpoints ignore pp and v (tests/test_pp_cli.py::test_interleaved_checkpoint_is_layout_free).
     - A Stage equals transformers' own model (tests/test_foreign_tp_pp.py::test_pp_alone_on_transformers_and_gpt).
     - Peers given different micro-batches all raise; none hangs (tests/test_pp.py::test_pp2).
+    - An MoE model with the load-balancing loss equals the single process at pp2, every schedule,
+      with tp, sp and AC (tests/test_moe_layouts.py).
 
 Builds on: pp_schedules.py (actions, schedules, simulator). More: docs/pp.md, docs/pipeline-nccl.md.
 """
@@ -154,6 +160,10 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
         raise ValueError(f"split_stage: {type(model).__name__} is neither attotron's Llama nor a transformers "
                          f"decoder (model.model.layers, lm_head); pass parts=pp.Parts(embed=..., layers=..., "
                          f"norm=..., head=..., positions=...) and loss_fn")
+    if hf and getattr(model.config, "output_router_logits", False) and num_stages > 1:
+        raise ValueError(f"split_stage: {type(model).__name__} has output_router_logits: its load-balancing "
+                         f"loss pools every stage's routers, which a Stage cannot; attotron's own MoE "
+                         f"model (model.py) can")
     parts = parts or Parts()
     layers = _get(model, parts.layers)
     if not isinstance(layers, nn.ModuleList):
@@ -410,6 +420,24 @@ def _hidden_size(chunk: nn.Module) -> int:
     return chunk.hidden_size if isinstance(chunk, Stage) else chunk.config.hidden_size
 
 
+def _extras(chunk: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What a stage passes on besides its hidden states (model.Llama.stage_extras: the routers'
+    statistics of an MoE model with the load-balancing loss); a Stage passes nothing else."""
+    return {} if isinstance(chunk, Stage) else chunk.stage_extras()
+
+
+def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
+    """The outputs that carry a gradient, with theirs (none on the last stage: the loss is the root).
+    A stage of dense layers only makes constant router statistics."""
+    keep = [j for j, t in enumerate(outs) if t.requires_grad]
+    return [outs[j] for j in keep], None if grads is None else [grads[j] for j in keep]
+
+
+def _grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs' gradients to send back; zeros where an input reached nothing differentiable."""
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
+
+
 class _Run:
     """One rank's state during run_pipeline: what one action makes and a later one uses.
     Keys are (micro-batch, chunk)."""
@@ -428,11 +456,14 @@ class _Run:
             else max(int(step_targets), 1)
         rows, seq = microbatches[0]["input_ids"].shape
         self.act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
+        self.extras = _extras(chunks[0])  # {keyword: (shape, dtype)}: what travels with the activation
+        self.shapes = [(self.act_shape, self.param.dtype), *self.extras.values()]  # one message's tensors
         self.syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == self.grad_kind
                            and a.chunk == c), default=-1) for c in range(self.v)}  # each chunk's last one
-        self.inputs: dict[tuple, torch.Tensor] = {}    # input leaf (received, or zb's cut embedding)
-        self.outputs: dict[tuple, torch.Tensor] = {}   # the chunk's output (hidden states, or the loss) until B
-        self.in_grads: dict[tuple, torch.Tensor] = {}  # the gradient of the input, to send back
+        # tuples: the activation (hidden states, or the last stage's loss), then the extras
+        self.inputs: dict[tuple, tuple] = {}    # input leaves (received, or zb's cut embedding)
+        self.outputs: dict[tuple, tuple] = {}   # the chunk's outputs until B
+        self.in_grads: dict[tuple, list] = {}   # the gradients of the inputs, to send back
         self.recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
         self.sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
         self.loss = torch.zeros((), dtype=torch.float32, device=self.param.device)
@@ -449,50 +480,57 @@ class _Run:
         group, peer = (self.pp_group, a.peer) if self.peer_groups is None else \
             (self.peer_groups[a.peer], 1 - dist.get_rank(self.peer_groups[a.peer]))  # (in a pair: the other one)
         ops, tensors = [], []
-        for msg in a.msgs:
+        for msg in a.msgs:  # each message: the activation (or its gradient), then the extras
             key = (msg.microbatch, msg.chunk)
-            if msg.send:  # F: our output activation; B: the gradient of our input
-                t = (self.outputs[key].detach() if msg.payload == F else self.in_grads.pop(key)).contiguous()
+            if msg.send:  # F: our outputs; B: the gradients of our inputs
+                ts = [t.detach().contiguous() for t in (self.outputs[key] if msg.payload == F
+                                                        else self.in_grads.pop(key))]
             else:
-                t = torch.empty(self.act_shape, dtype=self.param.dtype, device=self.param.device)  # (B, S, H)
-            ops.append(dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer))
-            tensors.append(t)
+                ts = [torch.empty(shape, dtype=dtype, device=self.param.device) for shape, dtype in self.shapes]
+            ops += [dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer) for t in ts]
+            tensors.append(ts)
         works = dist.batch_isend_irecv(ops)
-        for j, (msg, t) in enumerate(zip(a.msgs, tensors)):
-            mine = [works[j]] if len(works) == len(ops) else works  # NCCL: one coalesced work
+        j = 0
+        for msg, ts in zip(a.msgs, tensors):
+            mine = works[j:j + len(ts)] if len(works) == len(ops) else works  # NCCL: one coalesced work
+            j += len(ts)
             if msg.send:
                 self.sends.append(mine)
             else:
-                self.recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, t)
+                self.recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, ts)
 
-    def received(self, payload: str, key: tuple) -> torch.Tensor:
+    def received(self, payload: str, key: tuple) -> list[torch.Tensor]:
         """A receive is waited on right before the computation that reads it."""
-        works, t = self.recvs.pop((payload, *key))
+        works, ts = self.recvs.pop((payload, *key))
         for w in works:
             w.wait()
-        return t
+        return ts
 
     def forward(self, a: Action) -> None:
         """F: run the chunk; the last virtual stage adds its loss share to the step's loss."""
         key, c = (a.microbatch, a.chunk), self.chunks[a.chunk]
         mb = self.microbatches[a.microbatch]
         kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
-        x = mb["input_ids"] if self.first(a.chunk) else self.received(F, key).requires_grad_()
+        if self.first(a.chunk):
+            x, extras = mb["input_ids"], {}
+        else:
+            x, *rest = [t.requires_grad_() for t in self.received(F, key)]
+            extras = dict(zip(self.extras, rest))  # the earlier stages' extras, by keyword
         with self.around_forward(a), self.timed(a):
             if self.last(a.chunk):
-                out = c(x, labels=mb["labels"], reduction="sum", **kwargs) / self.denominator
+                out = c(x, labels=mb["labels"], reduction="sum", **kwargs, **extras) / self.denominator
                 self.loss += out.detach()
             else:
-                out = c(x, **kwargs)  # (B, S, H)
+                out = c(x, **kwargs, **extras)  # (B, S, H), or a tuple: (B, S, H) and the extras
         if not self.first(a.chunk):
-            self.inputs[key] = x
-        self.outputs[key] = out
+            self.inputs[key] = (x, *extras.values())
+        self.outputs[key] = out if isinstance(out, tuple) else (out,)
 
     def around_forward(self, a: Action) -> ContextManager:
         return contextlib.nullcontext()  # (zb cuts the embedding off here)
 
-    def backward(self, a: Action, k: int) -> torch.Tensor | None:
-        """B: backpropagate the received gradient; keep the input's gradient to send back."""
+    def backward(self, a: Action, k: int) -> list[torch.Tensor] | None:
+        """B: backpropagate the received gradients; keep the inputs' gradients to send back."""
         key = (a.microbatch, a.chunk)
         grad = None if self.last(a.chunk) else self.received(B, key)
         with self.deferred(k), self.timed(a):
@@ -501,10 +539,11 @@ class _Run:
             self.in_grads[key] = dx
         return dx
 
-    def input_grad(self, key: tuple, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """The whole backward: the input's and the parameters' gradients."""
-        torch.autograd.backward(self.outputs.pop(key), grad_tensors=grad)
-        return None if self.first(key[1]) else self.inputs.pop(key).grad
+    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """The whole backward: the inputs' and the parameters' gradients."""
+        outs, grads = _with_grad(self.outputs.pop(key), grad)
+        torch.autograd.backward(outs, grad_tensors=grads)
+        return None if self.first(key[1]) else _grads_of(self.inputs.pop(key))
 
     def deferred(self, k: int) -> ContextManager:
         """dp/ZeRO's no_sync, but for each chunk's last action that accumulates into .grad.
@@ -546,24 +585,24 @@ class _ZeroBubbleRun(_Run):
         """Virtual stage 0: the embedding's output becomes the chunk's input leaf.
         So B stops there, as on any stage. The embedding's gradient waits for W."""
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            self.embeds[key], self.inputs[key] = out, out.detach().requires_grad_()
-            return self.inputs[key]
+            self.embeds[key], self.inputs[key] = out, (out.detach().requires_grad_(),)
+            return self.inputs[key][0]
         handle = _embedding(chunk).register_forward_hook(hook)
         try:
             yield
         finally:
             handle.remove()
 
-    def input_grad(self, key: tuple, grad: torch.Tensor | None) -> torch.Tensor:
-        dx, self.pending[key] = backward_input(self.outputs.pop(key), grad, self.inputs.pop(key),
-                                               self.params[key[1]])
+    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        outs, grads = _with_grad(self.outputs.pop(key), grad)
+        dx, self.pending[key] = backward_input(outs, grads, self.inputs.pop(key), self.params[key[1]])
         return dx
 
-    def backward(self, a: Action, k: int) -> torch.Tensor:
+    def backward(self, a: Action, k: int) -> list[torch.Tensor]:
         dx = super().backward(a, k)
         key = (a.microbatch, a.chunk)
         if self.first(a.chunk):
-            self.embeds[key] = (self.embeds[key], dx, list(_embedding(self.chunks[a.chunk]).parameters()))
+            self.embeds[key] = (self.embeds[key], dx[0], list(_embedding(self.chunks[a.chunk]).parameters()))
         return dx
 
     def weight_grad(self, a: Action, k: int) -> None:
@@ -578,10 +617,10 @@ def _embedding(chunk: nn.Module) -> nn.Module:
     return _get(chunk, chunk.parts.embed) if isinstance(chunk, Stage) else chunk.model.embed_tokens
 
 
-def _parents(root: Node) -> dict[Node, list[Node]]:
-    """Every node of the backward graph under `root` → the nodes whose next_functions hold it."""
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node of the backward graph under `roots` → the nodes whose next_functions hold it."""
     parents: dict[Node, list[Node]] = defaultdict(list)
-    todo, seen = [root], {root}
+    todo, seen = list(roots), set(roots)
     while todo:
         node = todo.pop()
         for child, _ in node.next_functions:
@@ -607,12 +646,17 @@ def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tup
     return seen, met
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
-                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list]:
-    """B: the gradient of `inp` (a leaf) only. Returns it, and W's groups for backward_weight.
-    A group is (params, [(node, the gradients flowing into it)]): the banner above says why."""
-    parents = _parents(out.grad_fn)
-    path, _ = _up([get_gradient_edge(inp).node], parents)  # nodes between the output and inp
+def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: torch.Tensor | Sequence[torch.Tensor] | None,
+                   inp: torch.Tensor | Sequence[torch.Tensor],
+                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | list[torch.Tensor], list]:
+    """B: the gradient of `inp` (a leaf, or several) only. Returns it (them), and W's groups for
+    backward_weight. A group is (params, [(node, the gradients flowing into it)]): the banner above
+    says why. out, grad: a tensor, or several (a stage's activation and its extras)."""
+    one = isinstance(inp, torch.Tensor)
+    outs, inps = ([out], [inp]) if one else (list(out), list(inp))
+    grads = grad if grad is None or not isinstance(grad, torch.Tensor) else [grad]
+    parents = _parents([o.grad_fn for o in outs])
+    path, _ = _up([get_gradient_edge(i).node for i in inps], parents)  # nodes between the outputs and inputs
     groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
     for p in params:
         node = get_gradient_edge(p).node
@@ -631,11 +675,12 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
              for _, nodes in groups for n in nodes]
     try:
-        torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+        torch.autograd.backward(outs, grads, inputs=inps, retain_graph=True)
     finally:
         for h in hooks:
             h.remove()
-    return inp.grad, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
+    dx = inp.grad if one else _grads_of(inps)
+    return dx, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
 
 
 def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:

@@ -7,6 +7,8 @@ What it does
     It returns the shard map {parameter name: Shard}: `weights.materialize` reads slices with it.
     Models: attotron's Llama (on meta), transformers' decoders, any other described by `Parts`.
     Qwen3's per-head q/k norms stay replicated (ReplicatedRMSNorm); their gradients are summed over tp.
+    A mixture of experts (moe.MoE, the layers config.is_sparse names) is not split: every tp rank
+    holds all its experts (refinement at the end).
 
 The core idea
     A block (attention, MLP) is column layers, then one row layer.
@@ -39,6 +41,8 @@ Invariants
     - No rank holds a [tokens, vocab] tensor in training (test_tp.py).
     - Padded vocab rows stay zero, and users never see them (test_tp.py).
     - What cannot be split raises before the model changes (tests/test_foreign_tp_pp.py).
+    - MoE models (Qwen3-MoE with a dense layer, OLMoE's whole-projection q/k norm) under tp and
+      tp + sp equal the single process, aux loss on (tests/test_moe_layouts.py).
     - f and g equal the textbook pair in tests/naive.py (tests/test_naive.py).
 
 Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm).
@@ -413,6 +417,16 @@ def default_parts(model: nn.Module) -> Parts:
     return Parts(plan=ours)
 
 
+def _layer_plan(plan: dict[str, Style], sparse: bool) -> dict[str, Style]:
+    """The plan of one layer: a sparse layer (moe.MoE) keeps its experts whole, so no 'mlp.' entry."""
+    return {pattern: style for pattern, style in plan.items() if not (sparse and pattern.startswith("mlp."))}
+
+
+def _sparse_layers(model: nn.Module, ours: bool) -> set[str]:
+    """The names of attotron's sparse decoder layers (config.is_sparse); none for other models."""
+    return {i for i in model.model.layers.keys() if model.config.is_sparse(int(i))} if ours else set()
+
+
 def _matches(layer: nn.Module, plan: dict[str, Style]) -> list[tuple[str, Style]]:
     """(module name inside the layer, style) for every module a plan pattern names."""
     found = [(name, style) for name, _ in layer.named_modules() for pattern, style in plan.items()
@@ -467,14 +481,14 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return new
 
 
-def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool) -> tuple[list, bool]:
+def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool, sparse: set[str]) -> tuple[list, bool]:
     """Every check of apply_tp, before its first change: a call that raises leaves the model as it was.
     Returns [(layer, "layers.i.", name inside it, style)] of the plan, and whether the head is tied."""
     layers = _get(model, parts.layers)
     todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
                                                                 layer.get_submodule(name), parts))
             for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
-            for name, style in _matches(layer, parts.plan)]
+            for name, style in _matches(layer, _layer_plan(parts.plan, i in sparse))]
     for i, layer in layers.named_children():
         for attr in parts.heads:
             if _get(layer, attr) % tp:
@@ -503,9 +517,10 @@ def tp_validate(cfg: Any, tp: int, seq_len: int | None = None) -> None:
     if seq_len is not None and seq_len % tp:
         raise ValueError(f"sequence parallelism: tp={tp} must divide the sequence length {seq_len} "
                          f"(each rank holds seq_len/tp tokens between the blocks)")
+    dense = not hasattr(cfg, "is_sparse") or not all(map(cfg.is_sparse, range(cfg.num_hidden_layers)))
     bad = [f"{k}={v}" for k, v in (("num_attention_heads", cfg.num_attention_heads),
                                    ("num_key_value_heads", cfg.num_key_value_heads),
-                                   ("intermediate_size", cfg.intermediate_size)) if v % tp]
+                                   ("intermediate_size", cfg.intermediate_size if dense else 0)) if v % tp]
     if bad:
         raise ValueError(f"tp={tp} must divide {', '.join(bad)} (each rank holds whole attention "
                          f"heads, whole kv heads and an equal share of the MLP)")
@@ -538,7 +553,8 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
         _check_heads(model, tp)
         if len(devices) > 1:
             raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
-    todo, tied = _planned(model, parts, tp, meta=devices == {True})
+    sparse = _sparse_layers(model, ours)
+    todo, tied = _planned(model, parts, tp, meta=devices == {True}, sparse=sparse)
     layers, embed, head = _get(model, parts.layers), _get(model, parts.embed), _get(model, parts.head)
     new = dict(group=tp_group, device="meta")
     # ours: the block's input enters the region once, not per column layer (refinements below)
@@ -553,19 +569,25 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
             layer_new = column(old.in_features, old.out_features, old.bias is not None,
                                parts=style.parts if isinstance(style, Fused) else (), **kw)
         _swap(model, prefix + name, layer_new)
-    for _, layer in layers.named_children():
+    for i, layer in layers.named_children():
         for attr in parts.heads:
             _set(layer, attr, _get(layer, attr) // tp)
         if ours:
             a, m = layer.self_attn, layer.mlp
-            for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: replicated, grads summed over tp
+            # Qwen3's per-head norms: replicated, grads summed over tp; OLMoE's whole ones: sharded as the heads
+            norm_cls = ShardedRMSNorm if a.qk_norm_whole else ReplicatedRMSNorm
+            for name in ("q_norm", "k_norm"):
                 if getattr(a, name, None) is not None:
-                    setattr(a, name, ReplicatedRMSNorm(getattr(a, name), tp_group))
+                    setattr(a, name, norm_cls(getattr(a, name), tp_group))
             if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
                 a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
+                if i in sparse:  # ... but a sparse layer routes this rank's S/tp tokens
+                    _sequence_parallel_moe(layer, tp_group)
+                    model.router_stats_fn = partial(reduce_from_region, group=tp_group)
             else:  # f once per block: see _enter_region
                 a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-                m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
+                if i not in sparse:  # whole experts on replicated tokens: dL/dx is complete
+                    m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
     if embed is not None:
         vocab_embedding = SequenceParallelEmbedding if sequence_parallel else VocabParallelEmbedding
         embed = _swap(model, parts.embed, vocab_embedding(
@@ -595,7 +617,7 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
     # the map names each sharded parameter once, as named_parameters() does (tied head: the embedding)
     params = dict(model.named_parameters())
     return {f"{mod_name}.{p}": shard for mod_name, mod in model.named_modules()
-            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ShardedRMSNorm))
             for p, shard in mod.shards().items() if f"{mod_name}.{p}" in params}
 
 
@@ -757,3 +779,47 @@ def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> t
         return None
     cos, sin = rotary(torch.arange(x.shape[1], device=x.device)[None], cos.dtype)  # (1, S, hd) each
     return x, cos, sin, mask
+
+
+# --- refinement: mixtures of experts (moe.MoE), the experts whole on every tp rank
+# Choice: no expert tensor parallelism. A rank holds every expert of its stage (expert parallelism,
+# moe.shard_experts, splits them over dp instead); attention is tp-split as in a dense layer.
+# Without sp the MoE block's input is replicated: every tp rank routes all tokens and computes the
+# same output. Its dL/dx is then complete on each rank, so the block gets no f (an all-reduce would
+# count it tp times), and its parameters get the same full gradient on every rank (train.py counts
+# a replicated parameter in the grad norm on tp rank 0 only). That costs tp× the expert FLOPs.
+# With sp each rank routes its own S/tp tokens: the post-attention norm does not gather, the block
+# maps (B, S/tp, H) to (B, S/tp, H), and the router's and experts' weights enter through f (as a
+# sequence-parallel norm's, by moe.py's weight_fn seams), so their gradients are summed over tp
+# inside autograd. The aux loss
+# pools all tokens of the forward: the router statistics are all-reduced (model.router_stats_fn,
+# g: each rank's copy of the loss passes its gradient straight back to its own rows).
+# OLMoE's q/k norm spans the whole projection, all heads: ShardedRMSNorm.
+def _sequence_parallel_moe(layer: nn.Module, group: Group) -> None:
+    """A sparse decoder layer under sp: the MoE block runs on the S/tp tokens this rank holds.
+    Its post-attention norm does not gather; the router's and the experts' weights enter through f
+    (moe.py's `weight_fn` seams), so their gradients are summed over tp, as a norm weight's."""
+    layer.post_attention_layernorm = ReplicatedRMSNorm(layer.post_attention_layernorm, group)
+    layer.mlp.gate.weight_fn = layer.mlp.experts.weight_fn = partial(copy_to_region, group=group)
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over features split across tp (OLMoE's q/k norm over all heads of the projection):
+    this rank holds the weight of its heads' features. The statistics span the tp ranks: the sum of
+    squares is all-reduced before the rsqrt, and its gradient is all-reduced in backward too (every
+    rank's output depends on every rank's features). The numerics are transformers' (fp32)."""
+
+    def __init__(self, norm: nn.Module, group: Group):
+        super().__init__()
+        self.features, self.eps, self.group = norm.weight.shape[0], norm.eps, group
+        self.start, self.n = _slice(group, self.features, "the q/k norm's features")
+        self.weight = nn.Parameter(torch.ones(self.n, device="meta"))  # materialize fills it
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.n)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (B, S, n) this rank's features
+        local = xf.pow(2).sum(-1, keepdim=True)  # (B, S, 1)
+        squares = copy_to_region(reduce_from_region(local, self.group), self.group)  # all features' sum
+        return self.weight * (xf * torch.rsqrt(squares / self.features + self.eps)).to(x.dtype)
