@@ -49,7 +49,7 @@ def test_formula_and_ln2():
                           rtol=1e-6)
     model = W.materialize(M.build(CFG), "cpu", seed=1)
     ds = dpo.PairDataset(pairs(), TPL, 256)
-    loss = dpo.apply_dpo([model], beta=0.5)
+    loss = dpo.apply_dpo([model], beta=0.5, cp_group=None)
     b = rows(ds)
     kw = dict(position_ids=b["position_ids"], dpo_seq=b["dpo_seq"], dpo_ref=b["dpo_ref"])
     loss.record = []
@@ -79,7 +79,7 @@ def test_sequence_logps_match_transformers(tmp_path):
     ps = pairs(5, seed=3)
     ds = dpo.PairDataset(ps, TPL, 200)
     assert len(ds) < 5  # pairs packed: rows hold several documents
-    loss = dpo.apply_dpo([ours], beta=0.1)
+    loss = dpo.apply_dpo([ours], beta=0.1, cp_group=None)
     loss.record = []
     b = rows(ds)
     with torch.no_grad():
@@ -120,7 +120,9 @@ def test_flags_refused():
         return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), M.PRESETS["tiny"], grid))
     assert errors("--dpo") == ""
     assert "choose one" in errors("--dpo", "--sft")
-    assert "cannot mask" in errors("--dpo", "--cp", "2")
+    assert "--cp with --dpo needs --packing none" in errors("--dpo", "--cp", "2")
+    assert errors("--dpo", "--cp", "2", "--packing", "none") == ""
+    assert "--packing goes with --sft or --dpo" in errors("--packing", "none")
     assert "--dpo-beta must be > 0" in errors("--dpo", "--dpo-beta", "0")
     assert "--dpo-beta goes with --dpo" in errors("--dpo-beta", "0.2")
 
@@ -129,17 +131,36 @@ LAYOUTS = {"tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "dp2-zero2": [
            "dp2-zero3": ["--zero", "3"]}
 
 
-def test_layouts_match_single_process(tmp_path):
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
+# --packing none (a reply per row): what cp needs; its own single-process run (other global batches)
+PADDED = {"cp2": (2, ["--cp", "2"]), "cp2-dp2": (4, ["--cp", "2"]), "cp2-tp2-pp2": (8, ["--cp", "2", "--tp", "2", "--pp", "2"])}
 
-    def argv(name: str, *extra: str) -> list[str]:
-        return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
-                "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
-                "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
-    run_ranks(_main, 1, argv("single"))
+
+def _argv(tmp_path, name: str, *extra: str) -> list[str]:
+    path = tmp_path / "pairs.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
+    return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
+            "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
+            "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
+
+
+def test_layouts_match_single_process(tmp_path):
+    run_ranks(_main, 1, _argv(tmp_path, "single"))
     want = losses(tmp_path / "single.jsonl")
     assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
     for name, extra in LAYOUTS.items():
-        run_ranks(_main, 2, argv(name, *extra))
+        run_ranks(_main, 2, _argv(tmp_path, name, *extra))
+        assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
+
+
+def test_cp_layouts_match_single_process(tmp_path):
+    """--packing none at cp2 and cp2·dp2 against one process with --packing none: every step within
+    1e-5. The rows are padded at the end, so a reply's tokens spread over both cp ranks' zigzag chunks
+    (192/4 = 48 positions a chunk): the per-document sums are partial on each rank and only their
+    all-reduce over cp gives the loss."""
+    run_ranks(_main, 1, _argv(tmp_path, "padded", "--packing", "none"))
+    want = losses(tmp_path / "padded.jsonl")
+    assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
+    for name, (world, extra) in PADDED.items():
+        run_ranks(_main, world, _argv(tmp_path, name, "--packing", "none", *extra))
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
