@@ -16,7 +16,8 @@ What it does
     2. Rows: `PairDataset` packs PAIRS (first-fit-decreasing, sft.ffd): both halves of a pair are two
        documents of one row, so they are always in one micro-batch on one dp rank. Each row carries
        `dpo_seq` (per token: 2·pair-in-row + half, −1 for padding) and `dpo_ref` (the reference's sum
-       of a document, on its first token, 0 elsewhere).
+       of a document, on its first token, 0 elsewhere). --packing none: a pair is two rows (chosen,
+       rejected), each one document padded at its end, one dataset item: still one micro-batch.
     3. Log-probs without (T, V) logits: `DPOLoss` replaces the model's `loss_fn` seam; it calls the
        layout's own loss (loss.py's chunked cross entropy, or tp's vocab-parallel one) with
        reduction="none", negates it, and sums per document (`sequence_logps`). A forward pre-hook
@@ -27,20 +28,26 @@ What it does
        ZeRO; each dp rank its share of the rows, the sums all-gathered over dp). Cost: one forward per
        row (about a third of one epoch's training compute), and 8 bytes per pair (two fp32 sums) on
        every rank — no second model in memory.
-    The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks).
-    Layouts: tp/sp, pp (the loss on the last stage), dp and ZeRO-0..3 as in training; cp is refused
-    (cli.py): a pair is two packed documents, and cp's ring attention does not mask documents.
+    5. Under cp (--packing none: the ring masks no documents, and a document then padding needs
+       none) each cp rank holds its zigzag share of a row's tokens, so its per-document sums are
+       partial: DPOLoss all-reduces them over the cp group, tp's g then f (forward and backward a sum).
+    The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks; every
+    cp rank counts its replica's pairs and holds their whole losses, so each weighs 1/cp).
+    Layouts: tp/sp, pp (the loss on the last stage), dp, ZeRO-0..3 and cp as in training; packed
+    rows under cp are refused (cli.py).
 
 Run
     python train.py --dpo --steps 50                          # built-in arithmetic pairs
     torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --data pairs.jsonl --tp 2 --zero 2
+    torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --packing none --cp 2 --seq-len 1024
 
 Reference
     Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
     Model" (eq. 7); the data formats of TRL's DPOTrainer (explicit and implicit prompt).
 
-Builds on: sft.py, chat.py, and (the trainer's glue only) data.py, feed.py, pp.py
-    sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; the glue:
+Builds on: sft.py, chat.py, tp.py, and (the trainer's glue only) data.py, feed.py, pp.py
+    sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; tp.py: its
+    f and g (copy_to_region, reduce_from_region), the cp all-reduce with autograd; the glue:
     the tokenizer (data.py), batches (feed.py), the forward-only pipeline of the training layout
     for the reference (pp.py)
 
@@ -50,7 +57,8 @@ Invariants
     - sequence log-probs equal transformers' (log_softmax of its logits) on the same packed pairs
       (tests/test_dpo.py::test_sequence_logps_match_transformers).
     - tp2, pp2, zero2 and dp2 give the single process's losses within 1e-5 (tests/test_dpo.py::
-      test_layouts_match_single_process).
+      test_layouts_match_single_process); with --packing none, so do cp2 and cp2·dp2
+      (test_cp_layouts_match_single_process).
 """
 from __future__ import annotations
 
@@ -63,12 +71,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 
 import chat
 import sft
+import tp as TP
 
 Pair = tuple[chat.Conversation, chat.Conversation]  # (chosen chat, rejected chat)
 IGNORE_INDEX = -100
@@ -270,9 +278,9 @@ class DPOLoss:
             sums = sums.view(2, B // 2, 2, S).sum(2)  # (2, B/2, S): x + 0, exact
             seq, B = seq.view(B // 2, 2, S).amax(1), B // 2  # (B/2, S)
         if dist.is_initialized() and dist.get_world_size(self.cp_group) > 1:
-            # each cp rank summed its own tokens: the sum over the group, on every rank; backward,
-            # the sum of every rank's gradient (each rank's loss reads every rank's partial)
-            sums = dist_nn.all_reduce(sums, group=self.cp_group)
+            # each cp rank summed its own tokens: g all-reduces them (the whole sums on every rank);
+            # f all-reduces the gradient, since every rank's loss reads every rank's partial sums
+            sums = TP.reduce_from_region(TP.copy_to_region(sums, self.cp_group), self.cp_group)
         if self.record is not None:
             self.record.append(sums[0].detach())
             return sums.new_zeros(())
