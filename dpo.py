@@ -337,9 +337,10 @@ def prepare(chunks: list[nn.Module], ds: PairDataset, args: argparse.Namespace, 
 def precompute_reference(chunks: list[nn.Module], loss: DPOLoss, ds: PairDataset, args: argparse.Namespace,
                          grid: Any) -> None:
     """The reference's sums of every pair, by the starting policy itself, forward only through the
-    training layout's pipeline (pp.forward_only: tp/sp, pp, ZeRO as in training): each dp rank its
-    share of each global batch, the (rows, S) sums all-gathered over dp. The last stage keeps them
-    (the others hold zeros: they never compute the loss)."""
+    training layout's pipeline (pp.forward_only: tp/sp, pp, ZeRO, cp as in training): each dp rank
+    its share of each global batch; the (rows, S/cp) sums, whole after DPOLoss's cp all-reduce, are
+    all-gathered over dp·cp and cp rank 0's kept. The last stage keeps them (the others hold zeros:
+    they never compute the loss)."""
     import feed  # the trainer's batches; imported here so the data and loss above stay copyable alone
     import pp as PP
     fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,

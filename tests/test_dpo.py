@@ -4,9 +4,13 @@ References
 - The formula, by hand in float64 on fixed log-probs; policy = reference gives exactly ln 2 (fp32:
   every margin is exactly 0, the reference sums being the same forward's).
 - transformers' LlamaForCausalLM: log_softmax of its logits, each document alone (unpacked), summed
-  over the reply targets, against our packed rows — fp32, 1e-5 relative (kernel order only).
+  over the reply targets, against our packed rows — fp32, 1e-5 relative (kernel order only); and
+  our padded rows (--packing none, a reply per row; this test keeps one more pair in them).
 - The single process (train.main, same seed, data and global batch) for tp2·sp, pp2, dp2·zero2 and
-  dp2·zero3: every step's loss within 1e-5 relative; the curve moves, so the comparison is not vacuous.
+  dp2·zero3, and (--packing none, its own single process) cp2 and cp2·dp2·zero1: every step's loss
+  and grad norm within 1e-5 relative; the curve moves, so the comparison is not vacuous. The grad
+  norm matters: AdamW's update is scale free, so a gradient off by a constant factor (cp's
+  all-reduce without its backward: exactly 1/2 at cp2) leaves the loss curve within 2e-6.
 """
 import json
 import math
@@ -37,7 +41,7 @@ def pairs(n: int = 6, seed: int = 0) -> list[dpo.Pair]:
 
 def rows(ds: dpo.PairDataset) -> dict[str, torch.Tensor]:
     items = [ds[r] for r in range(len(ds))]
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    return {k: torch.cat([it[k].view(-1, it[k].shape[-1]) for it in items]) for k in items[0]}  # as feed.py
 
 
 def test_formula_and_ln2():
@@ -86,14 +90,26 @@ def test_sequence_logps_match_transformers(tmp_path):
         ours(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
              dpo_ref=b["dpo_ref"])
     ds.set_reference(list(range(len(ds))), loss.record[0])
-    for k, pair in enumerate(ds.docs):
-        for half, (ids, labels) in enumerate(pair):
-            with torch.no_grad():
-                logits = ref(torch.tensor([ids[:-1]])).logits[0]  # (L-1, V)
-            lab = torch.tensor(labels)
-            keep = lab != -100
-            want = F.log_softmax(logits, -1)[keep].gather(1, lab[keep, None]).sum()
-            assert abs(ds.ref[k, half] - want) <= 1e-5 * abs(want), (k, half)
+    padded = dpo.PairDataset(ps, TPL, 200, packing="none")  # a reply per row, folded by DPOLoss
+    assert len(padded) == len(padded.docs) > len(ds.docs) and "packing none" in padded.report()
+    loss.rows_per_pair, loss.record = 2, []
+    b = rows(padded)  # (2·pairs, S): chosen, rejected, ...
+    assert b["input_ids"].shape == (2 * len(padded), 200) and dpo.count_pairs(b) == len(padded)
+    with torch.no_grad():
+        ours(b["input_ids"], labels=b["labels"], dpo_seq=b["dpo_seq"], dpo_ref=b["dpo_ref"])
+    padded.set_reference(list(range(len(padded))), loss.record[0])
+    wants: dict[tuple, torch.Tensor] = {}  # a document → transformers' sum (each computed once)
+    for got in (ds, padded):
+        for k, pair in enumerate(got.docs):
+            for half, (ids, labels) in enumerate(pair):
+                if tuple(ids) not in wants:
+                    with torch.no_grad():
+                        logits = ref(torch.tensor([ids[:-1]])).logits[0]  # (L-1, V)
+                    lab = torch.tensor(labels)
+                    keep = lab != -100
+                    wants[tuple(ids)] = F.log_softmax(logits, -1)[keep].gather(1, lab[keep, None]).sum()
+                want = wants[tuple(ids)]
+                assert abs(got.ref[k, half] - want) <= 1e-5 * abs(want), (got.packing, k, half)
 
 
 def test_jsonl_formats_and_errors(tmp_path):
