@@ -45,7 +45,7 @@ Reference
     Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
     Model" (eq. 7); the data formats of TRL's DPOTrainer (explicit and implicit prompt).
 
-Builds on: sft.py, chat.py, tp.py, and (the trainer's glue only) data.py, feed.py, pp.py
+Builds on: sft.py, chat.py, tp.py (under cp only), and (the trainer's glue only) data.py, feed.py, pp.py
     sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; tp.py: its
     f and g (copy_to_region, reduce_from_region), the cp all-reduce with autograd; the glue:
     the tokenizer (data.py), batches (feed.py), the forward-only pipeline of the training layout
@@ -76,7 +76,6 @@ import torch.nn.functional as F
 
 import chat
 import sft
-import tp as TP
 
 Pair = tuple[chat.Conversation, chat.Conversation]  # (chosen chat, rejected chat)
 IGNORE_INDEX = -100
@@ -280,6 +279,7 @@ class DPOLoss:
         if dist.is_initialized() and dist.get_world_size(self.cp_group) > 1:
             # each cp rank summed its own tokens: g all-reduces them (the whole sums on every rank);
             # f all-reduces the gradient, since every rank's loss reads every rank's partial sums
+            import tp as TP  # here: the loss without cp stays copyable with chat.py and sft.py alone
             sums = TP.reduce_from_region(TP.copy_to_region(sums, self.cp_group), self.cp_group)
         if self.record is not None:
             self.record.append(sums[0].detach())
