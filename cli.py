@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # supervised fine-tuning
     a("--sft", action="store_true", help="SFT on chat JSONL (--data) or the built-in arithmetic chats")
     a("--packing", default="ffd", choices=["ffd", "none"],
-      help="--sft: FFD-pack conversations or one per row")
+      help="--sft: FFD-pack conversations or one per row; --dpo: FFD-pack pairs or one reply's chat "
+           "per row (a pair is two rows; --batch-size counts pairs; what --cp needs)")
     a("--overlong", default="truncate", choices=["truncate", "drop"],
       help="--sft: what to do with conversations longer than --seq-len (counted and reported)")
     a("--skip-bad", action="store_true", help="--sft: skip and count malformed JSONL lines")
@@ -221,9 +222,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
         errors.append("the built-in SFT eval generates with the whole model at any length: use --pp 1 "
                       "and no --sp with --sft (or give --data, which has no eval set)")
-    if (args.packing != "ffd" or args.overlong != "truncate" or args.skip_bad
-            or args.reply_end is not None) and not args.sft:
-        errors.append("--packing / --overlong / --skip-bad / --reply-end go with --sft")
+    if (args.overlong != "truncate" or args.skip_bad or args.reply_end is not None) and not args.sft:
+        errors.append("--overlong / --skip-bad / --reply-end go with --sft")
+    if args.packing != "ffd" and not (args.sft or args.dpo):
+        errors.append("--packing goes with --sft or --dpo")
     if args.sft and args.eval_batches is not None:
         errors.append("--eval-batches sizes the validation loss of pretraining; --sft evaluates "
                       "exact-match accuracy on its built-in held-out chats")
@@ -348,9 +350,10 @@ def validate_dpo(args: argparse.Namespace) -> list[str]:
     if args.sft:
         errors.append("--dpo and --sft are two trainings: choose one (DPO usually starts from an SFT "
                       "model: --init-from its export)")
-    if args.cp > 1:
-        errors.append("--cp with --dpo: a pair is two packed documents, which cp's ring attention "
-                      "cannot mask (not built)")
+    if args.cp > 1 and args.packing != "none":
+        errors.append("--cp with --dpo needs --packing none: a packed row holds several documents, which "
+                      "cp's ring attention cannot mask; --packing none gives each reply's chat a row of "
+                      "its own (a pair is two rows, and --batch-size counts pairs)")
     return errors
 
 

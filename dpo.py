@@ -16,7 +16,8 @@ What it does
     2. Rows: `PairDataset` packs PAIRS (first-fit-decreasing, sft.ffd): both halves of a pair are two
        documents of one row, so they are always in one micro-batch on one dp rank. Each row carries
        `dpo_seq` (per token: 2·pair-in-row + half, −1 for padding) and `dpo_ref` (the reference's sum
-       of a document, on its first token, 0 elsewhere).
+       of a document, on its first token, 0 elsewhere). --packing none: a pair is two rows (chosen,
+       rejected), each one document padded at its end, one dataset item: still one micro-batch.
     3. Log-probs without (T, V) logits: `DPOLoss` replaces the model's `loss_fn` seam; it calls the
        layout's own loss (loss.py's chunked cross entropy, or tp's vocab-parallel one) with
        reduction="none", negates it, and sums per document (`sequence_logps`). A forward pre-hook
@@ -27,20 +28,26 @@ What it does
        ZeRO; each dp rank its share of the rows, the sums all-gathered over dp). Cost: one forward per
        row (about a third of one epoch's training compute), and 8 bytes per pair (two fp32 sums) on
        every rank — no second model in memory.
-    The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks).
-    Layouts: tp/sp, pp (the loss on the last stage), dp and ZeRO-0..3 as in training; cp is refused
-    (cli.py): a pair is two packed documents, and cp's ring attention does not mask documents.
+    5. Under cp (--packing none: the ring masks no documents, and a document then padding needs
+       none) each cp rank holds its zigzag share of a row's tokens, so its per-document sums are
+       partial: DPOLoss all-reduces them over the cp group, tp's g then f (forward and backward a sum).
+    The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks; every
+    cp rank counts its replica's pairs and holds their whole losses, so each weighs 1/cp).
+    Layouts: tp/sp, pp (the loss on the last stage), dp, ZeRO-0..3 and cp as in training; packed
+    rows under cp are refused (cli.py).
 
 Run
     python train.py --dpo --steps 50                          # built-in arithmetic pairs
     torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --data pairs.jsonl --tp 2 --zero 2
+    torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --packing none --cp 2 --seq-len 1024
 
 Reference
     Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
     Model" (eq. 7); the data formats of TRL's DPOTrainer (explicit and implicit prompt).
 
-Builds on: sft.py, chat.py, and (the trainer's glue only) data.py, feed.py, pp.py
-    sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; the glue:
+Builds on: sft.py, chat.py, tp.py (under cp only), and (the trainer's glue only) data.py, feed.py, pp.py
+    sft.py: JSONL chats, the arithmetic set, FFD packing; chat.py: templates and masks; tp.py: its
+    f and g (copy_to_region, reduce_from_region), the cp all-reduce with autograd; the glue:
     the tokenizer (data.py), batches (feed.py), the forward-only pipeline of the training layout
     for the reference (pp.py)
 
@@ -50,7 +57,8 @@ Invariants
     - sequence log-probs equal transformers' (log_softmax of its logits) on the same packed pairs
       (tests/test_dpo.py::test_sequence_logps_match_transformers).
     - tp2, pp2, zero2 and dp2 give the single process's losses within 1e-5 (tests/test_dpo.py::
-      test_layouts_match_single_process).
+      test_layouts_match_single_process); with --packing none, so do cp2 and cp2·dp2
+      (test_cp_layouts_match_single_process).
 """
 from __future__ import annotations
 
@@ -125,20 +133,31 @@ def tokenize_pair(pair: Pair, tpl: chat.ChatTemplate) -> list[tuple[list[int], l
 
 
 class PairDataset:
-    """Rows of seq_len positions, each packing whole pairs (sft.ffd over the pairs' sizes): ds[r] →
-    input_ids, labels, position_ids (restarting per document), dpo_seq and dpo_ref, (S,) each.
-    `ref` (pairs, 2) holds the reference's sums of (chosen, rejected), filled by set_reference."""
+    """Rows of seq_len positions: ds[r] → input_ids, labels, dpo_seq and dpo_ref, (S,) each for a
+    packed row, (2, S) for a padded pair. `ref` (pairs, 2) holds the reference's sums of (chosen,
+    rejected), filled by set_reference.
+    packing "ffd": each row packs whole pairs (sft.ffd over the pairs' sizes), with position_ids
+    restarting per document. "none": item r is pair r as two rows, chosen then rejected, each one
+    document padded at its end (no position_ids: 0..S-1), so plain causal attention is exact and
+    the rows can be split over cp ranks; --batch-size then counts pairs."""
 
-    def __init__(self, pairs: list[Pair], tpl: chat.ChatTemplate, seq_len: int):
-        self.seq_len, self.pad_id = seq_len, tpl.pad_id
+    def __init__(self, pairs: list[Pair], tpl: chat.ChatTemplate, seq_len: int, packing: str = "ffd"):
+        if packing not in ("ffd", "none"):
+            raise ValueError(f"DPO packing must be ffd|none, got {packing!r}")
+        self.seq_len, self.pad_id, self.packing = seq_len, tpl.pad_id, packing
+        self.rows_per_pair = 2 if packing == "none" else 1  # rows of one pair (DPOLoss folds them)
         docs = [tokenize_pair(p, tpl) for p in pairs]
         # a document of L ids takes L-1 positions (the model reads ids[:-1]); a pair, both of its halves
-        sizes = [sum(len(ids) - 1 for ids, _ in d) for d in docs]
+        # in one row (ffd), or each half a row of its own (none)
+        sizes = [sum(len(ids) - 1 for ids, _ in d) if packing == "ffd" else
+                 max(len(ids) - 1 for ids, _ in d) for d in docs]
         self.docs = [d for d, n in zip(docs, sizes) if n <= seq_len]
         self.dropped = len(docs) - len(self.docs)
         if not self.docs:
-            raise ValueError(f"no preference pair fits --seq-len {seq_len} (both replies in one row)")
-        self.rows = sft.ffd([n for n in sizes if n <= seq_len], seq_len)
+            raise ValueError(f"no preference pair fits --seq-len {seq_len} ("
+                             + ("both replies in one row)" if packing == "ffd" else "each reply in a row)"))
+        self.rows = (sft.ffd([n for n in sizes if n <= seq_len], seq_len) if packing == "ffd"
+                     else [[k] for k in range(len(self.docs))])
         self.max_id = max(max(ids) for d in self.docs for ids, _ in d)
         self.ref = torch.zeros(len(self.docs), 2)  # (pairs, 2): r_c, r_r
 
@@ -146,6 +165,8 @@ class PairDataset:
         return len(self.rows)
 
     def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+        if self.packing == "none":
+            return self._padded(self.rows[r][0])
         ids, labels, pos, seq, ref = [], [], [], [], []
         for p, k in enumerate(self.rows[r]):
             for half, (d_ids, d_labels) in enumerate(self.docs[k]):
@@ -161,6 +182,19 @@ class PairDataset:
                 "position_ids": torch.tensor(pos + list(range(pad))),
                 "dpo_seq": torch.tensor(seq + [-1] * pad), "dpo_ref": torch.tensor(ref + [0.0] * pad)}
 
+    def _padded(self, k: int) -> dict[str, torch.Tensor]:
+        """Pair k as two rows (2, S). dpo_seq is the half (0 chosen, 1 rejected) on EVERY position,
+        the padding included (it has no targets): so any cp shard of a row still names its slot,
+        and count_pairs finds one pair per two rows."""
+        out: dict[str, list] = {"input_ids": [], "labels": [], "dpo_seq": [], "dpo_ref": []}
+        for half, (d_ids, d_labels) in enumerate(self.docs[k]):
+            pad = self.seq_len - (len(d_ids) - 1)
+            out["input_ids"].append(d_ids[:-1] + [self.pad_id] * pad)
+            out["labels"].append(d_labels + [IGNORE_INDEX] * pad)
+            out["dpo_seq"].append([half] * self.seq_len)
+            out["dpo_ref"].append([float(self.ref[k, half])] + [0.0] * (self.seq_len - 1))
+        return {key: torch.tensor(v) for key, v in out.items()}  # (2, S) each
+
     def set_reference(self, rows: list[int], sums: torch.Tensor) -> None:
         """sums (len(rows), S): sequence_logps of those rows, slot 2p + half for pair p of the row."""
         for r, s in zip(rows, sums.tolist()):
@@ -169,9 +203,13 @@ class PairDataset:
 
     def report(self) -> str:
         n = sum(map(len, self.rows))
+        dropped = f", {self.dropped} longer than a row dropped" if self.dropped else ""
+        if self.packing == "none":
+            tokens = sum(len(ids) - 1 for d in self.docs for ids, _ in d)
+            return (f"DPO: {n} preference pairs, each two rows of {self.seq_len} (packing none, fill "
+                    f"{tokens / (2 * n * self.seq_len):.1%})" + dropped)
         return (f"DPO: {n} preference pairs in {len(self.rows)} rows of {self.seq_len} "
-                f"({n / len(self.rows):.1f} pairs/row)" + (f", {self.dropped} longer than a row dropped"
-                                                            if self.dropped else ""))
+                f"({n / len(self.rows):.1f} pairs/row)" + dropped)
 
     def check_vocab(self, model_vocab_size: int) -> None:
         if max(self.max_id, self.pad_id) >= model_vocab_size:
@@ -212,10 +250,17 @@ class DPOLoss:
     (`base`, e.g. tp's vocab-parallel one) per token, summed per document, and the pair loss
     ("sum": Σ over pairs, what training divides by the step's pair count; "mean"; "none": per pair).
     `seq` and `ref` are the current micro-batch's dpo_seq and dpo_ref (set by apply_dpo's hook).
+    `rows_per_pair` 2 (packing none): rows 2i and 2i+1 are one pair's chosen and rejected, folded
+    into one row of slots before the loss. `cp_group`: the ranks that each hold a share of the rows'
+    tokens (cp.shard_sequence); their per-document sums are partial and are all-reduced over it, with
+    autograd (None is the default group, as in torch.distributed; a group of one reduces nothing).
     `record`: a list while the reference is computed: each call appends its sums (B, S), returns 0."""
 
-    def __init__(self, base: Callable[..., torch.Tensor], beta: float):
-        self.base, self.beta = base, beta
+    def __init__(self, base: Callable[..., torch.Tensor], beta: float, *, rows_per_pair: int = 1,
+                 cp_group: dist.ProcessGroup | None):
+        if rows_per_pair not in (1, 2):
+            raise ValueError(f"rows_per_pair must be 1 (packed pairs) or 2 (a row per reply), got {rows_per_pair}")
+        self.base, self.beta, self.rows_per_pair, self.cp_group = base, beta, rows_per_pair, cp_group
         self.seq: torch.Tensor | None = None
         self.ref: torch.Tensor | None = None
         self.record: list[torch.Tensor] | None = None
@@ -225,14 +270,23 @@ class DPOLoss:
         if self.seq is None:
             raise ValueError("DPO loss without dpo_seq: give the model the PairDataset row's keys")
         logps = sequence_logps(-self.base(hidden, weight, labels, "none"), labels, self.seq)  # (B, S)
-        if self.record is not None:
-            self.record.append(logps.detach())
-            return logps.new_zeros(())
         refs = sequence_logps(self.ref, torch.zeros_like(labels), self.seq)  # (B, S): r on each slot
-        B, S = self.seq.shape
-        pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in (logps, refs))  # (B, S//2, 2)
+        sums, seq = torch.stack([logps, refs]), self.seq  # (2, B, S): policy, reference
+        B, S = seq.shape
+        if self.rows_per_pair == 2:  # a reply per row: slot 0 of row 2i, slot 1 of row 2i+1
+            sums = sums.view(2, B // 2, 2, S).sum(2)  # (2, B/2, S): x + 0, exact
+            seq, B = seq.view(B // 2, 2, S).amax(1), B // 2  # (B/2, S)
+        if dist.is_initialized() and dist.get_world_size(self.cp_group) > 1:
+            # each cp rank summed its own tokens: g all-reduces them (the whole sums on every rank);
+            # f all-reduces the gradient, since every rank's loss reads every rank's partial sums
+            import tp as TP  # here: the loss without cp stays copyable with chat.py and sft.py alone
+            sums = TP.reduce_from_region(TP.copy_to_region(sums, self.cp_group), self.cp_group)
+        if self.record is not None:
+            self.record.append(sums[0].detach())
+            return sums.new_zeros(())
+        pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in sums)  # (B, S//2, 2)
         losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)  # (B, S//2)
-        losses = losses[pairs_of(self.seq)]  # (pairs,)
+        losses = losses[pairs_of(seq)]  # (pairs,)
         if reduction == "none":
             return losses
         return losses.sum() if reduction == "sum" else losses.mean()
@@ -244,11 +298,15 @@ def _take_keys(loss: DPOLoss, module: nn.Module, args: tuple, kwargs: dict) -> t
     return args, kwargs
 
 
-def apply_dpo(chunks: list[nn.Module], beta: float) -> DPOLoss:
+def apply_dpo(chunks: list[nn.Module], beta: float, *, rows_per_pair: int = 1,
+              cp_group: dist.ProcessGroup | None) -> DPOLoss:
     """Turn each model chunk into a DPO one: the chunk holding lm_head computes DPOLoss, every chunk
-    takes dpo_seq/dpo_ref from its keywords. Apply after tp (it wraps tp's loss_fn)."""
+    takes dpo_seq/dpo_ref from its keywords. Apply after tp (it wraps tp's loss_fn). rows_per_pair
+    and cp_group: DPOLoss's (cp_group None is the default group; a run without cp passes its group
+    of one, or None when torch.distributed is not initialized)."""
     with_head = [c for c in chunks if c.lm_head is not None]
-    loss = DPOLoss(with_head[0].loss_fn if with_head else None, beta)
+    loss = DPOLoss(with_head[0].loss_fn if with_head else None, beta, rows_per_pair=rows_per_pair,
+                   cp_group=cp_group)
     for c in chunks:
         if c.lm_head is not None:
             c.loss_fn = loss
@@ -262,7 +320,7 @@ def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTem
     import data
     tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
     ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(seed=args.seed), tpl,
-                     args.seq_len)
+                     args.seq_len, args.packing)
     if grid.rank == 0:
         print(ds.report(), flush=True)
     return ds, tpl, []
@@ -270,7 +328,7 @@ def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTem
 
 def prepare(chunks: list[nn.Module], ds: PairDataset, args: argparse.Namespace, grid: Any) -> DPOLoss:
     """apply_dpo on this rank's chunks, then the reference's sums of every pair."""
-    loss = apply_dpo(chunks, args.dpo_beta)
+    loss = apply_dpo(chunks, args.dpo_beta, rows_per_pair=ds.rows_per_pair, cp_group=grid.cp_group)
     precompute_reference(chunks, loss, ds, args, grid)
     return loss
 
@@ -279,14 +337,16 @@ def prepare(chunks: list[nn.Module], ds: PairDataset, args: argparse.Namespace, 
 def precompute_reference(chunks: list[nn.Module], loss: DPOLoss, ds: PairDataset, args: argparse.Namespace,
                          grid: Any) -> None:
     """The reference's sums of every pair, by the starting policy itself, forward only through the
-    training layout's pipeline (pp.forward_only: tp/sp, pp, ZeRO as in training): each dp rank its
-    share of each global batch, the (rows, S) sums all-gathered over dp. The last stage keeps them
-    (the others hold zeros: they never compute the loss)."""
+    training layout's pipeline (pp.forward_only: tp/sp, pp, ZeRO, cp as in training): each dp rank
+    its share of each global batch; the (rows, S/cp) sums, whole after DPOLoss's cp all-reduce, are
+    all-gathered over dp·cp and cp rank 0's kept. The last stage keeps them (the others hold zeros:
+    they never compute the loss)."""
     import feed  # the trainer's batches; imported here so the data and loss above stay copyable alone
     import pp as PP
     fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
                                                       args.virtual_stages))
-    (dp_rank, dp_size), n, S = grid.data, len(ds), ds.seq_len
+    (dp_rank, dp_size), n = grid.data, len(ds)
+    S = ds.seq_len // grid.cp  # the sums' width: one slot per position of this rank's tokens
     per = args.batch_size // dp_size
     for b in range(math.ceil(n / args.batch_size)):
         rows = [(b * args.batch_size + i) % n for i in range(args.batch_size)]  # the global batch
@@ -295,9 +355,10 @@ def precompute_reference(chunks: list[nn.Module], loss: DPOLoss, ds: PairDataset
         PP.run_pipeline(chunks, fwd, micro, grid.pp_group, 1, seq_shards=args.tp if args.sp else 1,
                         check_group=grid.pp_check, peer_groups=grid.pp_peers)
         mine = torch.cat(loss.record) if loss.record else torch.zeros(per, S, device=grid.device)  # (per, S)
-        if dp_size > 1:  # gloo gathers into a flat tensor only
-            out = mine.new_empty(dp_size * per * S)
+        reps = grid.at.dp  # dp · cp: dp_group's ranks; the cp ranks of a replica hold the same sums
+        if reps > 1:  # gloo gathers into a flat tensor only
+            out = mine.new_empty(reps * per * S)
             dist.all_gather_into_tensor(out, mine.flatten().contiguous(), group=grid.dp_group)
-            mine = out.view(dp_size * per, S)
+            mine = out.view(dp_size, reps // dp_size, per, S)[:, 0].reshape(dp_size * per, S)  # cp rank 0's
         ds.set_reference(rows, mine.cpu())
     loss.record = None

@@ -252,8 +252,8 @@ def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_ba
     builds a mask and the step never waits for a device→host copy). Pinned on CUDA, so that
     `to_device` copies them without blocking the host."""
     items = [ds[i] for i in rows]
-    if isinstance(items[0], dict):
-        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    if isinstance(items[0], dict):  # an item is a row (S,) or rows that stay together (n, S): a DPO pair
+        batch = {k: torch.cat([it[k].view(-1, it[k].shape[-1]) for it in items]) for k in items[0]}
     else:
         tokens = torch.stack(items)  # (b, S+1)
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}

@@ -4,9 +4,13 @@ References
 - The formula, by hand in float64 on fixed log-probs; policy = reference gives exactly ln 2 (fp32:
   every margin is exactly 0, the reference sums being the same forward's).
 - transformers' LlamaForCausalLM: log_softmax of its logits, each document alone (unpacked), summed
-  over the reply targets, against our packed rows — fp32, 1e-5 relative (kernel order only).
+  over the reply targets, against our packed rows — fp32, 1e-5 relative (kernel order only); and
+  our padded rows (--packing none, a reply per row; this test keeps one more pair in them).
 - The single process (train.main, same seed, data and global batch) for tp2·sp, pp2, dp2·zero2 and
-  dp2·zero3: every step's loss within 1e-5 relative; the curve moves, so the comparison is not vacuous.
+  dp2·zero3, and (--packing none, its own single process) cp2 and cp2·dp2·zero1: every step's loss
+  and grad norm within 1e-5 relative; the curve moves, so the comparison is not vacuous. The grad
+  norm matters: AdamW's update is scale free, so a gradient off by a constant factor (cp's
+  all-reduce without its backward: exactly 1/2 at cp2) leaves the loss curve within 2e-6.
 """
 import json
 import math
@@ -37,7 +41,7 @@ def pairs(n: int = 6, seed: int = 0) -> list[dpo.Pair]:
 
 def rows(ds: dpo.PairDataset) -> dict[str, torch.Tensor]:
     items = [ds[r] for r in range(len(ds))]
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    return {k: torch.cat([it[k].view(-1, it[k].shape[-1]) for it in items]) for k in items[0]}  # as feed.py
 
 
 def test_formula_and_ln2():
@@ -49,7 +53,7 @@ def test_formula_and_ln2():
                           rtol=1e-6)
     model = W.materialize(M.build(CFG), "cpu", seed=1)
     ds = dpo.PairDataset(pairs(), TPL, 256)
-    loss = dpo.apply_dpo([model], beta=0.5)
+    loss = dpo.apply_dpo([model], beta=0.5, cp_group=None)
     b = rows(ds)
     kw = dict(position_ids=b["position_ids"], dpo_seq=b["dpo_seq"], dpo_ref=b["dpo_ref"])
     loss.record = []
@@ -79,21 +83,33 @@ def test_sequence_logps_match_transformers(tmp_path):
     ps = pairs(5, seed=3)
     ds = dpo.PairDataset(ps, TPL, 200)
     assert len(ds) < 5  # pairs packed: rows hold several documents
-    loss = dpo.apply_dpo([ours], beta=0.1)
+    loss = dpo.apply_dpo([ours], beta=0.1, cp_group=None)
     loss.record = []
     b = rows(ds)
     with torch.no_grad():
         ours(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
              dpo_ref=b["dpo_ref"])
     ds.set_reference(list(range(len(ds))), loss.record[0])
-    for k, pair in enumerate(ds.docs):
-        for half, (ids, labels) in enumerate(pair):
-            with torch.no_grad():
-                logits = ref(torch.tensor([ids[:-1]])).logits[0]  # (L-1, V)
-            lab = torch.tensor(labels)
-            keep = lab != -100
-            want = F.log_softmax(logits, -1)[keep].gather(1, lab[keep, None]).sum()
-            assert abs(ds.ref[k, half] - want) <= 1e-5 * abs(want), (k, half)
+    padded = dpo.PairDataset(ps, TPL, 200, packing="none")  # a reply per row, folded by DPOLoss
+    assert len(padded) == len(padded.docs) > len(ds.docs) and "packing none" in padded.report()
+    loss.rows_per_pair, loss.record = 2, []
+    b = rows(padded)  # (2·pairs, S): chosen, rejected, ...
+    assert b["input_ids"].shape == (2 * len(padded), 200) and dpo.count_pairs(b) == len(padded)
+    with torch.no_grad():
+        ours(b["input_ids"], labels=b["labels"], dpo_seq=b["dpo_seq"], dpo_ref=b["dpo_ref"])
+    padded.set_reference(list(range(len(padded))), loss.record[0])
+    wants: dict[tuple, torch.Tensor] = {}  # a document → transformers' sum (each computed once)
+    for got in (ds, padded):
+        for k, pair in enumerate(got.docs):
+            for half, (ids, labels) in enumerate(pair):
+                if tuple(ids) not in wants:
+                    with torch.no_grad():
+                        logits = ref(torch.tensor([ids[:-1]])).logits[0]  # (L-1, V)
+                    lab = torch.tensor(labels)
+                    keep = lab != -100
+                    wants[tuple(ids)] = F.log_softmax(logits, -1)[keep].gather(1, lab[keep, None]).sum()
+                want = wants[tuple(ids)]
+                assert abs(got.ref[k, half] - want) <= 1e-5 * abs(want), (got.packing, k, half)
 
 
 def test_jsonl_formats_and_errors(tmp_path):
@@ -120,7 +136,9 @@ def test_flags_refused():
         return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), M.PRESETS["tiny"], grid))
     assert errors("--dpo") == ""
     assert "choose one" in errors("--dpo", "--sft")
-    assert "cannot mask" in errors("--dpo", "--cp", "2")
+    assert "--cp with --dpo needs --packing none" in errors("--dpo", "--cp", "2")
+    assert errors("--dpo", "--cp", "2", "--packing", "none") == ""
+    assert "--packing goes with --sft or --dpo" in errors("--packing", "none")
     assert "--dpo-beta must be > 0" in errors("--dpo", "--dpo-beta", "0")
     assert "--dpo-beta goes with --dpo" in errors("--dpo-beta", "0.2")
 
@@ -129,17 +147,44 @@ LAYOUTS = {"tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "dp2-zero2": [
            "dp2-zero3": ["--zero", "3"]}
 
 
-def test_layouts_match_single_process(tmp_path):
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
+# --packing none (a reply per row): what cp needs; its own single-process run (other global batches)
+PADDED = {"cp2": (2, ["--cp", "2"]), "cp2-dp2-zero1": (4, ["--cp", "2", "--zero", "1"])}
 
-    def argv(name: str, *extra: str) -> list[str]:
-        return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
-                "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
-                "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
-    run_ranks(_main, 1, argv("single"))
+
+def _argv(tmp_path, name: str, *extra: str) -> list[str]:
+    path = tmp_path / "pairs.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
+    return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
+            "--steps", "4", "--lr", "3e-3", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
+            "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
+
+
+def test_layouts_match_single_process(tmp_path):
+    run_ranks(_main, 1, _argv(tmp_path, "single"))
     want = losses(tmp_path / "single.jsonl")
     assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
     for name, extra in LAYOUTS.items():
-        run_ranks(_main, 2, argv(name, *extra))
+        run_ranks(_main, 2, _argv(tmp_path, name, *extra))
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
+        assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), grad_norms(tmp_path / "single.jsonl"))
+
+
+def grad_norms(path) -> list[float]:
+    """The logged grad norms: AdamW hides a gradient off by a constant factor from the loss curve
+    (m/√v is scale free), the norm shows it."""
+    return [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()]
+
+
+def test_cp_layouts_match_single_process(tmp_path):
+    """--packing none at cp2 and cp2·dp2 against one process with --packing none: every step within
+    1e-5. The rows are padded at the end, so a reply's tokens spread over both cp ranks' zigzag chunks
+    (192/4 = 48 positions a chunk): the per-document sums are partial on each rank and only their
+    all-reduce over cp gives the loss."""
+    run_ranks(_main, 1, _argv(tmp_path, "padded", "--packing", "none"))
+    want, norms = losses(tmp_path / "padded.jsonl"), grad_norms(tmp_path / "padded.jsonl")
+    assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
+    for name, (world, extra) in PADDED.items():
+        run_ranks(_main, world, _argv(tmp_path, name, "--packing", "none", *extra))
+        assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
+        assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), norms)
