@@ -76,6 +76,7 @@ import grid as G
 import grpo as GR
 import memory as MEM
 import model as M
+import moe as MOE
 import pp as PP
 import precision as P
 import preempt as PR
@@ -116,6 +117,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     CP.apply_cp(model, grid.cp_group)
+    shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
@@ -123,6 +125,25 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     if args.compile:  # the layers left eager: named in the log line
         args.eager_layers = M.compile_layers(model, packed=args.sft and args.packing == "ffd")
     return model, shards, init
+
+
+def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
+    """Step 5's expert parallelism: each rank keeps its 1/ep of every MoE layer's experts (still on
+    the meta device) and exchanges tokens over grid.ep_group. Returns the experts' shards (rows of
+    the global (E, ...) tensors) for the reader, checkpoints and export; none at ep = 1, where the
+    experts stay whole (moe.shard_experts changes nothing)."""
+    if not cfg.num_experts or not MOE.moe_blocks(model):  # (a pipeline stage may hold no sparse layer)
+        return {}
+    MOE.shard_experts(model, ep_groups(grid))
+    if grid.ep == 1:
+        return {}
+    local = cfg.num_experts // grid.ep
+    ours = {id(p) for p in MOE.expert_parameters(model)}
+    return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
+
+
+def ep_groups(grid: G.Grid) -> MOE.EPGroups:
+    return MOE.EPGroups(ep=grid.ep_group, replica=grid.replica_group, ep_size=grid.ep, ep_rank=grid.ep_rank)
 
 
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
@@ -134,12 +155,16 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
-    counted = lambda n: pp_counted(n) and (n in shards or grid.at.tp_rank == 0)  # noqa: E731
+    experts = {id(p) for p in MOE.expert_parameters(model)}
+    expert = {n for n, p in model.named_parameters() if id(p) in experts}.__contains__
+    # the experts' shards are ep's, not tp's: an expert is whole on every tp rank (counted on tp rank 0)
+    counted = lambda n: pp_counted(n) and ((n in shards and not expert(n)) or grid.at.tp_rank == 0)  # noqa: E731
     return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device)
+                         init=init, device=grid.device,
+                         expert=expert, replica_group=grid.replica_group, ep_group=grid.ep_group)
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
@@ -323,7 +348,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                              else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if chats else feed.load_val(args, ds, grid)
-        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp)
+        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         sampler = dp.DPSampler(len(ds), args.batch_size, *grid.data, args.seed,
                                remainder="wrap" if chats else "drop")
@@ -362,7 +387,8 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     if log:
         print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
               f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
-              f"zero {args.zero} · {numerics} on {grid.device.type}"
+              + (f"ep {grid.ep} (experts over dp·cp) · " if grid.ep > 1 else "")
+              + f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
               + (f" ({len(args.eager_layers)} checkpointed run eagerly: their attention, packed rows or "
@@ -468,7 +494,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         try:
             with G.stage("HF export", grid), meter.during("export"):
                 EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
-                             export_tok)
+                             export_tok, ep_group=grid.ep_group)
         except (OSError, ValueError) as e:  # the same on every rank
             G.fail(str(e), grid)
         if log:
