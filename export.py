@@ -5,9 +5,9 @@ What it does
     an HF folder `AutoModelForCausalLM.from_pretrained` loads, without ever assembling the model:
     the (dp 0, tp 0) rank of each pipeline stage writes its stage's tensors to its own safetensors
     file(s), one full tensor at a time (a tp-sharded one all-gathered over tp, an expert tensor
-    over the ep group; under ZeRO-3 one unit gathered at a time over dp); rank 0 writes the index from what the writers report, then
-    config.json, generation_config.json and the tokenizer (weights.finish_hf), and swaps the folder
-    in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
+    over the ep group; under ZeRO-3 one unit gathered at a time over dp); rank 0 writes the index
+    from what the writers report, then config.json, generation_config.json and the tokenizer
+    (weights.finish_hf), and swaps the folder in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
 
 Reference
     transformers' sharded checkpoints (`model-0000i-of-0000n.safetensors` + `weight_map`); as in

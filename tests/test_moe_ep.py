@@ -5,15 +5,17 @@ dense layer among the sparse ones, output_router_logits on so the load-balancing
 same seed, data and global batch. The aux loss is per forward (docs/moe.md), so every run holds
 one row per forward: the reference at --micro-batches 4, the 4-rank layouts at 1 row per rank.
 - ep2 (2 experts a rank, each expert on 2 ranks), ep4 (1 a rank, no replica), ep2 · ZeRO-1,
-  ep4 · ZeRO-3 · full AC: the loss curve within 1e-5 relative (fp32; measured ≤ 1e-6). Reducing
-  the expert gradients over all of dp (the 2× gradient bug) fails this (docs/moe.md).
+  ep4 · ZeRO-3 · full AC: the loss and grad-norm curves within 1e-5 relative (fp32). The grad
+  norm is the sharp check: AdamW is nearly blind to a wrong gradient scale, the norm is not.
+  Reducing the expert gradients over all of dp fails both (docs/moe.md: by how much).
 - The checkpoint of the ep2 run holds each expert tensor as boxes of the global (E, ...) tensor,
   written by one rank of each replica group; it resumes at ep1 (under dp4 · ZeRO-2) and at ep4,
   the resumed steps within 1e-5 of the reference's.
 - The ep2 run's export: save_pretrained's per-expert keys, the reference export's values within
   1e-4 (AdamW moves an element whose gradient is at rounding level by up to lr: measured 1.1e-5,
-  a dense tensor's too; a misplaced expert block would be O(1)), and AutoModelForCausalLM's
-  logits on it bit-equal to ours on it.
+  a dense tensor's too; a misplaced expert block would be O(1)); AutoModelForCausalLM loads it
+  holding the trained weights bit for bit (the run's last checkpoint, its experts from both ep
+  ranks), so its logits are the trained model's; ours on the export within 1e-5 of them.
 - --ep's refusals, all at once, before any heavy work.
 All 4-rank runs share one launch (train.main after train.main, a fresh process group each).
 """
@@ -38,6 +40,10 @@ from test_train import _main, assert_curve, losses
 STEPS = 4
 
 
+def grad_norms(path) -> list[float]:
+    return [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()]
+
+
 def _mains(rank: int, world: int, runs: list[tuple[list[str], int]]) -> None:
     """train.main for each argv in turn; each run destroys its process group, the next makes one."""
     for argv, port in runs:
@@ -57,7 +63,7 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
                 "--seq-len", "16", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
                 "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
     run_ranks(_main, 1, argv("ref", "--micro-batches", "4", "--export-hf", str(tmp_path / "export_ref")))
-    want = losses(tmp_path / "ref.jsonl")
+    want, norms = losses(tmp_path / "ref.jsonl"), grad_norms(tmp_path / "ref.jsonl")
     assert want[-1] < want[0] - 0.05  # the curve moves: comparing it is not vacuous
     saved = tmp_path / "ckpt" / "step_00000002"
     layouts = {  # name: flags (4 ranks: 1 row per rank and forward)
@@ -71,7 +77,9 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
     }
     run_ranks(_mains, 4, [(argv(name, *flags), free_port()) for name, flags in layouts.items()], timeout=240)
     for name in layouts:
-        assert_curve(losses(tmp_path / f"{name}.jsonl"), want[2:] if name.startswith("resume") else want)
+        done = slice(2 if name.startswith("resume") else 0, None)  # a resumed run logs steps 3-4
+        assert_curve(losses(tmp_path / f"{name}.jsonl"), want[done])
+        assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), norms[done])  # AdamW hides a wrong scale; the norm not
 
     # the checkpoint: each expert tensor as two boxes of the global (4, ...) tensor, by ranks 0 and 1
     entries = {r: json.loads((saved / f"rank{r:05d}.json").read_text())["entries"] for r in range(4)}
@@ -89,9 +97,29 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
         for k in f.keys():  # 1e-4: after 4 AdamW steps an element whose gradient is at rounding level
             assert_close(f.get_tensor(k), g.get_tensor(k), 1e-4)  # moves up to lr (measured 1.1e-5, dense too)
     back = T.AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager").eval()
+    trained = saved_masters(saved.with_name("step_00000004"))  # the ep2 run's last step, from its ranks
+    assert back.state_dict().keys() == trained.keys()
+    for k, t in back.state_dict().items():  # transformers holds exactly the trained weights
+        assert torch.equal(t, trained[k]), k
     ids = torch.randint(0, 260, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(back(ids, use_cache=False).logits, W.load_hf(out)(ids))
+        assert_close(W.load_hf(out)(ids), back(ids, use_cache=False).logits)
+
+
+def saved_masters(ckpt) -> dict[str, torch.Tensor]:
+    """A stage-0 checkpoint's fp32 masters as whole tensors, each rank's slices put in their boxes."""
+    shapes = json.loads((ckpt / "meta.json").read_text())["shapes"]
+    out = {k: torch.full(v, float("nan")) for k, v in shapes.items()}
+    for index in ckpt.glob("rank*.json"):
+        entries = json.loads(index.read_text())["entries"]
+        if entries:
+            with safe_open(index.with_suffix(".safetensors"), "pt") as f:
+                for e in entries:
+                    dim, start, size = e["shard"] or (0, 0, shapes[e["name"]][0])
+                    box = out[e["name"]].narrow(dim, start, size)
+                    box.copy_(f.get_tensor(e["name"] + "/master").view(e["local_shape"]))
+    assert not any(t.isnan().any() for t in out.values())  # every element written
+    return out
 
 
 def test_ep_refusals_all_at_once():
