@@ -302,6 +302,9 @@ def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -
                       f"{cfg.model_type} has no experts")
     elif cfg.num_experts % args.ep:
         errors.append(f"--ep {args.ep} must divide num_experts={cfg.num_experts} (each rank holds E/ep experts)")
+    if args.grpo:
+        errors.append(f"--ep {args.ep} with --grpo: each dp rank decodes its own prompts for as many steps as "
+                      f"they need, but every forward's all-to-all needs all ep ranks (not built); use --ep 1")
     if data_ranks % args.ep:
         errors.append(f"--ep {args.ep} must divide the {data_ranks} dp·cp ranks (world / (--tp {args.tp} × "
                       f"--pp {args.pp})): the ep ranks are taken from them")

@@ -36,6 +36,9 @@ Invariants
       Test: test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Step k trains on the same sequences at any dp size.
       Test: test_dp.py::test_sampler_epoch_coverage_and_layout_free_batches.
+    - `groups` (one per parameter: expert parallelism's experts over their replica group) never
+      mix in a bucket; all the same group is the plain sync, bucket for bucket.
+      Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ Invariants
       interface) and, for bf16 gradients (`--reduce-dtype bf16`), their upcast.
     - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
       over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
-      that another rank already counts passes `counted(name) = False` for it.
+      that another rank already counts passes `counted(name) = False` for it. (zero.py's grad_norm
+      adds the experts of expert parallelism from `_square_sum`.)
     - A non-finite grad norm skips the whole step (no parameter or optimizer state changes).
 
 The seam zero.py uses (ZeRO must not edit this file): a subclass overrides three methods —

@@ -14,7 +14,10 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     3. build the model on the meta device (no memory)
     4. pp.split_stage: drop the layers/embedding/head this stage does not own
     5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
-       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions
+       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions;
+       moe.shard_experts (--ep): each rank keeps its 1/ep of every MoE layer's experts, whole on
+       every tp rank, and adds their rows of the global (E, ...) tensors to the shard map — the
+       transforms of a layer go tp, ep, (pp's cut, made above), ac
     6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
@@ -23,10 +26,13 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        a checkpointed layer whose attention runs eagerly (packed rows, --cp) stays eager, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
-       ever holds the whole model
+       ever holds the whole model; the experts (--ep) reduce and shard over the ranks holding the
+       same experts (grid.replica_group), everything else over dp·cp
     9. checkpoint_load.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
+    - --ep N equals one process: the same losses and grad norms within 1e-5, checkpoints that
+      resume at another ep, an export transformers loads (tests/test_moe_ep.py).
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
       global batch over dp ranks, so every layout trains on the same global batches; the cp ranks of
       a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).

@@ -40,6 +40,10 @@ Invariants (all of them: docs/zero.md#invariants-and-their-tests)
     - A tied embedding's two pipeline copies take bit-identical steps.
       Test: tests/test_zero.py::test_zero_tied_embeddings_pp2_dp2.
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
+    - Expert parallelism (`expert`, `replica_group`, `ep_group`): the experts' gradients and state
+      are reduced and sharded over the ranks holding the same experts, the rest over dp; the grad
+      norm counts every expert element once. A replica group that is the dp group itself (ep = 1)
+      changes nothing. Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 
 Builds on: precision.py, dp.py
 """
@@ -438,6 +442,9 @@ def apply_zero_0_to_2(model: nn.Module, stage: int, dp_group: Group, cfg: OptimC
     Or the model is on the meta device: then pass `init` (weights.param_reader) and `device`.
     Each stage then fills itself one parameter at a time.
     Stage 3: zero3.apply_zero, the same call for every stage.
+    expert, replica_group, ep_group: expert parallelism (moe.py). The parameters `expert(name)`
+    names sum their gradients and shard their state over replica_group; ep_group holds the
+    other experts (the grad norm sums over it at stage 0). docs/moe.md#expert-parallelism-in-trainpy.
     The arguments, one by one: docs/zero.md#two-entry-points-and-where-the-accounting-lives."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2 here (stage 3: zero3.apply_zero), got {stage}")

@@ -43,6 +43,8 @@ Invariants
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Virtual pipeline stages share the head's end-of-site hook. It acts for the chunk holding the head.
       Test: tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice.
+    - Expert parallelism: a layer's experts are a unit of their own, gathered and reduce-scattered
+      over their replica group. Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 
 Builds on: zero.py, dp.py, precision.py
 """

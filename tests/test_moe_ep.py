@@ -128,6 +128,7 @@ def test_ep_refusals_all_at_once():
     errors = cli.validate(cli.parse_args(["--ep", "3", "--seq-len", "16"]), moe, grid)
     assert any("--ep 3 must divide num_experts=4" in e for e in errors), errors
     assert any("--ep 3 must divide the 4 dp·cp ranks" in e for e in errors), errors
+    assert any("--ep 2 with --grpo" in e for e in cli.validate(cli.parse_args(["--ep", "2", "--grpo"]), moe, grid))
     errors = cli.validate(cli.parse_args(["--ep", "2", "--pp", "4", "--seq-len", "16"]), moe, grid)
     assert any("--ep 2 must divide the 1 dp·cp ranks" in e for e in errors), errors
     dense = M.PRESETS["tiny"]
