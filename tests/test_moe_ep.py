@@ -5,17 +5,19 @@ dense layer among the sparse ones, output_router_logits on so the load-balancing
 same seed, data and global batch. The aux loss is per forward (docs/moe.md), so every run holds
 one row per forward: the reference at --micro-batches 4, the 4-rank layouts at 1 row per rank.
 - ep2 (2 experts a rank, each expert on 2 ranks), ep4 (1 a rank, no replica), ep2 · ZeRO-1,
-  ep4 · ZeRO-3 · full AC: the loss and grad-norm curves within 1e-5 relative (fp32). The grad
-  norm is the sharp check: AdamW is nearly blind to a wrong gradient scale, the norm is not.
-  Reducing the expert gradients over all of dp fails both (docs/moe.md: by how much).
+  ep4 · ZeRO-3 · full AC, and ep4 · ZeRO-2 as it resumes (below): the loss and grad-norm curves
+  within 1e-5 relative (fp32). The grad norm is the sharp check: AdamW is nearly blind to a
+  wrong gradient scale, the norm is not. Reducing the expert gradients over all of dp fails
+  both (docs/moe.md: by how much).
 - The checkpoint of the ep2 run holds each expert tensor as boxes of the global (E, ...) tensor,
-  written by one rank of each replica group; it resumes at ep1 (under dp4 · ZeRO-2) and at ep4,
+  written by one rank of each replica group; it resumes at ep1 and at ep4 (both under ZeRO-2),
   the resumed steps within 1e-5 of the reference's.
-- The ep2 run's export: save_pretrained's per-expert keys, the reference export's values within
-  1e-4 (AdamW moves an element whose gradient is at rounding level by up to lr: measured 1.1e-5,
-  a dense tensor's too; a misplaced expert block would be O(1)); AutoModelForCausalLM loads it
-  holding the trained weights bit for bit (the run's last checkpoint, its experts from both ep
-  ranks), so its logits are the trained model's; ours on the export within 1e-5 of them.
+- The exports of the ep2 run and of the ep4 · ZeRO-3 run: save_pretrained's per-expert keys, the
+  reference export's values within 1e-4 (AdamW moves an element whose gradient is at rounding
+  level by up to lr: measured 1.1e-5, a dense tensor's too; a misplaced expert block would be
+  O(1)). AutoModelForCausalLM loads the ep2 export holding the trained weights bit for bit (the
+  run's last checkpoint, its experts from both ep ranks), so its logits are the trained model's;
+  ours on the export within 1e-5 of them.
 - --ep's refusals, all at once, before any heavy work.
 All 4-rank runs share one launch (train.main after train.main, a fresh process group each).
 """
@@ -71,9 +73,9 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
                 "--export-hf", str(tmp_path / "export_ep2")],
         "ep4": ["--ep", "4"],
         "ep2_zero1": ["--ep", "2", "--zero", "1"],
-        "ep4_zero3_ac": ["--ep", "4", "--zero", "3", "--ac-mode", "full"],
+        "ep4_zero3_ac": ["--ep", "4", "--zero", "3", "--ac-mode", "full", "--export-hf", str(tmp_path / "export_z3")],
         "resume_ep1": ["--resume", str(saved), "--zero", "2"],
-        "resume_ep4": ["--ep", "4", "--resume", str(saved)],
+        "resume_ep4": ["--ep", "4", "--resume", str(saved), "--zero", "2"],
     }
     run_ranks(_mains, 4, [(argv(name, *flags), free_port()) for name, flags in layouts.items()], timeout=240)
     for name in layouts:
@@ -90,12 +92,13 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
 
     # the export: transformers' keys, the reference's values, and transformers' logits on it ours
     out, ref = tmp_path / "export_ep2", tmp_path / "export_ref"
-    with safe_open(out / "model.safetensors", "pt") as f, safe_open(ref / "model.safetensors", "pt") as g, \
-            safe_open(tmp_path / "init" / "model.safetensors", "pt") as h:
-        assert set(f.keys()) == set(g.keys()) == set(h.keys())
-        assert any(".experts.3." in k for k in f.keys())
-        for k in f.keys():  # 1e-4: after 4 AdamW steps an element whose gradient is at rounding level
-            assert_close(f.get_tensor(k), g.get_tensor(k), 1e-4)  # moves up to lr (measured 1.1e-5, dense too)
+    for got in (out, tmp_path / "export_z3"):  # ep2 at stage 0; ep4 under ZeRO-3 (units gathered)
+        with safe_open(got / "model.safetensors", "pt") as f, safe_open(ref / "model.safetensors", "pt") as g, \
+                safe_open(tmp_path / "init" / "model.safetensors", "pt") as h:
+            assert set(f.keys()) == set(g.keys()) == set(h.keys())
+            assert any(".experts.3." in k for k in f.keys())
+            for k in f.keys():  # 1e-4: after 4 AdamW steps an element whose gradient is at rounding
+                assert_close(f.get_tensor(k), g.get_tensor(k), 1e-4)  # level moves up to lr (1.1e-5 measured)
     back = T.AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager").eval()
     trained = saved_masters(saved.with_name("step_00000004"))  # the ep2 run's last step, from its ranks
     assert back.state_dict().keys() == trained.keys()
