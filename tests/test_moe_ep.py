@@ -11,13 +11,15 @@ one row per forward: the reference at --micro-batches 4, the 4-rank layouts at 1
   both (docs/moe.md: by how much).
 - The checkpoint of the ep2 run holds each expert tensor as boxes of the global (E, ...) tensor,
   written by one rank of each replica group; it resumes at ep1 and at ep4 (both under ZeRO-2),
-  the resumed steps within 1e-5 of the reference's.
+  the resumed steps within 1e-5 of the reference's, and at ep2 bit for bit.
 - The exports of the ep2 run and of the ep4 · ZeRO-3 run: save_pretrained's per-expert keys, the
   reference export's values within 1e-4 (AdamW moves an element whose gradient is at rounding
   level by up to lr: measured 1.1e-5, a dense tensor's too; a misplaced expert block would be
   O(1)). AutoModelForCausalLM loads the ep2 export holding the trained weights bit for bit (the
   run's last checkpoint, its experts from both ep ranks), so its logits are the trained model's;
   ours on the export within 1e-5 of them.
+- The reader gives an ep rank its rows of every expert tensor, from the seeded init and from the
+  files, reading only its experts' per-expert tensors.
 - --ep's refusals, all at once, before any heavy work.
 All 4-rank runs share one launch (train.main after train.main, a fresh process group each).
 """
@@ -76,12 +78,15 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
         "ep4_zero3_ac": ["--ep", "4", "--zero", "3", "--ac-mode", "full", "--export-hf", str(tmp_path / "export_z3")],
         "resume_ep1": ["--resume", str(saved), "--zero", "2"],
         "resume_ep4": ["--ep", "4", "--resume", str(saved), "--zero", "2"],
+        "resume_ep2": ["--ep", "2", "--resume", str(saved)],
     }
     run_ranks(_mains, 4, [(argv(name, *flags), free_port()) for name, flags in layouts.items()], timeout=240)
     for name in layouts:
         done = slice(2 if name.startswith("resume") else 0, None)  # a resumed run logs steps 3-4
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want[done])
         assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), norms[done])  # AdamW hides a wrong scale; the norm not
+    for read in (losses, grad_norms):  # the same layout resumes bit for bit
+        assert read(tmp_path / "resume_ep2.jsonl") == read(tmp_path / "ep2.jsonl")[2:]
 
     # the checkpoint: each expert tensor as two boxes of the global (4, ...) tensor, by ranks 0 and 1
     entries = {r: json.loads((saved / f"rank{r:05d}.json").read_text())["entries"] for r in range(4)}
@@ -123,6 +128,26 @@ def saved_masters(ckpt) -> dict[str, torch.Tensor]:
                     box.copy_(f.get_tensor(e["name"] + "/master").view(e["local_shape"]))
     assert not any(t.isnan().any() for t in out.values())  # every element written
     return out
+
+
+def test_reader_gives_each_rank_its_experts(tmp_path, monkeypatch):
+    """ep rank 1 of 2 gets rows [2, 4) of every expert tensor, the seeded init's and --init-from's,
+    and reads from the files only the per-expert tensors of experts 2 and 3."""
+    hf_model("qwen3_moe", num_experts=4).save_pretrained(tmp_path)
+    cfg = W.load_config(tmp_path)
+    name = "model.layers.2.mlp.experts.gate_up_proj"
+    whole, mine = M.build(cfg), train.MOE.shard_experts(M.build(cfg), train.MOE.EPGroups(None, None, 2, 1))
+    shards = {name: train.TP.Shard(0, 2, 2)}
+    read_files = []
+    block = W.SafetensorsDir.block
+    monkeypatch.setattr(W.SafetensorsDir, "block", lambda self, n, *a: read_files.append(n) or block(self, n, *a))
+    for src in (dict(seed=3), dict(hf_dir=str(tmp_path))):
+        full = W.param_reader(whole, **src)(name, 0, whole.get_parameter(name).numel()).view(4, -1)
+        read_files.clear()
+        part = W.param_reader(mine, shards=shards, **src)(name, 0, mine.get_parameter(name).numel())
+        assert torch.equal(part.view(2, -1), full[2:])
+    assert sorted(read_files) == sorted(f"model.layers.2.mlp.experts.{e}.{p}.weight"
+                                        for e in (2, 3) for p in ("gate_proj", "up_proj"))
 
 
 def test_ep_refusals_all_at_once():
