@@ -138,9 +138,9 @@ def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str,
     the meta device) and exchanges tokens over grid.ep_group. Returns the experts' shards (rows of
     the global (E, ...) tensors) for the reader, checkpoints and export; none at ep = 1, where the
     experts stay whole (moe.shard_experts changes nothing)."""
-    if not cfg.num_experts or not MOE.moe_blocks(model):  # (a pipeline stage may hold no sparse layer)
+    if not MOE.moe_blocks(model):  # a dense model, or a pipeline stage without a sparse layer
         return {}
-    MOE.shard_experts(model, ep_groups(grid))
+    MOE.shard_experts(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
     if grid.ep == 1:
         return {}
     local = cfg.num_experts // grid.ep
@@ -148,29 +148,25 @@ def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str,
     return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
 
 
-def ep_groups(grid: G.Grid) -> MOE.EPGroups:
-    return MOE.EPGroups(ep=grid.ep_group, replica=grid.replica_group, ep_size=grid.ep, ep_rank=grid.ep_rank)
-
-
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
                    grid: G.Grid) -> Z.DataParallelOptimizer:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
-    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only. The
+    experts (--ep) reduce over grid.replica_group; their norm is zero.py's (each expert once).
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
-    experts = {id(p) for p in MOE.expert_parameters(model)}
-    expert = {n for n, p in model.named_parameters() if id(p) in experts}.__contains__
-    # the experts' shards are ep's, not tp's: an expert is whole on every tp rank (counted on tp rank 0)
-    counted = lambda n: pp_counted(n) and ((n in shards and not expert(n)) or grid.at.tp_rank == 0)  # noqa: E731
+    # an expert's shard is ep's, not tp's: it is whole on every tp rank (counted on tp rank 0)
+    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
+    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
     return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
                          init=init, device=grid.device,
-                         expert=expert, replica_group=grid.replica_group, ep_group=grid.ep_group)
+                         expert=W.expert_tensor, replica_group=grid.replica_group, ep_group=grid.ep_group)
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):

@@ -95,7 +95,6 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
         self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
         self.inflight, self.init = inflight, init
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if self.world > 1 else 0
         named = list(named_params)
         # expert parallelism: the experts' gradients and state over their replica group (a class of
         # their own, unless that group is the dp group itself: ep = 1, one class, nothing changes)
@@ -228,7 +227,7 @@ class ZeroOptimizer(DataParallelOptimizer):
         self._model = model
         super().__init__(named_params, cfg, dtype, group, **kw)
         self._launched = self._landed = len(self._order)  # in self._order; the flats are complete now
-        if model is not None and max(self.class_worlds) > 1:
+        if model is not None and max(self.class_worlds, default=1) > 1:
             for s, site in enumerate(sites(self.parts)):
                 first = model if site[0] is self.parts.head else site[0]  # maybe not called: see sites()
                 self.module_handles.append(first.register_forward_pre_hook(partial(self._wait_site, s)))
