@@ -13,8 +13,9 @@ What it does
                      pp.partition with the head's cost)
     lr_at            the schedule: linear warm-up to --lr, cosine decay to --min-lr
     device_defaults  --dtype auto per device (bf16 on CUDA, fp32 on CPU; TF32 for fp32 on CUDA)
-    flops_per_token, peak_flops, GPU_PEAK_TFLOPS
-                     the logged MFU's FLOPs per token (PaLM's convention) and the device's dense peak
+    flops_per_token, active_params, peak_flops, GPU_PEAK_TFLOPS
+                     the logged MFU's FLOPs per token (PaLM's convention; an MoE counts the k of E
+                     experts a token reads) and the device's dense peak
 
 How train.py uses it
     main: parse_args, grid.setup (validate needs the world size), device_defaults, validate — its
@@ -275,7 +276,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
 
 
 def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
-    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3 and AC; the layouts
+    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, AC and --compile; the layouts
     not built yet for it are refused by name (docs/moe.md)."""
     if not cfg.num_experts:
         return []
@@ -284,7 +285,6 @@ def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
            "--pp": (args.pp > 1, "the load-balancing loss pools the routers of all stages"),
            "--cp": (args.cp > 1, "each cp rank's forward would pool only its part of the sequence in the "
                                  "load-balancing loss; untested with experts"),
-           "--compile": (args.compile, "the experts' data-dependent shapes are not traced yet"),
            "--sft": (args.sft and cfg.output_router_logits,
                      "padding rows would count in the load-balancing loss (output_router_logits is true)")}
     return [f"{flag} {what} ({reason})" for flag, (bad, reason) in why.items() if bad]
@@ -482,12 +482,22 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 # ------------------------------------------------------------------------------------------ device
 def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan):
-    6N for the matmuls of forward + backward, N = every parameter a matmul reads — all but the input
-    embedding when untied (a lookup, no FLOPs); tied, the shared matrix counts once, as lm_head —
-    plus 12·L·H·Q·T for attention's two matmuls (H heads of Q dims over T tokens), counted over the
-    full T×T (the causally masked half too), as those references do, so MFUs compare."""
-    n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    6N for the matmuls of forward + backward, N = the parameters a token's matmuls read
+    (`active_params`), plus 12·L·H·Q·T for attention's two matmuls (H heads of Q dims over T tokens),
+    counted over the full T×T (the causally masked half too), as those references do, so MFUs compare."""
+    return 6 * active_params(cfg) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+
+
+def active_params(cfg: M.LlamaConfig) -> int:
+    """The parameters one token's matmuls read: every parameter but the input embedding when untied
+    (a lookup, no FLOPs; tied, the shared matrix counts once, as lm_head), and of a sparse layer's
+    experts only the k of E its router picks (k·3·H·I of E·3·H·I). The router's (E, H) reads whole.
+    A dense model: every parameter, the same integer as before MoE."""
+    n = 0
+    for name, shape in M.global_shapes(cfg).items():
+        size = math.prod(shape)
+        n += size // cfg.num_experts * cfg.num_experts_per_tok if ".mlp.experts." in name else size
+    return n - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
 
 
 # Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it

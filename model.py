@@ -54,8 +54,8 @@ Invariants
       the uncached decode's, every family, tp1 and tp2 (tests/test_generate.py).
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
       (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
-      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks
-      and everything between the layers stay eager.
+      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks,
+      everything between the layers and each MoE block (between two graphs of its layer) stay eager.
 """
 from __future__ import annotations
 
@@ -702,17 +702,27 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
     checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
     own policy path), before the optimizer. Layers of one shape share one compiled graph (the
     parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
-    Returns the layers left eager: a checkpointed layer whose attention runs eagerly (`packed` rows,
-    i.e. Documents, or another attn_fn such as cp.py's ring) would break the graph inside the
-    checkpoint, and dynamo then runs the whole checkpoint eagerly — compiling it would only add
-    tracing; the caller says so in its log (train.py)."""
-    eager = []
+    A mixture-of-experts block (moe.MoE) runs eagerly between two graphs of its layer: its
+    dispatch has data-dependent shapes (the rows per expert) and, under EP, a host sync (`.tolist()`
+    of the exchanged counts), either of which breaks the graph.
+    Returns what is left eager, for the caller's log (train.py): the name of each layer left eager
+    whole — a checkpointed layer whose attention runs eagerly (`packed` rows, i.e. Documents, or
+    another attn_fn such as cp.py's ring) or that holds an MoE block would break the graph inside
+    the checkpoint, and dynamo then runs the whole checkpoint eagerly: compiling it would only add
+    tracing — then "<layer>.<path>" of each MoE block that runs eagerly inside a compiled layer."""
+    eager, blocks = [], []
     for name, layer in model.model.layers.items():
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
-        if own is not None and (packed or layer.self_attn.attn_fn is not attend):
+        moes = [(f"{name}.{path}", m) for path, m in layer.named_modules() if isinstance(m, MoE)]
+        if own is not None and (packed or layer.self_attn.attn_fn is not attend or moes):
             eager.append(name)
             continue
         layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
+        for path, block in moes:  # an instance forward (a wrapper) as it is; else as below, no cycle
+            forward = block.__dict__.get("forward") or (
+                lambda *args, fn=type(block).forward, ref=weakref.ref(block), **kwargs: fn(ref(), *args, **kwargs))
+            block.forward = torch.compiler.disable(forward)  # the whole wrapper: dynamo skips its frame
+            blocks.append(path)
         if own is not None:
             fn = torch.compile(own, **options)
             forward = functools.wraps(own)(lambda *args, fn=fn, **kwargs: fn(*args, **kwargs))
@@ -721,7 +731,7 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
             forward = lambda *args, fn=fn, ref=ref, **kwargs: fn(ref(), *args, **kwargs)  # noqa: E731
         forward.compiled = True
         layer.forward = forward
-    return eager
+    return eager + blocks
 
 
 # ----------------------------------------------------------------------------------------- weights

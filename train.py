@@ -23,7 +23,8 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        buffers are allocated (weights.materialize_buffers)
     7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
        model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
-       a checkpointed layer whose attention runs eagerly (packed rows, --cp) stays eager, as the log says
+       a checkpointed layer whose attention runs eagerly (packed rows, --cp) or that holds an MoE block
+       stays eager, and an MoE block runs eagerly between two graphs of its layer, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
        ever holds the whole model; the experts (--ep) reduce and shard over the ranks holding the
@@ -386,16 +387,21 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     tokens_per_step = args.batch_size * args.seq_len
     fpt = cli.flops_per_token(cfg, args.seq_len)
     peak = cli.peak_flops(args, grid.device)
+    eager = getattr(args, "eager_layers", [])  # compile_layers: whole layers, then "<layer>.mlp" blocks
+    whole, blocks = [n for n in eager if "." not in n], [n for n in eager if "." in n]
     if log:
-        print(f"model {cfg.num_params() / 1e6:.2f}M params · data {len(ds)} sequences of {args.seq_len} · "
+        print(f"model {cfg.num_params() / 1e6:.2f}M params"
+              + (f" ({cli.active_params(cfg) / 1e6:.2f}M active per token)" if cfg.num_experts else "")
+              + f" · data {len(ds)} sequences of {args.seq_len} · "
               f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
               + (f"ep {grid.ep} (experts over dp·cp) · " if grid.ep > 1 else "")
               + f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
-              + (f" ({len(args.eager_layers)} checkpointed run eagerly: their attention, packed rows or "
-                 f"the cp ring, would break the graph inside the checkpoint)" if getattr(args, "eager_layers", None)
-                 else "")
+              + (f" ({len(whole)} checkpointed run eagerly: their attention, packed rows, the cp ring or an "
+                 f"MoE block would break the graph inside the checkpoint)" if whole else "")
+              + (f" (eager between two graphs, for their data-dependent shapes: the MoE blocks "
+                 f"{', '.join(blocks)})" if blocks else "")
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)

@@ -2,6 +2,8 @@
 
 What it does
     `formula_bytes(stage, psi, n)` is the ZeRO table: bytes per rank between steps.
+    `ep_formula_bytes(stage, dense, experts, n, ep)` is the same table for a mixture of experts
+    whose experts are split over ep ranks (moe.shard_experts): dense and expert parts apart.
     `persistent_bytes(opt)` reads the same numbers from the tensors a step object holds.
     `peak_extras(opt)` gives the most a phase may add to that state and the activations.
     tests/test_memory.py and bench/bench_theory.py check measured peaks against them.
@@ -11,6 +13,8 @@ The core idea
     That is bf16 params and grads, and the fp32 master, m and v.
     Each ZeRO stage divides more of it by the dp size N.
     Between steps that is the whole state. At the peak, in-flight buffers come on top.
+    Under expert parallelism a rank holds 1/ep of the experts, replicated over n/ep ranks (the
+    expert-replica group): ZeRO shards their state over those n/ep, the dense state over all n.
     The derivation of every term: docs/memory.md.
 
 Reference
@@ -23,6 +27,8 @@ Run
 Invariants
     - persistent_bytes equals formula_bytes up to the padding. Test: tests/test_zero.py::test_zero_dp4_memory_and_tp2_dp2.
     - peak − activations ≤ formula_bytes + peak_extras, per phase. Test: tests/test_memory.py::test_zero_peaks_dp2.
+    - ep_formula_bytes: the parameter bytes of a model sharded by moe.shard_experts at ep 2 and 4,
+      and each stage against a hand count. Test: tests/test_moe_acct.py::test_ep_memory_formula.
 
 Builds on: zero.py (its step objects), precision.py (the step's chunk size)
 """
@@ -40,6 +46,17 @@ def formula_bytes(stage: int, psi: int, n: int) -> float:
     """The ZeRO table (docs/memory.md): bytes per rank between steps.
     Ψ = psi parameters over N = n ranks. bf16 params and grads; fp32 master, Adam m and v."""
     return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def ep_formula_bytes(stage: int, dense: int, experts: int, n: int, ep: int) -> float:
+    """The ZeRO table for a rank of an MoE model at expert parallelism ep, bytes between steps.
+    dense: the parameters every rank of the ZeRO group holds (routers included); experts: the
+    expert parameters before the ep split (moe.expert_parameters, all E experts); n: the ZeRO
+    group's size (dp·cp). A rank holds experts/ep of them, whose state ZeRO shards over the n/ep
+    ranks holding the same experts. ep = 1 is formula_bytes of dense + experts over n."""
+    if ep < 1 or n % ep or experts % ep:
+        raise ValueError(f"ep={ep} must divide the ZeRO group's {n} ranks and the {experts} expert parameters")
+    return formula_bytes(stage, dense, n) + formula_bytes(stage, experts // ep, n // ep)
 
 
 def persistent_bytes(opt: DataParallelOptimizer) -> dict[str, int]:

@@ -207,11 +207,11 @@ def test_refusals_name_key_and_value():
     cfg = M.LlamaConfig.from_hf(good)
     grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
     for flags, message in ((["--tp", "2"], "--tp with an MoE model (mixtral, 5 experts): not yet"),
-                           (["--pp", "2"], "--pp with an MoE model"), (["--cp", "2"], "--cp with"),
-                           (["--compile"], "--compile with")):
+                           (["--pp", "2"], "--pp with an MoE model"), (["--cp", "2"], "--cp with")):
         errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), cfg, grid)
         assert any(message in e for e in errors), (flags, errors)
     assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
+    assert not cli.validate(cli.parse_args(["--compile", "--seq-len", "16"]), cfg, grid)
 
 
 def test_cli_dp_zero_ac_equal_single_process(tmp_path):
