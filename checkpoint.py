@@ -31,7 +31,10 @@ Run
 Invariants
     - Every element is written once, by its owner: stage 0 (masters are whole local parameters,
       replicated over dp): dp rank 0 only; ZeRO 1-3: every dp rank its own piece; a parameter
-      replicated over tp: tp rank 0 only; the last pipeline stage's copy of a tied embedding
+      replicated over tp: tp rank 0 only; under expert parallelism an expert tensor is a box of
+      the global (E, ...) tensor (its ep shard, like a tp slice), written at stage 0 by rank 0
+      of its replica group, under ZeRO as pieces of that group, so an ep = 2 checkpoint resumes
+      at ep = 1 or 4 (tests/test_moe_ep.py); the last pipeline stage's copy of a tied embedding
       (`lm_head.weight`): never (the first stage's embedding is the truth, and the copy is loaded
       from it). tp vocab padding rows (at/after the true vocab) are never stored and load as zero.
     - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; the ranks then exchange what
@@ -66,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from model import LlamaConfig, Shard, global_shapes
-from weights import fsync_path, io_error, write_bytes, write_safetensors
+from weights import expert_tensor, fsync_path, io_error, write_bytes, write_safetensors
 
 FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
@@ -186,12 +189,15 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
     index entries (see the invariants)."""
     shapes = global_shapes(cfg)
     pieces = getattr(opt, "pieces", None)  # ZeRO 1-3: master i = flat piece of local param i
-    if pieces is None and layout.dp_rank != 0:
-        return {}, []  # stage 0: a dp replica of what dp rank 0 writes
+    replica_rank = getattr(opt, "replica_rank", lambda i: None)  # EP: an expert's rank among its holders
     tensors, entries = {}, []
     for i, name in enumerate(opt.names):
         shard = shards.get(name)
-        if _tied_copy(name, cfg) or (shard is None and layout.tp_rank != 0):
+        holder = replica_rank(i)
+        if pieces is None and (layout.dp_rank if holder is None else holder) != 0:
+            continue  # stage 0: a replica of what rank 0 of its group (dp; an expert's replicas) writes
+        tp_copy = shard is None or expert_tensor(name)  # an ep shard is whole on every tp rank
+        if _tied_copy(name, cfg) or (tp_copy and layout.tp_rank != 0):
             continue
         local = tuple(opt.params[i].shape)
         real = _check_local(name, local, shapes[name], shard)

@@ -6,7 +6,7 @@ What it does
                      with --sft) are filled in with `is None`, so a user's 0 reaches validate
     validate         every check that needs no heavy work (no data, no model, no group but the
                      default one), all reported at once as a list of messages — the layout against
-                     the world size (tp, cp, pp, micro-batches), tp/cp/pipeline rules, flag ranges,
+                     the world size (tp, cp, pp, ep, micro-batches), tp/cp/pipeline/ep rules, flag ranges,
                      NaNs, and every output path (a run must not train for hours, then fail to write)
     virtual_stages, micro_batches, layer_ranges
                      the pipeline's shape as the flags give it (defaults: pp.default_microbatches,
@@ -153,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--sp", action="store_true", help="sequence parallelism with --tp: norms and residuals hold "
                                         "seq-len/tp tokens per rank (Megatron)")
     a("--pp", type=int, default=1, help="pipeline stages")
+    a("--ep", type=int, default=1, help="expert-parallel degree (an MoE model): each rank holds 1/ep of "
+                                        "every layer's experts, tokens travel by all-to-all; ep ranks are "
+                                        "taken from the dp·cp ranks (ep divides them)")
     a("--pp-layers", default=None, help="layers per (virtual) stage, e.g. 3,3,2 (default: balanced, the "
                                         "last stage's lm_head + loss counted as layers by their FLOPs)")
     a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
@@ -213,6 +216,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(str(e))
     errors += validate_pipeline(args, cfg)
     errors += validate_moe(args, cfg)
+    errors += validate_ep(args, cfg, dp_size * args.cp)
     micro = micro_batches(args, grid.world)
     if micro >= 1 and args.batch_size % (dp_size * micro):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
@@ -286,6 +290,27 @@ def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
            "--sft": (args.sft and cfg.output_router_logits,
                      "padding rows would count in the load-balancing loss (output_router_logits is true)")}
     return [f"{flag} {what} ({reason})" for flag, (bad, reason) in why.items() if bad]
+
+
+def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -> list[str]:
+    """--ep: the experts of every sparse layer split evenly over ep of the dp·cp ranks (moe.py)."""
+    if args.ep == 1:
+        return []
+    if args.ep < 1:
+        return [f"--ep must be >= 1, got {args.ep}"]
+    errors = []
+    if not cfg.num_experts:
+        errors.append(f"--ep {args.ep} needs a mixture-of-experts model (mixtral, qwen3_moe, olmoe); "
+                      f"{cfg.model_type} has no experts")
+    elif cfg.num_experts % args.ep:
+        errors.append(f"--ep {args.ep} must divide num_experts={cfg.num_experts} (each rank holds E/ep experts)")
+    if args.grpo:
+        errors.append(f"--ep {args.ep} with --grpo: each dp rank decodes its own prompts for as many steps as "
+                      f"they need, but every forward's all-to-all needs all ep ranks (not built); use --ep 1")
+    if data_ranks % args.ep:
+        errors.append(f"--ep {args.ep} must divide the {data_ranks} dp·cp ranks (world / (--tp {args.tp} × "
+                      f"--pp {args.pp})): the ep ranks are taken from them")
+    return errors
 
 
 def check_outputs(args: argparse.Namespace) -> list[str]:

@@ -36,6 +36,9 @@ Invariants
       Test: test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Step k trains on the same sequences at any dp size.
       Test: test_dp.py::test_sampler_epoch_coverage_and_layout_free_batches.
+    - `groups` (one per parameter: expert parallelism's experts over their replica group) never
+      mix in a bucket; all the same group is the plain sync, bucket for bucket.
+      Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 """
 from __future__ import annotations
 
@@ -66,21 +69,29 @@ class GradSync:
 
     reduce_dtype: the flat buffers' dtype (None: the grads' dtype). torch.float32 with bf16 grads
     turns on fp32 main grads (refinement below). Subclasses (ReduceScatterSync) replace
-    `_launch` and `_land` to reduce-scatter."""
+    `_launch` and `_land` to reduce-scatter.
+    groups: one group per parameter, to sum some over another group than `group` (expert
+    parallelism: moe.grad_reduce_plan's experts over their replica group); a bucket holds one
+    group's parameters only (make_buckets' classes)."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
-                 inflight: int = 2, order: Sequence[int] | None = None, round_into_grad: bool = True):
+                 inflight: int = 2, order: Sequence[int] | None = None, round_into_grad: bool = True,
+                 groups: Sequence[Group] | None = None):
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1 (reductions in flight at once), got {inflight}")
         self.params = list(params)
         self.group, self.inflight = group, inflight
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reduce_dtype, self.round_into_grad = reduce_dtype, round_into_grad
+        classes, distinct = group_classes([group] * len(self.params) if groups is None else groups)
         if buckets is None:
             itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
-            buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize)
+            buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize, classes=classes)
         self.buckets = buckets
+        # each bucket's group and its size (all `group` without expert parallelism)
+        self.groups = [distinct[classes[b.index[0]]] for b in buckets]
+        self.worlds = [dist.get_world_size(g) if dist.is_initialized() else 1 for g in self.groups]
         # fp32 main grads: accumulate in reduce_dtype flat buffers, one per bucket, made lazily
         self.fp32_grads = bool(self.params) and reduce_dtype is not None and \
             reduce_dtype.itemsize > self.params[0].dtype.itemsize
@@ -106,7 +117,7 @@ class GradSync:
 
     def hooked(self) -> bool:
         """dp = 1 needs no communication at all: no hooks (unless accumulating in fp32)."""
-        return self.world > 1 or self.fp32_grads
+        return max(self.worlds, default=1) > 1 or self.fp32_grads
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -143,7 +154,7 @@ class GradSync:
         self._launched.add(b)
         self._bound()
         flat = self._pack(b)
-        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
+        work = dist.all_reduce(flat, group=self.groups[b], async_op=True) if self.worlds[b] > 1 else None
         self._pending[b] = (work, flat)
 
     def _pack(self, b: int) -> torch.Tensor:
@@ -252,19 +263,41 @@ def layout(index: list[int], params: Sequence[torch.Tensor], pad_to: int = 1) ->
 
 
 def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: int,
-                 pad_to: int = 1) -> list[Bucket]:
+                 pad_to: int | Sequence[int] = 1, classes: Sequence[int] | None = None) -> list[Bucket]:
     """Group parameters in REVERSE order into buckets of at most `bucket_bytes`.
-    Backward produces the last layers' grads first. A larger parameter gets a bucket of its own."""
-    groups: list[list[int]] = [[]]
-    size = 0
+    Backward produces the last layers' grads first. A larger parameter gets a bucket of its own.
+    classes: parameters of different classes (reduced over different groups: expert parallelism)
+    never share a bucket; each class fills its own, pad_to[c] for class c. The buckets are listed
+    in the order they are opened: with one class, what one list would give."""
+    classes = [0] * len(params) if classes is None else list(classes)
+    pads = [pad_to] * (max(classes, default=0) + 1) if isinstance(pad_to, int) else list(pad_to)
+    groups: list[list[int]] = []
+    open_: dict[int, tuple[int, int]] = {}  # class → (its open group, bytes in it)
     for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * itemsize
-        if groups[-1] and size + nbytes > bucket_bytes:
+        c, nbytes = classes[i], params[i].numel() * itemsize
+        if c in open_ and open_[c][1] + nbytes > bucket_bytes:
+            del open_[c]
+        if c not in open_:
+            open_[c] = (len(groups), 0)
             groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    return [layout(g, params, pad_to) for g in groups if g]
+        g, size = open_[c]
+        groups[g].append(i)
+        open_[c] = (g, size + nbytes)
+    return [layout(g, params, pads[classes[g[0]]]) for g in groups]
+
+
+def group_classes(groups: Sequence[Group]) -> tuple[list[int], list[Group]]:
+    """Each parameter's reduction group → (its class, the distinct groups by class): parameters
+    whose groups are the same object share a class (expert parallelism's degree 1: the experts'
+    replica group is the dp group, so there is one class and nothing changes)."""
+    distinct: list[Group] = []
+    classes = []
+    for g in groups:
+        k = next((c for c, d in enumerate(distinct) if d is g), None)
+        if k is None:
+            k, distinct = len(distinct), distinct + [g]
+        classes.append(k)
+    return classes, distinct
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter
@@ -290,7 +323,7 @@ def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Gr
 
 class ReduceScatterSync(GradSync):
     """dp.GradSync whose buckets are reduce-scattered. Rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer.
+    [r·S, (r+1)·S) of the bucket's flat buffer (r, S: in the bucket's group).
     With keep_full (stage 1) they go into the owned slices of .grad, the accumulation buffer.
     Else (stages 2-3) they go into `grad_shards`. Then .grad is dropped once packed.
     per_micro_batch (stage 3, stage 2 on request): every backward reduces, and the shards accumulate.
@@ -301,12 +334,12 @@ class ReduceScatterSync(GradSync):
     def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
                  pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
                  per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
-                 order: Sequence[int] | None = None):
+                 order: Sequence[int] | None = None, groups: Sequence[Group] | None = None):
         self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
         self.per_micro_batch = per_micro_batch
         self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
         super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
-                         order=order)
+                         order=order, groups=groups)
         self.in_order = not per_micro_batch  # each micro-batch: as completed (see the class docstring)
         self.fp32_grads &= not per_micro_batch  # those accumulate in fp32 grad shards already
         self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
@@ -325,8 +358,9 @@ class ReduceScatterSync(GradSync):
         if not self.keep_full:
             for i in self.buckets[b].index:
                 self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
-        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.group, self.world), out, flat)
+        out = torch.empty(flat.numel() // self.worlds[b], dtype=flat.dtype, device=flat.device)  # (S,)
+        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.groups[b], self.worlds[b]),
+                            out, flat)
         self.on_reduced(b)
 
     def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:

@@ -4,10 +4,10 @@ What it does
     `export_hf` writes the compute parameters of a model trained under any tp/pp/dp/ZeRO layout as
     an HF folder `AutoModelForCausalLM.from_pretrained` loads, without ever assembling the model:
     the (dp 0, tp 0) rank of each pipeline stage writes its stage's tensors to its own safetensors
-    file(s), one full tensor at a time (a tp-sharded one all-gathered over tp; under ZeRO-3 one unit
-    gathered at a time over dp); rank 0 writes the index from what the writers report, then
-    config.json, generation_config.json and the tokenizer (weights.finish_hf), and swaps the folder
-    in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
+    file(s), one full tensor at a time (a tp-sharded one all-gathered over tp, an expert tensor
+    over the ep group; under ZeRO-3 one unit gathered at a time over dp); rank 0 writes the index
+    from what the writers report, then config.json, generation_config.json and the tokenizer
+    (weights.finish_hf), and swaps the folder in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
 
 Reference
     transformers' sharded checkpoints (`model-0000i-of-0000n.safetensors` + `weight_map`); as in
@@ -45,22 +45,33 @@ from tp import gather_tensor
 
 
 def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig, at: Layout,
-                   tp_group: dist.ProcessGroup | None, order: list[str]) -> Iterator[torch.Tensor]:
+                   tp_group: dist.ProcessGroup | None, order: list[str],
+                   ep_group: dist.ProcessGroup | None = None) -> Iterator[torch.Tensor]:
     """This stage's full tensors, in `order`, one at a time. Every rank of the stage runs it to the
     end, so the collectives match: ZeRO-3 gathers one unit at a time over dp; dp rank 0's tp ranks
-    gather each tp-sharded tensor; the ranks of other dp ranks yield nothing."""
+    gather each tp-sharded tensor, and its ep group each expert tensor (its ep peers are dp ranks
+    [0, ep): they join that gather only); the ranks of other dp ranks yield nothing."""
     shapes = global_shapes(cfg)
     params = dict(model.named_parameters())
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
     units = each() if each else [list(params)]
     ready, k = {}, 0
     for names in units:
-        if at.dp_rank != 0:
+        if at.dp_rank >= ep:
             continue
         for n in (n for n in names if n in shapes):  # a last stage's tied copy is not exported
-            shard = shards.get(n)
-            ready[n] = params[n].detach() if shard is None else \
-                gather_tensor(params[n], shard, shapes[n][shard.dim], tp_group)
+            shard, expert = shards.get(n), W.expert_tensor(n)
+            if at.dp_rank != 0 and not (expert and shard is not None):
+                continue  # dp rank 0's ep peer: only the experts' gathers need it
+            if shard is None:
+                t = params[n].detach()
+            elif expert:
+                t = gather_tensor(params[n], shard, shapes[n][0], ep_group)  # (E, ...) from the ep blocks
+            else:
+                t = gather_tensor(params[n], shard, shapes[n][shard.dim], tp_group)
+            if at.dp_rank == 0:
+                ready[n] = t
         while k < len(order) and order[k] in ready:
             yield ready.pop(order[k])  # while its unit is gathered: no copy
             k += 1
@@ -69,11 +80,14 @@ def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaC
 
 def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig, at: Layout, out: str,
               tp_group: dist.ProcessGroup | None = None, group: dist.ProcessGroup | None = None,
-              tokenizer: object | None = None, max_shard_bytes: int = 4 << 30) -> None:
+              tokenizer: object | None = None, max_shard_bytes: int = 4 << 30,
+              ep_group: dist.ProcessGroup | None = None) -> None:
     """Export the compute parameters (fp32 in fp32 mode, else the bf16 copy of the masters) to
     `out`; every rank calls it. at: this rank's layout (checkpoint.Layout); tp_group: its tp group;
     group: all ranks, for the reports (long timeout); tokenizer: a data.py tokenizer, exported with
-    its ids in the configs. Shards hold at most max_shard_bytes each (a stage has at least one)."""
+    its ids in the configs. Shards hold at most max_shard_bytes each (a stage has at least one).
+    ep_group: expert parallelism's token-exchange group (grid.ep_group), over which the expert
+    tensors that `shards` marks are gathered; `shards` holds the tp and the ep shards."""
     shapes = global_shapes(cfg)
     params = dict(model.named_parameters())
     order = [n for n in params if n in shapes]
@@ -93,7 +107,7 @@ def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig
     first, total = sum(c["files"] for c in counts[:me]), sum(c["files"] for c in counts)
     tmp = W.staging_dir(out)
     report = {"rank": at.rank, "error": None, "weights": {}}
-    tensors = _stage_tensors(model, opt, shards, cfg, at, tp_group, order)
+    tensors = _stage_tensors(model, opt, shards, cfg, at, tp_group, order, ep_group)
     try:
         for i, specs in enumerate(files):
             name = W.shard_name(first + i, total)

@@ -13,7 +13,7 @@ What it does
                  `solo` for every degree-1 dimension (no one-rank NCCL communicator), plus two gloo
                  groups: checkpoint / export I/O waits (--io-timeout) and the pipeline's host check
     Grid         this rank, its device, its coordinates `at` (a checkpoint.Layout: what ZeRO shards
-                 over and checkpoints record) and its groups
+                 over and checkpoints record) and its groups, the expert-parallel ones included
     stage        a context naming the training stage in which a collective failed or timed out, or
                  memory ran out (with the allocator's numbers): a StageError
     fail         one message on rank 0, the process group destroyed, exit status 2 on every rank
@@ -27,6 +27,7 @@ How train.py uses it
 Run
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2          # tp 2 × dp 2 × pp 2
     torchrun --nproc_per_node 8 train.py --tp 2 --cp 2 --zero 1  # tp 2 × cp 2 × dp 2
+    torchrun --nproc_per_node 8 train.py --init-from mixtral --ep 4  # dp 8, experts over 4 ranks
 
 Invariants
     - rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank (tp peers are neighbours: the
@@ -70,6 +71,14 @@ class Grid:
     pp_check: dist.ProcessGroup | None = None  # gloo, the pp group's ranks: run_pipeline's host-side check
     pp_peers: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # neighbour stage → its 2-rank group
     cp: int = 1  # context-parallel degree; `at` counts dp · cp replicas (see make_grid)
+    ep: int = 1  # expert-parallel degree, inside the dp · cp ranks (see make_grid)
+    ep_group: dist.ProcessGroup | None = None  # ep consecutive dp·cp ranks: they exchange tokens
+    replica_group: dist.ProcessGroup | None = None  # the dp·cp ranks holding this rank's experts
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: it holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
+        return self.at.dp_rank % self.ep
 
     @property
     def data(self) -> tuple[int, int]:
@@ -106,7 +115,7 @@ def setup(timeout_s: float = 600.0) -> Grid:
 
 
 def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout_s: float = 3600.0,
-              cp: int = 1) -> None:
+              cp: int = 1, ep: int = 1) -> None:
     """rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank: tp innermost (its all-reduces are
     the most frequent: the fastest links), then cp (a ring of P2P every layer), then dp (one
     reduction per step), then pp (point-to-point between stages: the slowest links will do). The
@@ -116,7 +125,12 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
     (see there: every rank the same calls, in the same order); a degree-1 dimension gets `solo`,
     this rank alone. Then the pipeline's neighbour pairs (pp.neighbour_pairs: on NCCL each needs a
     communicator of its own) and two gloo groups: checkpoint/export I/O waits (long timeout) and
-    the pipeline's host-side check."""
+    the pipeline's host-side check. Expert parallelism (ep divides dp·cp) splits the dp·cp ranks
+    of each (pp, tp) cell into blocks of ep consecutive ones (`ep_group`: the token exchange, on
+    the nearest links) and ep strided `replica_group`s (the ranks holding the same experts, which
+    sum their gradients), as moe.ep_groups does. At ep = 1 the replica group IS dp_group (the same
+    object: one gradient reduction for all parameters) and the ep group is `solo`; at ep = dp·cp
+    the ep group is dp_group and the replica group `solo`."""
     w = grid.world
     dpn = w // (tp * pp)  # dp · cp
     grid.at = CK.Layout(tp, dpn, pp, grid.rank % tp, grid.rank // tp % dpn, grid.rank // (tp * dpn))
@@ -133,11 +147,16 @@ def make_grid(grid: Grid, tp: int, pp: int, timeout_s: float = 600.0, io_timeout
 
     at = lambda p, d, t: CK.Layout(tp, dpn, pp, t, d, p).rank  # noqa: E731
     grid.tp_group = mine([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dpn)])
-    grid.dp_group = mine([[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)])
+    dp_lists = [[at(p, d, t) for d in range(dpn)] for p in range(pp) for t in range(tp)]
+    grid.dp_group = mine(dp_lists)
     pp_lists = [[at(p, d, t) for p in range(pp)] for d in range(dpn) for t in range(tp)]
     grid.pp_group = mine(pp_lists)
     grid.cp_group = mine([[at(p, d + c, t) for c in range(cp)] for p in range(pp)
                           for d in range(0, dpn, cp) for t in range(tp)])
+    grid.ep = ep
+    grid.ep_group = grid.dp_group if ep == dpn else mine(
+        [ranks[b:b + ep] for ranks in dp_lists for b in range(0, dpn, ep)])
+    grid.replica_group = grid.dp_group if ep == 1 else mine([ranks[j::ep] for ranks in dp_lists for j in range(ep)])
     grid.embed_group = mine(PP.tied_embedding_ranks(w, pp)) if pp > 1 else None
     pairs = PP.neighbour_pairs(pp_lists)
     stage = {r: s for ranks in pp_lists for s, r in enumerate(ranks)}

@@ -32,7 +32,8 @@ Invariants
       interface) and, for bf16 gradients (`--reduce-dtype bf16`), their upcast.
     - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
       over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
-      that another rank already counts passes `counted(name) = False` for it.
+      that another rank already counts passes `counted(name) = False` for it. (zero.py's grad_norm
+      adds the experts of expert parallelism from `_square_sum`.)
     - A non-finite grad norm skips the whole step (no parameter or optimizer state changes).
 
 The seam zero.py uses (ZeRO must not edit this file): a subclass overrides three methods —
@@ -136,15 +137,18 @@ class MixedPrecisionOptimizer:
         """Global L2 norm in fp32: the norms of the counted grads' slices (STEP_CHUNK_BYTES of fp32
         at most: no gradient-sized temporary) in one foreach kernel, accumulated in fp32; their
         squares summed here and over norm_groups (as clip_grad_norm_ combines per-tensor norms)."""
-        pieces = [piece for g, c in zip(grads, self.counted) if g is not None and c
-                  for piece in g.reshape(-1).split(STEP_CHUNK_BYTES // 4)]  # views: no copy
-        if pieces:
-            sq = torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float32)).square().sum()
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
+        sq = self._square_sum(grads, self.counted)
         for group in self.norm_groups:
             dist.all_reduce(sq, group=group)
         return sq.sqrt()
+
+    def _square_sum(self, grads: list[torch.Tensor | None], counted: list[bool]) -> torch.Tensor:
+        """Σ g² over the counted grads, on this rank: a 0-dim fp32 tensor (see grad_norm)."""
+        pieces = [piece for g, c in zip(grads, counted) if g is not None and c
+                  for piece in g.reshape(-1).split(STEP_CHUNK_BYTES // 4)]  # views: no copy
+        if pieces:
+            return torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float32)).square().sum()
+        return torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
 
     def _chunks(self, grads: list[torch.Tensor | None]) -> list[list[int]]:
         """Consecutive masters whose gradients, upcast to fp32, take about STEP_CHUNK_BYTES (fp32

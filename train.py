@@ -14,7 +14,10 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
     3. build the model on the meta device (no memory)
     4. pp.split_stage: drop the layers/embedding/head this stage does not own
     5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
-       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions
+       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions;
+       moe.shard_experts (--ep): each rank keeps its 1/ep of every MoE layer's experts, whole on
+       every tp rank, and adds their rows of the global (E, ...) tensors to the shard map — the
+       transforms of a layer go tp, ep, (pp's cut, made above), ac
     6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
        weights never depend on the layout); the parameters stay on the meta device, only the RoPE
        buffers are allocated (weights.materialize_buffers)
@@ -24,10 +27,13 @@ Composition order (each step an exact no-op at degree 1, so one code path serves
        stays eager, and an MoE block runs eagerly between two graphs of its layer, as the log says
     8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
        built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
-       ever holds the whole model
+       ever holds the whole model; the experts (--ep) reduce and shard over the ranks holding the
+       same experts (grid.replica_group), everything else over dp·cp
     9. checkpoint_load.load_checkpoint (--resume): masters, moments and sampler position, any layout
 
 Invariants
+    - --ep N equals one process: the same losses and grad norms within 1e-5, checkpoints that
+      resume at another ep, an export transformers loads (tests/test_moe_ep.py).
     - The order of training sequences is a function of (seed, data) only: the sampler shards the same
       global batch over dp ranks, so every layout trains on the same global batches; the cp ranks of
       a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
@@ -77,6 +83,7 @@ import grid as G
 import grpo as GR
 import memory as MEM
 import model as M
+import moe as MOE
 import pp as PP
 import precision as P
 import preempt as PR
@@ -117,6 +124,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     CP.apply_cp(model, grid.cp_group)
+    shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
@@ -126,21 +134,40 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     return model, shards, init
 
 
+def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
+    """Step 5's expert parallelism: each rank keeps its 1/ep of every MoE layer's experts (still on
+    the meta device) and exchanges tokens over grid.ep_group. Returns the experts' shards (rows of
+    the global (E, ...) tensors) for the reader, checkpoints and export; none at ep = 1, where the
+    experts stay whole (moe.shard_experts changes nothing)."""
+    if not MOE.moe_blocks(model):  # a dense model, or a pipeline stage without a sparse layer
+        return {}
+    MOE.shard_experts(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
+    if grid.ep == 1:
+        return {}
+    local = cfg.num_experts // grid.ep
+    ours = {id(p) for p in MOE.expert_parameters(model)}
+    return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
+
+
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
                    grid: G.Grid) -> Z.DataParallelOptimizer:
     """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
-    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only. The
+    experts (--ep) reduce over grid.replica_group; their norm is zero.py's (each expert once).
     With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
-    counted = lambda n: pp_counted(n) and (n in shards or grid.at.tp_rank == 0)  # noqa: E731
+    # an expert's shard is ep's, not tp's: it is whole on every tp rank (counted on tp rank 0)
+    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
+    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
     return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device)
+                         init=init, device=grid.device,
+                         expert=W.expert_tensor, replica_group=grid.replica_group, ep_group=grid.ep_group)
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
@@ -324,7 +351,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                              else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
         ds.check_vocab(cfg.vocab_size)
         val, val_batches = (None, 0) if chats else feed.load_val(args, ds, grid)
-        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp)
+        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         sampler = dp.DPSampler(len(ds), args.batch_size, *grid.data, args.seed,
                                remainder="wrap" if chats else "drop")
@@ -367,7 +394,8 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
               + (f" ({cli.active_params(cfg) / 1e6:.2f}M active per token)" if cfg.num_experts else "")
               + f" · data {len(ds)} sequences of {args.seq_len} · "
               f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
-              f"zero {args.zero} · {numerics} on {grid.device.type}"
+              + (f"ep {grid.ep} (experts over dp·cp) · " if grid.ep > 1 else "")
+              + f"zero {args.zero} · {numerics} on {grid.device.type}"
               + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
               + (" · compiled layers" if args.compile else "")
               + (f" ({len(whole)} checkpointed run eagerly: their attention, packed rows, the cp ring or an "
@@ -474,7 +502,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         try:
             with G.stage("HF export", grid), meter.during("export"):
                 EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
-                             export_tok)
+                             export_tok, ep_group=grid.ep_group)
         except (OSError, ValueError) as e:  # the same on every rank
             G.fail(str(e), grid)
         if log:

@@ -148,6 +148,14 @@ def hf_pieces(name: str, cfg: LlamaConfig) -> list[Piece]:
                                                 (f"{block}.experts.{e}.{up}.weight", (e, slice(i, 2 * i))))]
 
 
+def expert_tensor(name: str) -> bool:
+    """Whether in-memory tensor `name` holds an MoE layer's experts (`mlp.experts.gate_up_proj` or
+    `down_proj`, (E, ...)): what expert parallelism splits by rows, one block of experts per ep rank.
+    The experts are whole on every tp rank (docs/moe.md): their shard is ep's, never tp's."""
+    m = _FUSED.fullmatch(name)
+    return m is not None and m.group(2) != "gate.weight"
+
+
 def _piece_shape(full: tuple[int, ...], at: tuple) -> tuple[int, ...]:
     """The shape of full-tensor[at] for an index of leading ints and row slices."""
     shape = list(full)

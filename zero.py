@@ -40,6 +40,10 @@ Invariants (all of them: docs/zero.md#invariants-and-their-tests)
     - A tied embedding's two pipeline copies take bit-identical steps.
       Test: tests/test_zero.py::test_zero_tied_embeddings_pp2_dp2.
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
+    - Expert parallelism (`expert`, `replica_group`, `ep_group`): the experts' gradients and state
+      are reduced and sharded over the ranks holding the same experts, the rest over dp; the grad
+      norm counts every expert element once. A replica group that is the dp group itself (ep = 1)
+      changes nothing. Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 
 Builds on: precision.py, dp.py
 """
@@ -55,7 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dp import Bucket, GradSync, Group, Piece, ReduceScatterSync, layout, make_buckets, remove_handles
+from dp import (Bucket, GradSync, Group, Piece, ReduceScatterSync, group_classes, layout, make_buckets,
+                remove_handles)
 from precision import MixedPrecisionOptimizer, OptimConfig
 
 Named = Iterable[tuple[str, nn.Parameter]]
@@ -84,12 +89,20 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
                  norm_groups: Iterable[dist.ProcessGroup] = (),
                  counted: Callable[[str], bool] = lambda name: True,
                  tied: nn.Parameter | None = None, embed_group: Group = None, inflight: int = 2,
-                 init: Init | None = None, device: torch.device | str | None = None):
+                 init: Init | None = None, device: torch.device | str | None = None,
+                 expert: Callable[[str], bool] | None = None, replica_group: Group = None,
+                 ep_group: Group = None):
         self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
         self.inflight, self.init = inflight, init
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if self.world > 1 else 0
         named = list(named_params)
+        # expert parallelism: the experts' gradients and state over their replica group (a class of
+        # their own, unless that group is the dp group itself: ep = 1, one class, nothing changes)
+        self.reduce_groups = [replica_group if expert is not None and expert(n) else group for n, _ in named]
+        self.classes, self.class_groups = group_classes(self.reduce_groups)
+        self.class_worlds = [dist.get_world_size(g) if dist.is_initialized() else 1 for g in self.class_groups]
+        self.class_ranks = [dist.get_rank(g) if w > 1 else 0 for g, w in zip(self.class_groups, self.class_worlds)]
+        self.ep_group = ep_group
         real = [p.device for _, p in named if not p.is_meta]
         if device is None and not real and named:
             raise ValueError("a meta-device model needs the device to build on (device=...)")
@@ -104,6 +117,15 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
         super().__init__(named, cfg, dtype, groups, counted)
         self.sync = self._make_sync()
 
+    def _bucket_class(self, b: int) -> int:
+        return self.classes[self.buckets[b].index[0]]
+
+    def replica_rank(self, i: int) -> int | None:
+        """An expert's rank among the ranks holding the same experts (its reduction group); None for
+        a parameter reduced over dp (checkpoint.py: at stage 0 that group's rank 0 writes it)."""
+        c = self.classes[i]
+        return None if self.class_groups[c] is self.group else self.class_ranks[c]
+
     def step(self, lr: float) -> float:
         """One optimizer step; returns the grad norm before clipping. Stages 1-2: the phase map."""
         self.finish()  # 1. the reductions launched in backward land (stages 1-3: the reduce-scatters)
@@ -116,6 +138,25 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Wrap every accumulation micro-step's backward except the last."""
         return self.sync.no_sync()
+
+    def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """precision's global norm; under expert parallelism each element still counts once. Stage
+        0: the dense squares are the same on every dp rank (counted once, as without EP), the
+        experts' are distinct across the ep group (summed there) and copies across their replica
+        group (not summed). Stages 1-3: every rank holds distinct pieces of both, so the one dp
+        all-reduce in norm_groups sums the experts over their replica shards and the ep group
+        together (replica × ep = the dp·cp ranks)."""
+        if len(self.class_groups) == 1:
+            return super().grad_norm(grads)
+        dense = [c and k == 0 for c, k in zip(self.counted, self.classes)]
+        sq = self._square_sum(grads, dense)
+        experts = self._square_sum(grads, [c and k > 0 for c, k in zip(self.counted, self.classes)])
+        if not self.stage and dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(experts, group=self.ep_group)
+        sq = sq + experts
+        for group in self.norm_groups:
+            dist.all_reduce(sq, group=group)
+        return sq.sqrt()
 
     def _master_grads(self) -> list[torch.Tensor | None]:
         if self.sync.fp32_grads:  # the fp32 sums (micro-steps and dp), not the bf16-rounded .grad
@@ -150,7 +191,7 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
     def _make_sync(self) -> GradSync:
         # with fp32 main grads the step reads them (_master_grads). No bf16 .grad copy of the sums
         return GradSync(self.params, self.group, self.bucket_mb, self.reduce_dtype, inflight=self.inflight,
-                        round_into_grad=False)
+                        round_into_grad=False, groups=self.reduce_groups)
 
     def finish_gathers(self) -> None:
         """Complete the parameter all-gathers the last step started (stages 1-2).
@@ -186,7 +227,7 @@ class ZeroOptimizer(DataParallelOptimizer):
         self._model = model
         super().__init__(named_params, cfg, dtype, group, **kw)
         self._launched = self._landed = len(self._order)  # in self._order; the flats are complete now
-        if model is not None and self.world > 1:
+        if model is not None and max(self.class_worlds, default=1) > 1:
             for s, site in enumerate(sites(self.parts)):
                 first = model if site[0] is self.parts.head else site[0]  # maybe not called: see sites()
                 self.module_handles.append(first.register_forward_pre_hook(partial(self._wait_site, s)))
@@ -210,8 +251,9 @@ class ZeroOptimizer(DataParallelOptimizer):
         The next forward's pre-hooks launch them (refinement below), or finish_gathers() does."""
         self.finish_gathers()  # the last step's, if a bucket was never needed since
         for b, full in enumerate(self.flat_params):
-            S = full.numel() // self.world
-            self._write_shard(b, full[self.rank * S:(self.rank + 1) * S])  # (S,) a view: in place
+            c = self._bucket_class(b)
+            S = full.numel() // self.class_worlds[c]
+            self._write_shard(b, full[self.class_ranks[c] * S:(self.class_ranks[c] + 1) * S])  # (S,) in place
         self._launched = self._landed = 0  # every bucket's all-gather is due
         if not self.module_handles:  # no forward hook would ask for them: complete them now
             self.finish_gathers()
@@ -229,27 +271,29 @@ class ZeroOptimizer(DataParallelOptimizer):
     def _launch_gather(self) -> None:
         """Phase 3's collective: all-gather the next bucket of self._order into its own flat."""
         b = self._order[self._launched]
-        full = self.flat_params[b]
-        S = full.numel() // self.world
-        work = dist.all_gather_single(full, full[self.rank * S:(self.rank + 1) * S], group=self.group,
-                                      async_op=True) if self.world > 1 else None  # N = 1: complete
+        full, c = self.flat_params[b], self._bucket_class(b)
+        S, r = full.numel() // self.class_worlds[c], self.class_ranks[c]
+        work = dist.all_gather_single(full, full[r * S:(r + 1) * S], group=self.class_groups[c],
+                                      async_op=True) if self.class_worlds[c] > 1 else None  # N = 1: complete
         self._gathers.append((b, work))
         self._launched += 1
 
     # ---- the flat layout: one flat buffer per bucket, dp rank r owns slice r ------------------
     def _buckets(self) -> list[Bucket]:
         itemsize = (self.reduce_dtype or self.dtype).itemsize
-        buckets = make_buckets(self.params, int(self.bucket_mb * 2**20), itemsize, pad_to=self.world)
+        buckets = make_buckets(self.params, int(self.bucket_mb * 2**20), itemsize, pad_to=self.class_worlds,
+                               classes=self.classes)
         # the tied copy gets a bucket of its own. It has the same size and padding on both stages
         rest = [[i for i in b.index if i != self.tied] for b in buckets]
         tied = [] if self.tied is None else [[self.tied]]
-        return [layout(index, self.params, self.world) for index in rest + tied if index]
+        return [layout(index, self.params, self.class_worlds[self.classes[index[0]]])
+                for index in rest + tied if index]
 
     def _piece(self, b: int, k: int) -> Piece:
         """This rank's part of the k-th parameter of bucket b (maybe empty)."""
-        bucket = self.buckets[b]
-        S = bucket.size // self.world
-        lo, off, n = self.rank * S, bucket.offsets[k], self.params[bucket.index[k]].numel()
+        bucket, c = self.buckets[b], self._bucket_class(b)
+        S = bucket.size // self.class_worlds[c]
+        lo, off, n = self.class_ranks[c] * S, bucket.offsets[k], self.params[bucket.index[k]].numel()
         a, z = max(off, lo), min(off + n, lo + S)
         return Piece(b, a - off, a - lo, z - a) if z > a else Piece(b, 0, 0, 0)
 
@@ -279,7 +323,7 @@ class ZeroOptimizer(DataParallelOptimizer):
         return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
                                  keep_full=self.stage == 1, per_micro_batch=self.per_micro_batch,
                                  on_reduced=self._on_reduced, inflight=self.inflight,
-                                 order=self._order[::-1])
+                                 order=self._order[::-1], groups=self.reduce_groups)
 
     def _on_reduced(self, b: int) -> None:
         pass
@@ -388,6 +432,8 @@ def apply_zero_0_to_2(model: nn.Module, stage: int, dp_group: Group, cfg: OptimC
                       counted: Callable[[str], bool] = lambda name: True,
                       tied: nn.Parameter | None = None, embed_group: Group = None,
                       init: Init | None = None, device: torch.device | str | None = None,
+                      expert: Callable[[str], bool] | None = None, replica_group: Group = None,
+                      ep_group: Group = None,
                       embed: str | None = None, layers: str | None = None, norm: str | None = None,
                       head: str | None = None) -> DataParallelOptimizer:
     """The step object for ZeRO `stage` 0-2 over `dp_group`. Stage 0 is plain DP.
@@ -395,12 +441,16 @@ def apply_zero_0_to_2(model: nn.Module, stage: int, dp_group: Group, cfg: OptimC
     Or the model is on the meta device: then pass `init` (weights.param_reader) and `device`.
     Each stage then fills itself one parameter at a time.
     Stage 3: zero3.apply_zero, the same call for every stage.
+    expert, replica_group, ep_group: expert parallelism (moe.py). The parameters `expert(name)`
+    names sum their gradients and shard their state over replica_group; ep_group holds the
+    other experts (the grad norm sums over it at stage 0). docs/moe.md#expert-parallelism-in-trainpy.
     The arguments, one by one: docs/zero.md#two-entry-points-and-where-the-accounting-lives."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2 here (stage 3: zero3.apply_zero), got {stage}")
     named = trainable(model, bucket_mb, inflight, tied, embed_group)
     kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
-              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device)
+              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device,
+              expert=expert, replica_group=replica_group, ep_group=ep_group)
     parts = find_parts(model, embed, layers, norm, head)
     if stage == 0:
         return DataParallelOptimizer(named, cfg, dtype, dp_group, **kw)
