@@ -40,10 +40,12 @@ LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp)
 FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC, one variant each)
     # 4 layers (pp 2 × 2 virtual stages of one layer); layer 0 dense: under interleaved the first
     # chunk has no router, its statistics are constants
-    "qwen3_moe": (dict(mlp_only_layers=[0]),
+    "qwen3_moe": (dict(mlp_only_layers=[0], num_experts=4),  # 4 experts: ep 2 holds 2 per rank
                   {"tp2-sp-pp2-interleaved-ac": (4, ["--tp", "2", "--sp", "--pp", "2", "--schedule", "interleaved",
-                                                     "--ac"])}),
-    "olmoe": (dict(), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"])}),
+                                                     "--ac"]),
+                   "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}),
+    "olmoe": (dict(num_experts=4), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"]),
+                       "ep2-tp2": (4, ["--ep", "2", "--tp", "2"]), "ep2-pp2": (4, ["--ep", "2", "--pp", "2"])}),
 }
 
 
@@ -77,7 +79,7 @@ def test_layouts_equal_single_process(family, tmp_path):
 
     run_ranks(_main, 1, argv("ref", 1, []))
     want = curve(tmp_path / "ref.jsonl")
-    assert want[-1][0] < want[0][0] - 0.05  # the curve moves: comparing it is not vacuous
+    assert want[-1][0] < want[0][0] - 0.02  # the curve moves (> 300x the 1e-5 tolerance): not vacuous
     for name, (world, flags) in {**LAYOUTS, **FAMILIES[family][1]}.items():
         run_ranks(_main, world, argv(name, world, flags), timeout=120)
         got = curve(tmp_path / f"{name}.jsonl")
