@@ -1,6 +1,7 @@
 """Multi-rank test harness: run a function on N gloo ranks on this CPU and collect the results.
 
     results = run_ranks(fn, world_size=4, *args)   # fn(rank, world_size, *args) -> picklable
+    result = run_alone([folder], "module", "fn", *args)  # as if only `folder` were importable
 
 Ranks are forked from the already-imported test process (about 3x cheaper than spawning fresh
 interpreters on a 2-core machine) and pinned to one intra-op thread each, so 8 ranks fit on 2 cores.
@@ -10,10 +11,13 @@ kills all ranks and names the ones that never answered — a test never hangs.
 """
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import pickle
 import queue
 import socket
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -30,6 +34,9 @@ def free_port() -> int:
 
 def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict) -> None:
     try:
+        # what the fork inherited (torch, the test modules) is never garbage: frozen, no gc pass
+        # rescans it (the memory tests' gc.collect() took ~0.3 s each on the inherited heap)
+        gc.freeze()
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
@@ -81,3 +88,44 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+def _alone(dirs: list[str], module: str, fn: str, q: Any, args: tuple) -> None:
+    try:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        inside = lambda path: (os.path.abspath(path or ".") + os.sep).startswith(repo + os.sep)  # noqa: E731
+        for name, mod in list(sys.modules.items()):  # forget every module this repository gave
+            if inside(getattr(mod, "__file__", None) or "/"):
+                del sys.modules[name]
+        sys.path[:] = list(dirs) + [p for p in sys.path if not inside(p)]
+        importlib.invalidate_caches()
+        os.chdir(dirs[0])
+        q.put((True, pickle.dumps(getattr(importlib.import_module(module), fn)(*args))))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        q.put((False, traceback.format_exc()))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def run_alone(dirs: list[str], module: str, fn: str, *args: Any, timeout: float = 300.0) -> Any:
+    """Call `module`.`fn`(*args) in a forked process that has forgotten every module this repository
+    gave the test process and imports only from `dirs` (and site-packages): what a fresh interpreter
+    in a project holding only those folders would see, without its start-up (torch, transformers
+    and the rest stay imported). The copy-one-file tests run there."""
+    q = mp.get_context("fork").Queue()
+    proc = mp.get_context("fork").Process(target=_alone, args=(dirs, module, fn, q, args))  # may fork ranks
+    proc.start()
+    try:
+        ok, value = q.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"{module}.{fn} did not finish within {timeout:.0f}s") from None
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if not ok:
+        raise RuntimeError(f"{module}.{fn} in {dirs}:\n{value}")
+    return pickle.loads(value)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench import bench, bench_mfu  # imported once here: the forked ranks inherit them
 from dist import run_ranks
 
 ROWS = ["dp", "zero1", "zero2", "zero3", "tp", "cp", "pp gpipe", "pp 1f1b", "pp interleaved", "pp zb", "ac full",
@@ -29,7 +30,6 @@ TABLES = ["Step time: ours vs PyTorch", "Pipeline bubble (idle share", "Persiste
 
 
 def _bench(rank: int, world: int, out: str) -> dict:
-    from bench import bench
     return bench.main(["--quick", "--out", out])
 
 
@@ -57,7 +57,6 @@ def test_quick_every_row_same_result(tmp_path):
 
 
 def _smoke(rank: int, world: int, out: str) -> dict:
-    from bench import bench_mfu
     return bench_mfu.main(["--smoke", "--out", out])
 
 

@@ -1,8 +1,9 @@
 """ac.py, zero.py + zero3.py, cp.py copied ALONE into another project, on models attotron did not write.
 
-Each check runs in a fresh interpreter whose folder holds only the copied file(s) (the ones the
-file's "Builds on:" line names), this file, tests/dist.py and tests/foreign_models.py; the
-repository root is not importable there (main() asserts it). Models: transformers' own
+Each check runs in a forked process (tests/dist.py run_alone) that has forgotten every module of
+this repository and imports only from a folder holding the copied file(s) (the ones the file's
+"Builds on:" line names), this file, tests/dist.py and tests/foreign_models.py; the repository
+root is not importable there (main() asserts it). Models: transformers' own
 LlamaForCausalLM (Qwen2 and Mistral too) and foreign_models.GPT (fused qkv, LayerNorm, GELU,
 learned positions, tied head; described by dotted paths). References: the same model trained in
 one process, on the whole global batch, with torch's own AdamW and clip_grad_norm_.
@@ -22,16 +23,15 @@ Tolerances, and why:
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from dist import run_alone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,25 +41,21 @@ GPT_PARTS = dict(embed="transformer.wte", layers="transformer.h", norm="transfor
 
 
 def isolated(check: str, timeout: float = 300.0) -> dict:
-    """Run `check` in a new interpreter in a temp folder holding only FILES[check] and the helpers."""
+    """Run `check` where only a temp folder holding FILES[check] and the helpers is importable."""
     with tempfile.TemporaryDirectory() as tmp:
         for f in FILES[check]:
             shutil.copy(os.path.join(ROOT, f), tmp)
         for f in ("dist.py", "foreign_models.py", "test_foreign.py"):
             shutil.copy(os.path.join(HERE, f), tmp)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        r = subprocess.run([sys.executable, "-c", f"import test_foreign; test_foreign.main({check!r})"],
-                           cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        return run_alone([tmp], "test_foreign", "main", check, timeout=timeout)
 
 
-def main(check: str) -> None:
+def main(check: str) -> dict:
     import importlib.util
     assert all(importlib.util.find_spec(m) is None for m in ("model", "train", "weights")), \
         "the repository root is importable: this check would prove nothing"
     torch.set_num_threads(1)
-    print(json.dumps({"ac": _ac, "zero": _zero, "cp": _cp}[check]()))
+    return {"ac": _ac, "zero": _zero, "cp": _cp}[check]()
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -1,6 +1,7 @@
 """tp.py, pp.py and sft.py copied alone into another project, next to models attotron did not write.
 
-Each group runs in a fresh interpreter whose directory holds only the copied files (tp.py + loss.py +
+Each group runs in a forked process (tests/dist.py run_alone) that has forgotten every module of
+this repository and imports only from a directory holding the copied files (tp.py + loss.py +
 ops.py, as tp.py's docstring names them; pp.py + pp_schedules.py; both for tp inside pp; sft.py +
 chat.py); the repository root is not importable there (checked). The harness (tests/dist.py,
 tests/foreign_models.py and this file) sits in a second directory. One fork-based launch per group:
@@ -13,14 +14,12 @@ reorder fp32 sums (an all-reduce of 2 partial sums, micro-batch accumulation), a
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from dist import run_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -28,7 +27,7 @@ FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def _run(tmp_path: Path, files: list[str], group: str) -> list[dict]:
-    """Run `group` of checks in a fresh interpreter from a directory holding only `files`."""
+    """Run `group` of checks where only a directory holding `files` and the harness is importable."""
     lib, harness = tmp_path / "lib", tmp_path / "harness"
     lib.mkdir()
     harness.mkdir()
@@ -36,26 +35,18 @@ def _run(tmp_path: Path, files: list[str], group: str) -> list[dict]:
         shutil.copy(ROOT / f, lib / f)
     for f in ("dist.py", "foreign_models.py", Path(__file__).name):
         shutil.copy(ROOT / "tests" / f, harness / f)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = (f"import sys; sys.path[:] = [{str(lib)!r}, {str(harness)!r}] + [p for p in sys.path[1:] "
-            f"if p not in ('', {str(ROOT)!r}, {str(ROOT / 'tests')!r})]; "
-            f"import test_foreign_tp_pp as t; t.main({group!r})")
-    out = subprocess.run([sys.executable, "-c", code], cwd=lib, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_alone([str(lib), str(harness)], "test_foreign_tp_pp", "main", group)
 
 
-def main(group: str) -> None:
-    """In the copied directory: check the repository is out of reach, run the group, print JSON."""
+def main(group: str) -> list[dict]:
+    """In the copied directory: check the repository is out of reach, run the group."""
     for name in ("model", "weights", "train", "dp") + {"tp": ("pp",), "pp": ("tp", "loss"), "tppp": (), "sft": ("tp",)}[group]:
         assert importlib.util.find_spec(name) is None, f"{name}.py is importable: the test would prove nothing"
     import torch
     from dist import run_ranks
     torch.set_num_threads(1)
     fn = {"tp": _tp_checks, "pp": _pp_checks, "tppp": _tp_pp_checks, "sft": None}[group]
-    results = [_sft_checks()] if fn is None else run_ranks(fn, 4 if group == "tppp" else 2)  # a dict per rank
-    print(json.dumps(results))
+    return [_sft_checks()] if fn is None else run_ranks(fn, 4 if group == "tppp" else 2)  # a dict per rank
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -286,7 +277,7 @@ def test_pp_alone_on_transformers_and_gpt(tmp_path):
             for schedule in ("1f1b", "zb"):
                 c = r[f"{kind} {schedule}"]
                 assert c["loss"] <= TOL and c["grads"] <= TOL and c["names kept"] and c["params"] > 0, (kind, schedule, c)
-        assert r["stage output"] == {"hidden on stage 0": [1, 16, 64], "logits without labels": [1, 16, 97]}
+        assert r["stage output"] == {"hidden on stage 0": (1, 16, 64), "logits without labels": (1, 16, 97)}
         assert all(r["errors"].values()), r["errors"]
 
 

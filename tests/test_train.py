@@ -211,19 +211,26 @@ def test_validation_messages():
     assert "--seq-len" in many and "--batch-size" in many
 
 
-def test_bad_flags_exit_nonzero_with_one_message(tmp_path):
+def test_bad_flags_exit_nonzero_with_one_message(tmp_path, capfd):
     tiny = M.PRESETS["tiny"]
     W.save_hf(dict(W.materialize(M.build(tiny), "cpu").named_parameters()), tiny, tmp_path / "bad")
     weights = tmp_path / "bad" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    for argv, text in ([["--tp", "2"], "world size 1 is not divisible"],
-                       [["--init-from", str(tmp_path / "bad")], "model.safetensors: corrupt or truncated"],
-                       [["--init-from", str(tmp_path / "nope")], "config.json not found"],
-                       [["--data", str(tmp_path / "missing.txt")], "missing.txt"]):
-        r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 2 and text in r.stderr, (argv, r.stderr[-2000:])
-        assert r.stderr.count("error:") == 1
+    cases = ([["--tp", "2"], "world size 1 is not divisible"],
+             [["--init-from", str(tmp_path / "bad")], "model.safetensors: corrupt or truncated"],
+             [["--init-from", str(tmp_path / "nope")], "config.json not found"],
+             [["--data", str(tmp_path / "missing.txt")], "missing.txt"])
+    argv, text = cases[0]  # the command line itself, in a fresh interpreter: its exit status
+    r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and text in r.stderr, (argv, r.stderr[-2000:])
+    assert r.stderr.count("error:") == 1
+    capfd.readouterr()
+    for argv, text in cases[1:]:  # the same main, forked (no interpreter start-up): exit(2) raised
+        with pytest.raises(RuntimeError, match="SystemExit: 2"):
+            run_ranks(_main, 1, argv)
+        err = capfd.readouterr().err
+        assert text in err and err.count("error:") == 1, (argv, err[-2000:])
 
 
 def _nan_main(rank: int, world: int, argv: list[str]) -> None:
