@@ -46,6 +46,8 @@ Invariants
       (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
       losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
       test_trainer_layouts_equal_single_process_on_fixed_rollouts).
+    - A short train.py --grpo run from a partly trained start raises the expected exact-match reward
+      on its arithmetic questions (tests/test_grpo.py::test_short_run_raises_the_arithmetic_reward).
 """
 from __future__ import annotations
 
