@@ -83,14 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--val-fraction", type=float, default=0.01,
       help="share of the documents held out (whole documents, spread over the corpus) when --data "
            "is prepared: the split of the validation loss")
-    a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft)")
+    a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft "
+                                                "and --data)")
     a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
     a("--micro-batches", type=int, default=None,
       help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
            "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
-    a("--steps", type=int, default=50, help="optimizer steps")
-    a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft: "
-                                              "post-training wants a lower rate than pretraining)")
+    a("--steps", type=int, default=None, help="optimizer steps (default 50; 400 for the built-in --sft demo)")
+    a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft/--dpo/--grpo: "
+                                              "post-training wants a lower rate than pretraining; 3e-3 for "
+                                              "the built-in --sft demo, which trains from scratch)")
     a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
     a("--warmup", type=int, default=10, help="linear warm-up steps")
     a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
@@ -176,10 +178,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
+    # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
+    # pretraining lr, more steps (docs/post-training.md: what it reaches)
+    demo = args.sft and args.data is None and args.init_from is None
     if args.seq_len is None:
-        args.seq_len = sft.DEFAULT_SEQ_LEN if args.sft or args.dpo else 256
+        args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
     if args.lr is None:
-        args.lr = 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
+        args.lr = 3e-3 if demo else 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
+    if args.steps is None:
+        args.steps = 400 if demo else 50
     if args.dpo and args.dpo_beta is None:
         args.dpo_beta = 0.1
     if args.grpo:  # `is None`: a user's 0 reaches validate_grpo

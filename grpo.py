@@ -46,6 +46,8 @@ Invariants
       (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
       losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
       test_trainer_layouts_equal_single_process_on_fixed_rollouts).
+    - A short train.py --grpo run from a partly trained start raises the expected exact-match reward
+      on its arithmetic questions (tests/test_grpo.py::test_short_run_raises_the_arithmetic_reward).
 """
 from __future__ import annotations
 
@@ -197,14 +199,16 @@ def load_prompts(path: str) -> list[tuple[list, str]]:
 
 def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
     """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups), and
-    the built-in set's held-out chats for train.py's exact-match eval (none with --data)."""
+    for train.py's exact-match eval the built-in set's held-out questions, each in every phrasing
+    (sft.held_out_phrasings; none with --data)."""
     import data
     import sft
     tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
     if args.data:
         items, eval_set = load_prompts(args.data), []
     else:
-        chats, eval_set = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0, seed=args.seed)
+        chats, _ = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0, seed=args.seed)
+        eval_set = sft.held_out_phrasings(seed=args.seed)
         items = [(c[:-1], c[-1]["content"]) for c in chats]
     encoded = [(tpl.render(turns, True), gold) for turns, gold in items]
     fits = [(p, g) for p, g in encoded if len(p) + args.grpo_max_new <= args.seq_len]

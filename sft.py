@@ -56,7 +56,8 @@ from chat import (ChatTemplate, Conversation, builtin_template, chat_template,  
                   tokenize_conversation, tokenize_samples)
 
 IGNORE_INDEX = -100
-# the default set packs to 99.5% fill at 1024 (98.8% at 512: its shortest chats are ~40 tokens long)
+# the default set packs to 99.4% fill at 1024 (99.0% at 512; 95.7% at the built-in demo's 256: its
+# chats are 25 to ~250 tokens long)
 DEFAULT_SEQ_LEN = 1024
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -365,16 +366,25 @@ QUESTIONS = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?
 FOLLOW_UPS = {"+": "Now add {c}.", "-": "Now subtract {c}."}
 
 
-def arithmetic_chats(n_train: int = 20000, n_eval: int = 200, max_operand: int = 99,
-                     ops: tuple[str, ...] = ("+", "-"), p_follow_up: float = 0.3,
-                     seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
-    """Deterministic synthetic chats: optional system prompt, "What is 37 + 45?" → "82" in varied
-    phrasing, sometimes follow-ups ("Now add 5." → "87"). Results never go negative. The first question
-    (a, op, b) of every eval chat never occurs as a first question in training (disjoint sets)."""
-    rng = random.Random(seed)
+def _question_keys(max_operand: int, ops: tuple[str, ...], rng: random.Random) -> list[tuple[int, str, int]]:
+    """Every first question (a, op, b), shuffled: the first n_eval are held out."""
     keys = [(a, op, b) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)
             if op == "+" or a >= b]
     rng.shuffle(keys)
+    return keys
+
+
+def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 9,
+                     ops: tuple[str, ...] = ("+",), p_follow_up: float = 0.3,
+                     seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
+    """Deterministic synthetic chats: optional system prompt, "What is 3 + 5?" → "8" in varied
+    phrasing, sometimes follow-ups ("Now add 4." → "12"). Results never go negative. The first question
+    (a, op, b) of every eval chat never occurs as a first question in training (disjoint sets).
+    The defaults (single-digit sums, 20 of the 100 questions held out) are what the tiny model learns
+    in a short CPU run; two-digit sums and differences (max_operand=99, ops=("+", "-")) it does not
+    (docs/post-training.md: measured)."""
+    rng = random.Random(seed)
+    keys = _question_keys(max_operand, ops, rng)
     if n_eval >= len(keys):
         raise ValueError(f"n_eval={n_eval} leaves no training questions out of {len(keys)}")
     held_out, seen = keys[:n_eval], keys[n_eval:]
@@ -394,3 +404,19 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 200, max_operand: int =
                       {"role": "assistant", "content": str(value)}]
         return turns
     return [chat(rng.choice(seen)) for _ in range(n_train)], [chat(k) for k in held_out]
+
+
+def held_out_phrasings(n_eval: int = 20, max_operand: int = 9, ops: tuple[str, ...] = ("+",),
+                       seed: int = 0) -> list[Conversation]:
+    """Each held-out first question of arithmetic_chats (the same arguments) in every phrasing and
+    under every system prompt: single-turn chats, 15 per question. A steadier eval than one chat per
+    question (20 questions are 5% steps)."""
+    out = []
+    for a, op, b in _question_keys(max_operand, ops, random.Random(seed))[:n_eval]:
+        value = a + b if op == "+" else a - b
+        for system in SYSTEM_PROMPTS:
+            for q in QUESTIONS:
+                out.append(([{"role": "system", "content": system}] if system else [])
+                           + [{"role": "user", "content": q.format(a=a, op=op, b=b)},
+                              {"role": "assistant", "content": str(value)}])
+    return out

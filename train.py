@@ -227,7 +227,7 @@ def take_lock(args: argparse.Namespace, grid: G.Grid) -> PR.SaveLock | None:
 # the run computes; a note for the rest (another layout, schedule or data path is legitimate)
 RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global batch changes",
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
-                 "overlong": "the rows change"}
+                 "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
                 "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops"}
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")

@@ -9,7 +9,9 @@
 - tp2 against the single process on fixed rollouts: the loss and the replicated (norm) parameters'
   gradients within 1e-5 relative (fp32; tp reorders a few sums).
 """
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -130,9 +132,10 @@ def char_reward(reply: str, gold: str) -> float:
     return float(sum(map(ord, reply)) % 3)
 
 
-def test_flags_refused():
+def test_flags_refused(tmp_path, capsys):
     import cli
     import grid as G
+    import train
 
     def errors(*argv: str) -> str:
         grid = G.Grid(rank=0, world=2, device=torch.device("cpu"))
@@ -148,6 +151,19 @@ def test_flags_refused():
     assert "--grpo-clip must be > 0" in errors("--grpo", "--grpo-clip", "0")
     assert "--verifier: " in errors("--grpo", "--verifier", "grpo:nope")
     assert "go with --grpo" in errors("--grpo-group", "4")
+    # --resume: a checkpoint of another training (--sft, --dpo, --grpo) is refused before any heavy
+    # work: its saved sampler position counts other rows (meta.json is all plan_resume reads)
+    ck = tmp_path / "step_00000002"
+    ck.mkdir()
+    saved = vars(cli.parse_args(["--sft", "--steps", "4"]))
+    (ck / "meta.json").write_text(json.dumps({"step": 2, "extra": {"args": saved}}))
+    for argv, changed in ((["--grpo"], ("--grpo True", "--sft False")), (["--dpo"], ("--dpo True",))):
+        with pytest.raises(SystemExit):
+            train.plan_resume(cli.parse_args([*argv, "--steps", "4", "--resume", str(ck)]),
+                              G.Grid(rank=0, world=1, device=torch.device("cpu")))
+        err = capsys.readouterr().err
+        for flag in changed:
+            assert f"{flag} (checkpoint: " in err and "the rows change" in err, err
 
 
 ROLLOUTS: dict = {}  # (prompt ids, seed) → Rollout: the single process's samples, replayed by the layouts
@@ -215,3 +231,59 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
             # into an update of about ±lr on that element (m/√v ≈ sign g), so a few elements differ by
             # ~1e-4 at lr 1e-2 while a wrong gradient would move every element by ~lr
             assert (params[n] - w).norm() <= 1e-5 * w.norm(), (name, n)
+
+
+def expected_reward(model: torch.nn.Module, prompts: list[list[int]], golds: list[list[int]]) -> float:
+    """The mean over prompts of P(reply = gold, then the end token) at temperature 1: the expected
+    exact-match reward of a sampled reply, exactly (no sampling noise)."""
+    total = 0.0
+    for p, g in zip(prompts, golds):
+        ids = torch.tensor([p + g])  # (1, S)
+        labels = ids[:, 1:].clone()  # (1, S - 1)
+        labels[:, :len(p) - 1] = -100
+        total += grpo.token_logps(model, ids[:, :-1], labels).sum().exp().item()
+    return total / len(prompts)
+
+
+def test_short_run_raises_the_arithmetic_reward(tmp_path):
+    """From a fixed, partly trained start (test_sft's tiny model after 200 SFT steps on single-digit
+    addition), 10 steps of train.main --grpo with the exact-match verifier on 8 training questions
+    (all 8 in every step, G = 8) raise the expected reward on those questions, computed exactly (the
+    probability of the gold reply, no sampling noise). lr 0 would leave it as it was to the last
+    bit; the margin is half the measured gain (1 thread, deterministic)."""
+    import json
+    import sft
+    from test_sft import TOK, addition_start
+    from feed import evaluate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
+    try:
+        start, held_out = addition_start(200)
+        W.save_hf(start.state_dict(), start.config, tmp_path / "start")
+        held = {tuple(map(int, re.findall(r"\d+", next(t["content"] for t in c if t["role"] == "user"))))
+                for c in held_out}
+        questions = [(f"What is {a} + {b}?", str(a + b)) for a in range(10) for b in range(10)
+                     if (a, b) not in held]
+        assert len(questions) == 100 - len(held)  # the held-out ones are excluded
+        questions = questions[::10]  # 8 of them: each in every step's batch
+        (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": g}) + "\n"
+                                                        for q, g in questions))
+        tpl = sft.chat_template(TOK)
+        prompts = [tpl.render([{"role": "user", "content": q}], True) for q, _ in questions]
+        golds = [TOK.encode(g) + [tpl.end_id] for _, g in questions]
+        chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": g}] for q, g in questions]
+        argv = ["--grpo", "--init-from", str(tmp_path / "start"), "--data", str(tmp_path / "prompts.jsonl"),
+                "--seq-len", "64", "--batch-size", "8", "--steps", "10", "--lr", "1e-3", "--warmup", "2",
+                "--grpo-group", "8", "--grpo-max-new", "4", "--log-every", "100",
+                "--metrics", str(tmp_path / "m.jsonl"), "--export-hf", str(tmp_path / "out")]
+        run_ranks(_grpo_main, 1, argv)
+        end = W.load_hf(tmp_path / "out")
+        before, after = expected_reward(start, prompts, golds), expected_reward(end, prompts, golds)
+        greedy = evaluate(start, TOK, chats, max_new_tokens=4), evaluate(end, TOK, chats, max_new_tokens=4)
+    finally:
+        torch.set_num_threads(threads)
+    rewards = [json.loads(x)["reward_mean"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    print(f"expected reward {before:.4f} -> {after:.4f}; greedy exact match {greedy}; sampled {rewards}")
+    # measured: 0.258 -> 0.359 (greedy 4/8 -> 6/8); lr 0 would leave 0.258 exactly, lr 3e-3 overshoots
+    # (0.291): the margin asks for half the measured gain
+    assert after >= before + 0.05, (before, after)
