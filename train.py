@@ -405,7 +405,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
-    load = (lambda rows: [{"rows": torch.tensor(rows)}]) if rl else (
+    load = (lambda rows: [{"rows": rows}]) if rl else (  # GRPO: the prompt rows stay on the host
         lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid))
     prefetch = feed.Prefetcher(load, sampler, max(args.steps - start, 0), grid.device)
     t_start, bad, good = time.time(), 0, 0
@@ -417,7 +417,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
         if rl:
             with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
-                micro = rl.rollout_batch(opt, ds, micro[0]["rows"].tolist(), step, args.micro_batches)
+                micro = rl.rollout_batch(opt, ds, micro[0]["rows"], step, args.micro_batches)
         with G.stage("counting the step's target tokens (dp all-reduce)", grid):
             # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
