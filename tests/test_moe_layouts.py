@@ -31,11 +31,12 @@ from test_moe_models import hf_model
 from test_train import _main, assert_curve
 
 REF_MICRO = 4  # micro-batches of the reference: 2 rows per forward at --batch-size 8
-LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp)
+LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp · cp)
     "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
     "pp2-zb": (2, ["--pp", "2", "--schedule", "zb"]),
+    "cp2": (2, ["--cp", "2"]),
 }
 FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC, one variant each)
     # 4 layers (pp 2 × 2 virtual stages of one layer); layer 0 dense: under interleaved the first
@@ -43,7 +44,8 @@ FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC
     "qwen3_moe": (dict(mlp_only_layers=[0], num_experts=4),  # 4 experts: ep 2 holds 2 per rank
                   {"tp2-sp-pp2-interleaved-ac": (4, ["--tp", "2", "--sp", "--pp", "2", "--schedule", "interleaved",
                                                      "--ac"]),
-                   "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}),
+                   "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
+                   "ep2-cp2": (4, ["--ep", "2", "--cp", "2"])}),
     "olmoe": (dict(num_experts=4), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"]),
                        "ep2-tp2": (4, ["--ep", "2", "--tp", "2"]), "ep2-pp2": (4, ["--ep", "2", "--pp", "2"])}),
 }
@@ -72,7 +74,7 @@ def test_layouts_equal_single_process(family, tmp_path):
     data.prepare(tmp_path / "corpus.txt", tmp_path / "data")
 
     def argv(name: str, world: int, flags: list[str]) -> list[str]:
-        dp = world // (_degree(flags, "--tp") * _degree(flags, "--pp"))
+        dp = world // (_degree(flags, "--tp") * _degree(flags, "--pp") * _degree(flags, "--cp"))
         return ["--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "data"), "--steps", "3",
                 "--seq-len", "16", "--batch-size", "8", "--micro-batches", str(REF_MICRO // dp), "--lr", "3e-3",
                 "--warmup", "1", "--metrics", str(tmp_path / f"{name}.jsonl"), *flags]
