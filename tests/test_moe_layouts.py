@@ -1,4 +1,4 @@
-"""MoE models under tp, tp + sp and pp (1f1b, interleaved, zb), with AC, through train.py, against one process.
+"""MoE models under tp, tp + sp, pp (1f1b, interleaved, zb), cp and ep, with AC, through train.py, against one process.
 
 Reference: the single process of the same flags, seed, data and global batch, from the same
 save_pretrained directory (transformers' own classes, test_moe_models.hf_model), with
@@ -8,6 +8,8 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   router, its statistics are constants), tp2 · pp2 1f1b with full AC on OLMoE-like (its q/k norm
   spans the whole projection: under tp its statistics span the tp ranks, tp.ShardedRMSNorm).
   1f1b and interleaved keep several micro-batches in flight: their statistics must not mix.
+  cp2 on both: each cp rank routes its zigzag share of the rows, the statistics summed over cp
+  (cp.apply_cp); ep2 with tp2 · sp, cp2 (Qwen3-MoE-like), tp2 and pp2 (OLMoE-like).
 - The aux loss is per forward (docs/moe.md), so every layout runs the same rows per forward: the
   reference's micro-batches are REF_MICRO, a layout's are REF_MICRO / dp.
 - Compared per step: the loss and the grad norm (a 2× gradient, or a replicated parameter counted
@@ -16,8 +18,10 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   per stage; measured at most 2.3e-7).
 - Counter-check (can fail): with the last stage's aux loss pooled over its own layers only (the
   earlier stages' statistics dropped), pp2 1f1b misses the reference's first loss by 9.3e-3
-  relative (Qwen3-MoE-like; measured), 930× the tolerance.
-Adding a layout (an --ep one, say) is one line of LAYOUTS: (world, flags).
+  relative (Qwen3-MoE-like; measured), 930× the tolerance. Under cp (measured, not rerun here):
+  without the cp sum cp2 misses the first loss by 1.4e-4 relative, with a forward-only sum
+  (backward identity) the second by 6.1e-4.
+Adding a layout is one line of LAYOUTS: (world, flags).
 """
 import json
 
