@@ -34,7 +34,7 @@ Invariants (tests/test_cp.py unless named)
     - `group=None` is the default group, as in torch.distributed (the same test).
     - Packed documents raise: the blocks are causal only. The CLI refuses --cp --sft.
     - A mixture of experts' load-balancing loss pools every token of the rows: its router
-      statistics are summed over cp, forward and backward (tests/test_moe_layouts.py, cp2 and ep2·cp2).
+      statistics are summed over cp, forward and backward (tests/test_moe_layouts.py: cp2, ep2·cp2).
 
 Reading order
     The public functions come first: `shard_sequence`, `ring_attention`, `apply_cp`.

@@ -8,8 +8,9 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   router, its statistics are constants), tp2 · pp2 1f1b with full AC on OLMoE-like (its q/k norm
   spans the whole projection: under tp its statistics span the tp ranks, tp.ShardedRMSNorm).
   1f1b and interleaved keep several micro-batches in flight: their statistics must not mix.
-  cp2 on both: each cp rank routes its zigzag share of the rows, the statistics summed over cp
-  (cp.apply_cp); ep2 with tp2 · sp, cp2 (Qwen3-MoE-like), tp2 and pp2 (OLMoE-like).
+  cp2 (OLMoE-like) and ep2 · cp2 (Qwen3-MoE-like): each cp rank routes its zigzag share of the
+  rows, the statistics summed over cp (cp.apply_cp); ep2 also with tp2 · sp (Qwen3-MoE-like), tp2
+  and pp2 (OLMoE-like).
 - The aux loss is per forward (docs/moe.md), so every layout runs the same rows per forward: the
   reference's micro-batches are REF_MICRO, a layout's are REF_MICRO / dp.
 - Compared per step: the loss and the grad norm (a 2× gradient, or a replicated parameter counted
@@ -18,8 +19,8 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   per stage; measured at most 2.3e-7).
 - Counter-check (can fail): with the last stage's aux loss pooled over its own layers only (the
   earlier stages' statistics dropped), pp2 1f1b misses the reference's first loss by 9.3e-3
-  relative (Qwen3-MoE-like; measured), 930× the tolerance. Under cp (measured, not rerun here):
-  without the cp sum cp2 misses the first loss by 1.4e-4 relative, with a forward-only sum
+  relative (Qwen3-MoE-like; measured), 930× the tolerance. Under cp (measured on Qwen3-MoE-like cp2, not rerun
+  here): without the cp sum cp2 misses the first loss by 1.4e-4 relative, with a forward-only sum
   (backward identity) the second by 6.1e-4.
 Adding a layout is one line of LAYOUTS: (world, flags).
 """
@@ -40,7 +41,6 @@ LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp · 
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
     "pp2-zb": (2, ["--pp", "2", "--schedule", "zb"]),
-    "cp2": (2, ["--cp", "2"]),
 }
 FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC, one variant each)
     # 4 layers (pp 2 × 2 virtual stages of one layer); layer 0 dense: under interleaved the first
@@ -51,6 +51,7 @@ FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC
                    "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
                    "ep2-cp2": (4, ["--ep", "2", "--cp", "2"])}),
     "olmoe": (dict(num_experts=4), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"]),
+                                    "cp2": (2, ["--cp", "2"]),
                        "ep2-tp2": (4, ["--ep", "2", "--tp", "2"]), "ep2-pp2": (4, ["--ep", "2", "--pp", "2"])}),
 }
 
