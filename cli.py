@@ -287,14 +287,12 @@ def validate_more(args: argparse.Namespace) -> list[str]:
 def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, tp (+ sp: the experts
     whole on every tp rank), pp (every schedule: the routers' statistics travel with the
-    activations), AC and --compile; the layouts not built yet for it are refused by name
-    (docs/moe.md)."""
+    activations), cp (the statistics summed over the cp ranks), AC and --compile; the layouts not
+    built yet for it are refused by name (docs/moe.md)."""
     if not cfg.num_experts:
         return []
     what = f"with an MoE model ({cfg.model_type}, {cfg.num_experts} experts): not yet"
-    why = {"--cp": (args.cp > 1, "each cp rank's forward would pool only its part of the sequence in the "
-                                 "load-balancing loss; untested with experts"),
-           "--sft": (args.sft and cfg.output_router_logits,
+    why = {"--sft": (args.sft and cfg.output_router_logits,
                      "padding rows would count in the load-balancing loss (output_router_logits is true)")}
     return [f"{flag} {what} ({reason})" for flag, (bad, reason) in why.items() if bad]
 

@@ -33,6 +33,8 @@ Invariants (tests/test_cp.py unless named)
       So does a Llama layer's short window, model.Attention.window (test_families.py).
     - `group=None` is the default group, as in torch.distributed (the same test).
     - Packed documents raise: the blocks are causal only. The CLI refuses --cp --sft.
+    - A mixture of experts' load-balancing loss pools every token of the rows: its router
+      statistics are summed over cp, forward and backward (tests/test_moe_layouts.py: cp2, ep2·cp2).
 
 Reading order
     The public functions come first: `shard_sequence`, `ring_attention`, `apply_cp`.
@@ -44,9 +46,11 @@ from __future__ import annotations
 import math
 import weakref
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -119,6 +123,7 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
     The caller feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`).
     It passes no position_ids. It sums the target count and the gradients over the cp ranks.
     (The cp ranks hold the same parameters, as dp replicas do.)
+    An attotron MoE model's router statistics (its `router_stats_fn`) are summed over cp_group.
     A model whose attention cannot be swapped raises. cp = 1: checked, then nothing changes."""
     cp, rank = _cp_size_rank(cp_group)
     if layers is not None:
@@ -134,6 +139,8 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
                     module.attn_fn = partial(_ring_attn_fn, group=cp_group,
                                              window=getattr(module, "window", None))
             model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
+            if hasattr(model, "router_stats_fn"):  # a mixture of experts: its aux loss pools every token
+                model.router_stats_fn = partial(_all_tokens_stats, inner=model.router_stats_fn, group=cp_group)
     else:
         raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
                          "attotron's Llama nor transformers' layout): pass layers=, attention= and "
@@ -157,6 +164,18 @@ def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: objec
                          f"the ring's blocks are causal only; use --cp 1 or a shorter sequence")
     y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
     return y.transpose(1, 2)  # (B, s, nh, hd)
+
+
+def _all_tokens_stats(stats: torch.Tensor, *, inner: Callable[[torch.Tensor], torch.Tensor],
+                      group: Group) -> torch.Tensor:
+    """model.router_stats_fn under cp: an MoE forward's router statistics, whole-row sums.
+
+    moe.router_stats sums over rows, so this rank's (2E + 2,) covers only its zigzag tokens.
+    Summed over cp they are the whole rows' (after `inner`: tp's sum under sp, else nothing).
+    Backward is a sum too: rank r's loss is its targets · aux(all stats), and the cp ranks'
+    losses add up (their gradients are summed as dp replicas'), so every rank's statistics get
+    every rank's gradient. torch's autograd all-reduce is exactly that."""
+    return dist_nn.all_reduce(inner(stats), group=group)
 
 
 def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:

@@ -38,7 +38,7 @@ Invariants
       tp.py uses: `loss_fn(hidden, weight, labels, reduction)` (lm_head and the loss in one: hidden
       (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns full-vocab logits to the
       user) for a vocab-sharded head; `router_stats_fn(stats)` turns a forward's router statistics
-      into those of all its rows (sequence parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
+      into those of all its rows (sequence and context parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
       is the attention itself (attention.attend), for a file that swaps in another algorithm (cp.py's
       ring attention) without editing this one.
     - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
@@ -629,7 +629,7 @@ class Llama(nn.Module):
         self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
         # this forward's router statistics (moe.router_stats) → those of all its rows: tp.py's
-        # sequence parallelism all-reduces them (each rank routes its own tokens)
+        # sequence parallelism and cp.py all-reduce them (each rank routes its own tokens)
         self.router_stats_fn: Callable[[torch.Tensor], torch.Tensor] = lambda stats: stats
 
     def stage_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

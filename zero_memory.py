@@ -29,6 +29,8 @@ Invariants
     - peak − activations ≤ formula_bytes + peak_extras, per phase. Test: tests/test_memory.py::test_zero_peaks_dp2.
     - ep_formula_bytes: the parameter bytes of a model sharded by moe.shard_experts at ep 2 and 4,
       and each stage against a hand count. Test: tests/test_moe_acct.py::test_ep_memory_formula.
+    - persistent_bytes of train.py's ep-aware optimizer (--ep 2, ZeRO 0-3) equals ep_formula_bytes
+      up to the padding. Test: tests/test_moe_acct.py::test_ep_memory_formula_equals_the_optimizer_state.
 
 Builds on: zero.py (its step objects), precision.py (the step's chunk size)
 """

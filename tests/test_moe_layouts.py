@@ -1,4 +1,4 @@
-"""MoE models under tp, tp + sp and pp (1f1b, interleaved, zb), with AC, through train.py, against one process.
+"""MoE models under tp, tp + sp, pp (1f1b, interleaved, zb), cp and ep, with AC, through train.py, against one process.
 
 Reference: the single process of the same flags, seed, data and global batch, from the same
 save_pretrained directory (transformers' own classes, test_moe_models.hf_model), with
@@ -8,6 +8,9 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   router, its statistics are constants), tp2 · pp2 1f1b with full AC on OLMoE-like (its q/k norm
   spans the whole projection: under tp its statistics span the tp ranks, tp.ShardedRMSNorm).
   1f1b and interleaved keep several micro-batches in flight: their statistics must not mix.
+  cp2 (OLMoE-like) and ep2 · cp2 (Qwen3-MoE-like): each cp rank routes its zigzag share of the
+  rows, the statistics summed over cp (cp.apply_cp); ep2 also with tp2 · sp (Qwen3-MoE-like), tp2
+  and pp2 (OLMoE-like).
 - The aux loss is per forward (docs/moe.md), so every layout runs the same rows per forward: the
   reference's micro-batches are REF_MICRO, a layout's are REF_MICRO / dp.
 - Compared per step: the loss and the grad norm (a 2× gradient, or a replicated parameter counted
@@ -16,8 +19,10 @@ output_router_logits true and router_aux_loss_coef 0.3, so the load-balancing te
   per stage; measured at most 2.3e-7).
 - Counter-check (can fail): with the last stage's aux loss pooled over its own layers only (the
   earlier stages' statistics dropped), pp2 1f1b misses the reference's first loss by 9.3e-3
-  relative (Qwen3-MoE-like; measured), 930× the tolerance.
-Adding a layout (an --ep one, say) is one line of LAYOUTS: (world, flags).
+  relative (Qwen3-MoE-like; measured), 930× the tolerance. Under cp (measured on Qwen3-MoE-like cp2, not rerun
+  here): without the cp sum cp2 misses the first loss by 1.4e-4 relative, with a forward-only sum
+  (backward identity) the second by 6.1e-4.
+Adding a layout is one line of LAYOUTS: (world, flags).
 """
 import json
 
@@ -31,7 +36,7 @@ from test_moe_models import hf_model
 from test_train import _main, assert_curve
 
 REF_MICRO = 4  # micro-batches of the reference: 2 rows per forward at --batch-size 8
-LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp)
+LAYOUTS = {  # name: (world, flags), on every family; dp = world / (tp · pp · cp)
     "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
@@ -43,8 +48,10 @@ FAMILIES = {  # family: (hf_model overrides, its own layouts: tp2 · pp2 with AC
     "qwen3_moe": (dict(mlp_only_layers=[0], num_experts=4),  # 4 experts: ep 2 holds 2 per rank
                   {"tp2-sp-pp2-interleaved-ac": (4, ["--tp", "2", "--sp", "--pp", "2", "--schedule", "interleaved",
                                                      "--ac"]),
-                   "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}),
+                   "ep2-tp2-sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
+                   "ep2-cp2": (4, ["--ep", "2", "--cp", "2"])}),
     "olmoe": (dict(num_experts=4), {"tp2-pp2-1f1b-ac-full": (4, ["--tp", "2", "--pp", "2", "--ac-mode", "full"]),
+                                    "cp2": (2, ["--cp", "2"]),
                        "ep2-tp2": (4, ["--ep", "2", "--tp", "2"]), "ep2-pp2": (4, ["--ep", "2", "--pp", "2"])}),
 }
 
@@ -72,7 +79,7 @@ def test_layouts_equal_single_process(family, tmp_path):
     data.prepare(tmp_path / "corpus.txt", tmp_path / "data")
 
     def argv(name: str, world: int, flags: list[str]) -> list[str]:
-        dp = world // (_degree(flags, "--tp") * _degree(flags, "--pp"))
+        dp = world // (_degree(flags, "--tp") * _degree(flags, "--pp") * _degree(flags, "--cp"))
         return ["--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "data"), "--steps", "3",
                 "--seq-len", "16", "--batch-size", "8", "--micro-batches", str(REF_MICRO // dp), "--lr", "3e-3",
                 "--warmup", "1", "--metrics", str(tmp_path / f"{name}.jsonl"), *flags]

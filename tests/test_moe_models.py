@@ -207,9 +207,11 @@ def test_refusals_name_key_and_value():
             M.LlamaConfig.from_hf(d)
     cfg = M.LlamaConfig.from_hf(good)
     grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
-    for flags, message in ((["--cp", "2"], "--cp with an MoE model (mixtral, 5 experts): not yet"),):
-        errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), cfg, grid)
+    aux = M.LlamaConfig.from_hf(dict(good, output_router_logits=True))
+    for flags, message in ((["--sft"], "--sft with an MoE model (mixtral, 5 experts): not yet"),):
+        errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), aux, grid)
         assert any(message in e for e in errors), (flags, errors)
+    assert not cli.validate(cli.parse_args(["--cp", "2", "--seq-len", "8"]), aux, grid)  # within its window 9
     assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
     assert not cli.validate(cli.parse_args(["--compile", "--seq-len", "16"]), cfg, grid)
 
