@@ -121,6 +121,33 @@ def test_logits_loss_aux_and_grads_equal_transformers(pair):
         ours.config.output_router_logits = True
 
 
+def test_packed_padding_aux_equals_transformers_masked(pair):
+    """Packed rows with a padding tail (sft.py's layout: positions restart, label -100, real_tokens
+    False): the loss is transformers' token loss on those positions + coef · its
+    load_balancing_loss_func with the attention_mask of the real tokens. Without the mask ours is
+    transformers' unmasked loss instead (the padding's picks and probabilities count), and differs."""
+    family, ref, ours, _ = pair
+    ids, theirs, labels = batch(6)
+    docs, pad = ((10, 8), (24,)), (6, 0)  # row 0: two documents and 6 padding tokens; row 1: full
+    pos = torch.stack([torch.cat([torch.arange(n) for n in (*d, p) if n]) for d, p in zip(docs, pad)])
+    real = torch.arange(24) < torch.tensor([24 - p for p in pad])[:, None]  # (2, 24)
+    labels[~real], theirs[:, 1:][~real[:, :-1]] = -100, -100  # ours[t] = theirs[t+1]
+    token = ref(ids, position_ids=pos, labels=theirs, use_cache=False, output_router_logits=False).loss
+    out = ref(ids, position_ids=pos, labels=theirs, use_cache=False)
+    hf_aux = getattr(T.models, family).__dict__[f"modeling_{family}"].load_balancing_loss_func
+    masked = hf_aux(out.router_logits, 5, 2, attention_mask=real.long())
+    want = token + ref.config.router_aux_loss_coef * masked
+    assert abs(masked - out.aux_loss) > 1e-3  # the padding weighs in the comparison
+    got = ours(ids, position_ids=pos, labels=labels, real_tokens=real)
+    assert_close(got, want)
+    count = (labels != -100).sum()
+    assert_close(ours(ids, position_ids=pos, labels=labels, reduction="sum", real_tokens=real) / count, want)
+    unmasked = ours(ids, position_ids=pos, labels=labels)  # counter-check: the padding counted
+    assert_close(unmasked, out.loss)
+    assert abs(unmasked - want) > 1e-3  # measured 5e-3 .. 1.4e-2
+    assert torch.equal(ours(ids, labels=labels, real_tokens=torch.ones_like(real)), ours(ids, labels=labels))
+
+
 def test_expert_without_tokens():
     """Expert 4 never picked: a constant channel 0 of every embedding (the norm keeps it large and
     positive) and a router row that reads only it, negatively. Its gradients are zero; all equal."""
@@ -208,9 +235,11 @@ def test_refusals_name_key_and_value():
     cfg = M.LlamaConfig.from_hf(good)
     grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
     aux = M.LlamaConfig.from_hf(dict(good, output_router_logits=True))
-    for flags, message in ((["--sft"], "--sft with an MoE model (mixtral, 5 experts): not yet"),):
-        errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), aux, grid)
+    sft = ["--sft", "--data", "chats.jsonl", "--seq-len", "16"]
+    for flags, message in ((sft + ["--tp", "2", "--sp"], "--sft --sp with an MoE model (mixtral, 5 experts): not yet"),):
+        errors = cli.validate(cli.parse_args(flags), aux, grid)
         assert any(message in e for e in errors), (flags, errors)
+    assert not cli.validate(cli.parse_args(sft), aux, grid)  # packed SFT: the padding masked (real_tokens)
     assert not cli.validate(cli.parse_args(["--cp", "2", "--seq-len", "8"]), aux, grid)  # within its window 9
     assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
     assert not cli.validate(cli.parse_args(["--compile", "--seq-len", "16"]), cfg, grid)
