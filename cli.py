@@ -287,13 +287,15 @@ def validate_more(args: argparse.Namespace) -> list[str]:
 def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, tp (+ sp: the experts
     whole on every tp rank), pp (every schedule: the routers' statistics travel with the
-    activations), cp (the statistics summed over the cp ranks), AC and --compile; the layouts not
-    built yet for it are refused by name (docs/moe.md)."""
+    activations), cp (the statistics summed over the cp ranks), AC, --compile and --sft (the padding
+    counts in no router statistic: sft.py's real_tokens); the layouts not built yet for it are
+    refused by name (docs/moe.md)."""
     if not cfg.num_experts:
         return []
     what = f"with an MoE model ({cfg.model_type}, {cfg.num_experts} experts): not yet"
-    why = {"--sft": (args.sft and cfg.output_router_logits,
-                     "padding rows would count in the load-balancing loss (output_router_logits is true)")}
+    why = {"--sft --sp": (args.sft and args.sp and cfg.output_router_logits,
+                          "a tp rank routes its S/tp tokens and the padding mask is not split with them "
+                          "(output_router_logits is true)")}
     return [f"{flag} {what} ({reason})" for flag, (bad, reason) in why.items() if bad]
 
 

@@ -47,8 +47,9 @@ Invariants
       per batch where the rows are) keeps attention inside each document; no S×S mask is built.
     - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
       and a window shorter than the sequence (tests/test_families.py); the MoE families too, with and
-      without the load-balancing loss, an expert no token picks, AC (each router counted
-      once), export bit-equal (tests/test_moe_models.py).
+      without the load-balancing loss, packed rows whose padding (`real_tokens`) the routers'
+      statistics skip, an expert no token picks, AC (each router counted once), export bit-equal
+      (tests/test_moe_models.py).
     - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
       -100 is ignored.
     - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
@@ -645,7 +646,8 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
                 docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None,
-                router_stats: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                router_stats: torch.Tensor | None = None,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
         position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
         within each document (a new one starts wherever the position does not continue).
@@ -655,13 +657,16 @@ class Llama(nn.Module):
         logits (B, S, V), or hidden states on a stage without lm_head.
         cache: a KVCache (generation, below): input_ids continue the cached positions, the keys and
         values are appended, and only the last position's logits (B, 1, V) are returned.
-        router_stats: the earlier pipeline stages' router statistics (`stage_extras`)."""
+        router_stats: the earlier pipeline stages' router statistics (`stage_extras`).
+        real_tokens (B, S) bool: False marks padding (sft.py's rows), which then counts in no router
+        statistic: transformers' load_balancing_loss_func with that attention_mask. None: every token
+        counts. It masks nothing else: attention stays docs' business, the token loss the labels'."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
         B, S = h.shape[:2]
         if cache is not None:
-            if position_ids is not None or docs is not None or labels is not None:
-                raise ValueError("a KVCache takes plain rows: no position_ids, docs or labels")
+            if position_ids is not None or docs is not None or labels is not None or real_tokens is not None:
+                raise ValueError("a KVCache takes plain rows: no position_ids, docs, labels or real_tokens")
             position_ids = torch.arange(cache.length, cache.length + S, device=h.device).expand(B, S)
         elif position_ids is None:
             if docs is not None:
@@ -684,7 +689,8 @@ class Llama(nn.Module):
         if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
             moe_cfg = self.config.moe_config()
             own = self.router_stats_fn(router_stats_of([t for t in router_logits if t is not None],
-                                                       moe_cfg.num_experts, moe_cfg.top_k, device=h.device))
+                                                       moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
+                                                       device=h.device))
             stats = own if router_stats is None else router_stats + own
         if m.norm is not None:
             h = m.norm(h)

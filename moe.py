@@ -445,6 +445,9 @@ def router_stats(router_logits: Sequence[torch.Tensor], num_experts: int, top_k:
     stats = torch.zeros(2 * E + 2, dtype=torch.float32,
                         device=router_logits[0].device if router_logits else device)
     for logits in router_logits:  # each (B·S, E)
+        if attention_mask is not None and attention_mask.numel() != logits.shape[0]:
+            raise ValueError(f"attention_mask has {attention_mask.numel()} tokens, the router saw "
+                             f"{logits.shape[0]} (a sequence shard: give the mask of its tokens)")
         probs = torch.softmax(logits, dim=-1)
         _, chosen = torch.topk(probs, top_k, dim=-1)  # (B·S, k)
         keep = (torch.ones(logits.shape[0], device=logits.device) if attention_mask is None

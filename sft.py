@@ -27,6 +27,7 @@ Shifted labels and packing (the invariants)
     (attention.Documents), so attention stays inside each conversation without an S×S mask.
     The padded tail gets pad_id, label -100 and positions restarting at 0: it is one more "document"
     that sees only itself (never a real conversation), and real tokens never see it (it comes later).
+    `real_tokens` marks it False: a mixture of experts' load-balancing loss counts only real tokens.
     Over-long conversations (L-1 > seq_len) are truncated (kept: the first seq_len inputs; dropped when
     no target survives) or dropped (overlong="drop"); both are counted in the report, never silent.
 
@@ -295,8 +296,8 @@ class PackStats:
 
 
 class SFTDataset:
-    """Packed rows: `ds[i]` → {"input_ids", "labels"} and, packed (ffd), "position_ids", each a
-    (seq_len,) int64 tensor. Samples stay where tokenizing put them (flat int32 arrays, memory-mapped
+    """Packed rows: `ds[i]` → {"input_ids", "labels", "real_tokens"} and, packed (ffd), "position_ids",
+    each a (seq_len,) tensor (int64; real_tokens bool: False on the padding tail). Samples stay where tokenizing put them (flat int32 arrays, memory-mapped
     from prepare_sft's cache); `spans[i]` is kept sample i's [start, end) in them and rows are built on
     access, so a dataset costs ~8 bytes per token of disk and almost no memory."""
 
@@ -342,7 +343,9 @@ class SFTDataset:
         tail = lambda value: [torch.full((pad,), value, dtype=torch.int32)]  # noqa: E731
         ids = torch.cat([self.tokens[a:b] for a, b in spans] + tail(self.pad_id))
         labels = torch.cat([self.labels[a:b] for a, b in spans] + tail(IGNORE_INDEX))
-        row = {"input_ids": ids.long(), "labels": labels.long()}  # (S,) each
+        # real_tokens: the padding tail is no token of the data (model.py keeps it out of the routers' statistics)
+        row = {"input_ids": ids.long(), "labels": labels.long(),  # (S,) each
+               "real_tokens": torch.arange(self.seq_len) < self.seq_len - pad}
         if self.packing == "ffd":  # one conversation per row needs no document boundaries: plain causal
             # positions restart per conversation; the padding is one more document starting at 0
             row["position_ids"] = torch.cat([torch.arange(b - a) for a, b in spans] + [torch.arange(pad)])

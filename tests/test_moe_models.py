@@ -8,14 +8,17 @@ and saved with save_pretrained; every parameter is perturbed (norms away from 1)
   relative (fp32: the same products, the experts' sums grouped differently); an expert that no
   token picks (its gradient zero on both sides); full AC gives the same loss and gradients (the
   routers are not counted twice), and selective AC; export → AutoModelForCausalLM bit-equal logits, and the file
-  holds transformers' per-expert keys exactly; cached greedy generation equals uncached.
+  holds transformers' per-expert keys exactly; cached greedy generation equals uncached; packed rows
+  with a padding tail: transformers' loss with the aux term masked to the real tokens (real_tokens).
 - Through the CLI: dp 2 · ZeRO-2 · full AC and dp 2 · ZeRO-3 · selective AC against the single process (micro-batches 2: each
-  forward then holds the same rows on both sides, so the per-forward aux loss is the same), 1e-5.
+  forward then holds the same rows on both sides, so the per-forward aux loss is the same), 1e-5;
+  --sft (packed, padded rows) at dp 2 against the single process.
 - Bad input: one message naming the key and its value; the layouts not built yet are refused
   (tp and pp: tests/test_moe_layouts.py).
 OLMoE's configs default pad_token_id 1, which transformers' embedding freezes (padding_idx); ours
 has no padding row, so the tests set pad_token_id None (docs/moe.md).
 """
+import json
 import re
 
 import pytest
@@ -29,6 +32,7 @@ import cli
 import data
 import grid as G
 import model as M
+import sft
 import weights as W
 from dist import run_ranks
 from test_model import assert_close
@@ -121,6 +125,32 @@ def test_logits_loss_aux_and_grads_equal_transformers(pair):
         ours.config.output_router_logits = True
 
 
+def test_packed_padding_aux_equals_transformers_masked(pair):
+    """Packed rows with a padding tail (sft.py's layout: positions restart, label -100, real_tokens
+    False): the loss is transformers' token loss on those positions + coef · its
+    load_balancing_loss_func with the attention_mask of the real tokens. Without the mask ours is
+    transformers' unmasked loss instead (the padding's picks and probabilities count), and differs."""
+    family, ref, ours, _ = pair
+    ids, theirs, labels = batch(6)
+    docs, pad = ((10, 8), (24,)), (6, 0)  # row 0: two documents and 6 padding tokens; row 1: full
+    pos = torch.stack([torch.cat([torch.arange(n) for n in (*d, p) if n]) for d, p in zip(docs, pad)])
+    real = torch.arange(24) < torch.tensor([24 - p for p in pad])[:, None]  # (2, 24)
+    labels[~real], theirs[:, 1:][~real[:, :-1]] = -100, -100  # ours[t] = theirs[t+1]
+    with torch.no_grad():  # losses only: the gradients of the aux term are the existing tests'
+        out = ref(ids, position_ids=pos, labels=theirs, use_cache=False)  # its aux term unmasked
+        token = out.loss - ref.config.router_aux_loss_coef * out.aux_loss
+        hf_aux = getattr(T.models, family).__dict__[f"modeling_{family}"].load_balancing_loss_func
+        masked = hf_aux(out.router_logits, 5, 2, attention_mask=real.long())
+        want = token + ref.config.router_aux_loss_coef * masked
+        assert abs(masked - out.aux_loss) > 1e-2  # the padding weighs in the comparison (measured >= 1.8e-2)
+        assert_close(ours(ids, position_ids=pos, labels=labels, real_tokens=real), want)
+        unmasked = ours(ids, position_ids=pos, labels=labels)  # counter-check: the padding counted
+        assert_close(unmasked, out.loss)
+        assert abs(unmasked - want) > 1e-3  # measured 5e-3 .. 1.4e-2
+        # no padding: a mask of ones is bit-identical to none
+        assert torch.equal(ours(ids, labels=labels, real_tokens=torch.ones_like(real)), ours(ids, labels=labels))
+
+
 def test_expert_without_tokens():
     """Expert 4 never picked: a constant channel 0 of every embedding (the norm keeps it large and
     positive) and a router row that reads only it, negatively. Its gradients are zero; all equal."""
@@ -208,9 +238,11 @@ def test_refusals_name_key_and_value():
     cfg = M.LlamaConfig.from_hf(good)
     grid = G.Grid(rank=0, world=4, device=torch.device("cpu"))
     aux = M.LlamaConfig.from_hf(dict(good, output_router_logits=True))
-    for flags, message in ((["--sft"], "--sft with an MoE model (mixtral, 5 experts): not yet"),):
-        errors = cli.validate(cli.parse_args(flags + ["--seq-len", "16"]), aux, grid)
+    sft = ["--sft", "--data", "chats.jsonl", "--seq-len", "16"]
+    for flags, message in ((sft + ["--tp", "2", "--sp"], "--sft --sp with an MoE model (mixtral, 5 experts): not yet"),):
+        errors = cli.validate(cli.parse_args(flags), aux, grid)
         assert any(message in e for e in errors), (flags, errors)
+    assert not cli.validate(cli.parse_args(sft), aux, grid)  # packed SFT: the padding masked (real_tokens)
     assert not cli.validate(cli.parse_args(["--cp", "2", "--seq-len", "8"]), aux, grid)  # within its window 9
     assert not cli.validate(cli.parse_args(["--zero", "3", "--ac-mode", "full", "--seq-len", "16"]), cfg, grid)
     assert not cli.validate(cli.parse_args(["--compile", "--seq-len", "16"]), cfg, grid)
@@ -239,3 +271,20 @@ def test_cli_dp_zero_ac_equal_single_process(tmp_path):
         with safe_open(d / "model.safetensors", "pt") as f:
             keys[d] = set(f.keys())
     assert keys[tmp_path / "init"] == keys[tmp_path / "export3"] and any(".experts.1." in k for k in keys[d])
+
+
+def test_cli_packed_sft_dp2_equal_single_process(tmp_path):
+    """--sft (FFD-packed rows with padding tails, real_tokens masking them from the aux loss) of an
+    olmoe save_pretrained dir: dp 2 equals one process at micro-batches 2 (the same rows per forward)."""
+    hf_model("olmoe", vocab=260, hidden_size=32, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+        tmp_path / "init")
+    chats, _ = sft.arithmetic_chats(n_train=40, n_eval=2, seed=3)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+
+    def argv(world: int, *extra: str) -> list[str]:
+        return ["--init-from", str(tmp_path / "init"), "--sft", "--data", str(tmp_path / "chats.jsonl"),
+                "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
+                "--metrics", str(tmp_path / f"{world}.jsonl"), *extra]
+    run_ranks(_main, 1, argv(1, "--micro-batches", "2"))
+    run_ranks(_main, 2, argv(2, "--micro-batches", "1"), timeout=120)
+    assert_curve(losses(tmp_path / "2.jsonl"), losses(tmp_path / "1.jsonl"))
