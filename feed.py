@@ -282,8 +282,8 @@ def pin_batches(device: torch.device) -> bool:
 def to_device(micro: list[dict], device: torch.device) -> list[dict]:
     """Start each micro-batch's copy to the device and return at once (non_blocking: from pinned
     memory the copy runs in stream order while the host goes on; on CPU the tensors themselves).
-    A value that is not a tensor (GRPO's prompt rows, read on the host) stays as it is."""
-    return [{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    Tensors and attention.Documents move; a plain list (GRPO's prompt rows, read on the host) stays."""
+    return [{k: v if isinstance(v, list) else v.to(device, non_blocking=True) for k, v in mb.items()}
             for mb in micro]
 
 

@@ -382,7 +382,8 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 
                      seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
     """Deterministic synthetic chats: optional system prompt, "What is 3 + 5?" → "8" in varied
     phrasing, sometimes follow-ups ("Now add 4." → "12"). Results never go negative. The first question
-    (a, op, b) of every eval chat never occurs as a first question in training (disjoint sets).
+    (a, op, b) of every eval chat never occurs in training, neither as a first question (disjoint
+    sets) nor as a follow-up (a training chat ends before one that would restate it).
     The defaults (single-digit sums, 20 of the 100 questions held out) are what the tiny model learns
     in a short CPU run; two-digit sums and differences (max_operand=99, ops=("+", "-")) it does not
     (docs/post-training.md: measured)."""
@@ -391,22 +392,26 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 
     if n_eval >= len(keys):
         raise ValueError(f"n_eval={n_eval} leaves no training questions out of {len(keys)}")
     held_out, seen = keys[:n_eval], keys[n_eval:]
+    banned = set(held_out)
 
-    def chat(key: tuple[int, str, int]) -> Conversation:
+    def chat(key: tuple[int, str, int], train: bool) -> Conversation:
         a, op, b = key
         system = rng.choice(SYSTEM_PROMPTS)
         turns = [{"role": "system", "content": system}] if system else []
         value = a + b if op == "+" else a - b
         turns += [{"role": "user", "content": rng.choice(QUESTIONS).format(a=a, op=op, b=b)},
                   {"role": "assistant", "content": str(value)}]
-        while rng.random() < p_follow_up:
-            op = rng.choice(ops)
+        cut = False  # a training chat ends before a follow-up that restates a held-out question
+        while rng.random() < p_follow_up:  # ("Now add 4." after 5 is 5 + 4); the draws go on, so
+            op = rng.choice(ops)            # every other chat stays what it was
             c = rng.randint(0, max_operand if op == "+" else min(value, max_operand))
+            cut = cut or (train and (value, op, c) in banned)
             value = value + c if op == "+" else value - c
-            turns += [{"role": "user", "content": FOLLOW_UPS[op].format(c=c)},
-                      {"role": "assistant", "content": str(value)}]
+            if not cut:
+                turns += [{"role": "user", "content": FOLLOW_UPS[op].format(c=c)},
+                          {"role": "assistant", "content": str(value)}]
         return turns
-    return [chat(rng.choice(seen)) for _ in range(n_train)], [chat(k) for k in held_out]
+    return [chat(rng.choice(seen), True) for _ in range(n_train)], [chat(k, False) for k in held_out]
 
 
 def held_out_phrasings(n_eval: int = 20, max_operand: int = 9, ops: tuple[str, ...] = ("+",),

@@ -409,6 +409,20 @@ def test_packing_none_and_default_set_fill():
         firsts = [next(t["content"] for t in c if t["role"] == "user") for c in chats]
         return {re.search(r"(\d+) ([+-]) (\d+)", q).groups() for q in firsts}
     assert len(held_out) == 20 and not first_questions(held_out) & first_questions(train)
+
+    def facts(chats: list) -> set:  # every (a, op, b) a training chat states, follow-ups included
+        out = set()
+        for c in chats:
+            value = None
+            for t in c:
+                if t["role"] == "assistant":
+                    value = t["content"]
+                elif t["role"] == "user" and value is not None:  # "Now add 4." after value
+                    op, b = ("+" if "add" in t["content"] else "-"), re.search(r"(\d+)", t["content"]).group(1)
+                    out.add((value, op, b))
+        return out
+    assert not first_questions(held_out) & facts(train)  # no follow-up restates a held-out question
+    assert facts(train)  # follow-ups are there
     st = sft.SFTDataset(train, TOK, seq_len=sft.DEFAULT_SEQ_LEN).stats
     bound = math.ceil(st.tokens / st.seq_len)
     assert st.tokens / (st.rows * st.seq_len) >= 0.99 and st.rows <= 1.01 * bound
