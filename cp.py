@@ -50,7 +50,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -174,8 +173,26 @@ def _all_tokens_stats(stats: torch.Tensor, *, inner: Callable[[torch.Tensor], to
     Summed over cp they are the whole rows' (after `inner`: tp's sum under sp, else nothing).
     Backward is a sum too: rank r's loss is its targets · aux(all stats), and the cp ranks'
     losses add up (their gradients are summed as dp replicas'), so every rank's statistics get
-    every rank's gradient. torch's autograd all-reduce is exactly that."""
-    return dist_nn.all_reduce(inner(stats), group=group)
+    every rank's gradient (`_SumOverRanks`)."""
+    return _SumOverRanks.apply(inner(stats), group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """y = Σ_ranks x, forward and backward. torch.distributed.nn.functional.all_reduce does the same
+    but warns on every call (deprecated in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()  # contiguous: NCCL's rule; a copy: autograd owns `grad`
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:
