@@ -7,7 +7,7 @@ Each scenario also asserts, through `contract.seen`, that the branch it is about
 contract that checks nothing cannot pass here.
 
 Scenarios: pretraining and packed SFT in bf16 (flash via SDPA, varlen_attn, fused RMSNorm backward,
-fused AdamW, pinned non_blocking copies of 2-row micro-batches); TP and SP at 2 fake ranks; the cp
+fused AdamW, pinned non_blocking copies of 2-row micro-batches); an MoE model's grouped_mm experts; TP and SP at 2 fake ranks; the cp
 ring forward + backward (the flash block kernels, P2P); ZeRO-0..3 with and without AC over two
 micro-batches at dp 2; the pipeline executor's P2P at pp 2; the compiled layer traced with
 torch.compile(backend="aot_eager") on meta (--compile --ac with packed rows and with --cp: what
@@ -16,6 +16,7 @@ GPU peak table, memory.py's CPU accounting only for a CPU meter.
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -30,6 +31,7 @@ import dp
 import feed
 import grid as G
 import model as M
+import moe
 import ops
 import pp as PP
 import precision as P
@@ -104,6 +106,22 @@ def test_pretraining_and_packed_sft_bf16(meta):
         seen = one_step(["--micro-batches", "2", "--sft"], Packed())
         layers = M.PRESETS["tiny"].num_hidden_layers  # 2 micro-batches through every layer
         assert seen["torch_attn::_varlen_attn"] == seen["torch_attn::_varlen_attn_backward"] == 2 * layers
+
+
+def test_moe_grouped_mm_bf16(meta):
+    """A Qwen3-MoE-like tiny model (4 experts, the aux loss on) in bf16: the experts take torch's
+    grouped_mm branch (moe.grouped_mm_runs: bf16 on CUDA) in forward and backward, under the
+    contract. ep > 1 cannot run here: its split sizes are a host read of meta counts."""
+    cfg = dataclasses.replace(M.PRESETS["tiny"], model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True)
+    meta.setitem(M.PRESETS, "tiny_moe", cfg)
+    calls = Counter()
+    grouped = moe.experts_grouped
+    meta.setattr(moe, "experts_grouped", lambda *a, **k: calls.update(["grouped"]) or grouped(*a, **k))
+    with fake_world(0, 1, meta):
+        seen = one_step(["--micro-batches", "2", "--model", "tiny_moe"], Rows())
+    assert calls["grouped"] == 2 * cfg.num_hidden_layers  # every sparse layer, both micro-batches
+    assert seen["sdpa flash"] and seen["aten::_fused_adamw_"]
 
 
 def test_tp_and_sp_at_two_ranks(meta):
