@@ -11,7 +11,6 @@ kills all ranks and names the ones that never answered — a test never hangs.
 """
 from __future__ import annotations
 
-import gc
 import importlib
 import os
 import pickle
@@ -34,9 +33,6 @@ def free_port() -> int:
 
 def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict) -> None:
     try:
-        # what the fork inherited (torch, the test modules) is never garbage: frozen, no gc pass
-        # rescans it (the memory tests' gc.collect() took ~0.3 s each on the inherited heap)
-        gc.freeze()
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
