@@ -81,7 +81,7 @@ def train_peaks(stage: int, rows: int, group, micro: int = 1, **kw) -> tuple[dic
             with opt.no_sync() if k < micro - 1 else contextlib.nullcontext():
                 P.normalized_loss(m(x[k::micro], labels=y[k::micro], reduction="sum"), 1000).backward()
         opt.finish()
-        time.sleep(0.5)  # gloo's worker drops a finished reduction's buffers just after wait(), on its
+        time.sleep(0.2)  # gloo's worker drops a finished reduction's buffers just after wait(), on its
         meter.phase("step")  # own thread: let those frees land first (on NCCL nothing frees late)
         opt.step(1e-3)
         meter.phase(None)
