@@ -408,7 +408,7 @@ def test_packing_none_and_default_set_fill():
     def first_questions(chats: list) -> set:
         firsts = [next(t["content"] for t in c if t["role"] == "user") for c in chats]
         return {re.search(r"(\d+) ([+-]) (\d+)", q).groups() for q in firsts}
-    assert len(held_out) == 20 and not first_questions(held_out) & first_questions(train)
+    assert len(held_out) == 100 and not first_questions(held_out) & first_questions(train)
 
     def facts(chats: list) -> set:  # every (a, op, b) a training chat states, follow-ups included
         out = set()
@@ -537,7 +537,7 @@ class Oracle(torch.nn.Module):
 
 
 def test_evaluate_exact_match_on_a_known_model():
-    _, held_out = sft.arithmetic_chats(n_eval=30, max_operand=9, p_follow_up=0.5, seed=4)
+    _, held_out = sft.arithmetic_chats(n_eval=30, max_operands=(9, 9), p_follow_up=0.5, seed=4)
     tpl = sft.chat_template(TOK)
     answers, n_turns, n_right = {}, 0, 0
     for c in held_out:
@@ -569,7 +569,7 @@ def addition_start(steps: int, lr: float = 3e-3) -> tuple[torch.nn.Module, list[
     """The tiny 2-layer model after `steps` SFT steps (8 rows x 128 tokens, 1 thread: deterministic)
     on single-digit addition (4000 chats, no follow-ups), and the 20 held-out chats (never trained on)."""
     torch.manual_seed(0)
-    train, held_out = sft.arithmetic_chats(n_train=4000, n_eval=20, max_operand=9, ops=("+",),
+    train, held_out = sft.arithmetic_chats(n_train=4000, n_eval=20, max_operands=(9, 9), ops=("+",),
                                            p_follow_up=0.0, seed=0)
     model = tiny_model(seed=0)
     sft_steps(model, sft.SFTDataset(train, TOK, seq_len=128), steps, lr)
