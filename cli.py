@@ -85,15 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "is prepared: the split of the validation loss")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft "
                                                 "and --data)")
-    a("--batch-size", type=int, default=16, help="global sequences per optimizer step")
+    a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16; with "
+                                                   "--grpo prompts, default 64)")
     a("--micro-batches", type=int, default=None,
       help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
            "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
-    a("--steps", type=int, default=None, help="optimizer steps (default 50; 400 for the built-in --sft demo)")
+    a("--steps", type=int, default=None, help="optimizer steps (default 50; 1000 for the built-in --sft demo, "
+                                              "100 for --grpo on the built-in questions)")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft/--dpo/--grpo: "
                                               "post-training wants a lower rate than pretraining; 3e-3 for "
                                               "the built-in --sft demo, which trains from scratch)")
-    a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10)")
+    a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10; "
+                                                 "lr with --grpo: constant after the warm-up)")
     a("--warmup", type=int, default=10, help="linear warm-up steps")
     a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
     a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
@@ -179,14 +182,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
-    # pretraining lr, more steps (docs/post-training.md: what it reaches)
+    # pretraining lr, more steps; --grpo on the built-in questions starts from it (docs/post-training.md:
+    # what each reaches)
     demo = args.sft and args.data is None and args.init_from is None
+    rl_demo = args.grpo and args.data is None
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
     if args.lr is None:
         args.lr = 3e-3 if demo else 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
     if args.steps is None:
-        args.steps = 400 if demo else 50
+        args.steps = 1000 if demo else 100 if rl_demo else 50
+    if args.batch_size is None:  # GRPO's gradient is one reward a reply: more prompts a step, less noise
+        args.batch_size = 64 if args.grpo else 16
     if args.dpo and args.dpo_beta is None:
         args.dpo_beta = 0.1
     if args.grpo:  # `is None`: a user's 0 reaches validate_grpo
@@ -195,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, flag, value)
     if args.model is None and args.init_from is None:
         args.model = "tiny"
-    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    if args.min_lr is None:  # GRPO: constant after the warm-up (its prompts are drawn anew, no epoch ends)
+        args.min_lr = args.lr if args.grpo else args.lr / 10
     return args
 
 

@@ -217,10 +217,16 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
 # ------------------------------------------------------------------------------------------ batches
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversation],
-             max_new_tokens: int = 8, batch_size: int = 64, template: sft.ChatTemplate | None = None) -> float:
-    """Exact-match accuracy of greedy answers (model.generate) over every assistant turn of eval_set,
-    the earlier turns given as the reference chat. Prompts of equal length are batched together
-    (generate takes no padding); an answer must end with end_id within max_new_tokens."""
+             max_new_tokens: int = 8, batch_size: int = 64, template: sft.ChatTemplate | None = None,
+             temperature: float = 0.0, samples: int = 1, seed: int = 0) -> float:
+    """Exact-match accuracy over every assistant turn of eval_set, the earlier turns given as the
+    reference chat. Greedy answers (model.generate) at temperature 0. Above it, `samples` sampled
+    answers per turn (answer j of turn i draws with the seed of (seed, i, j)) and the mean of their
+    exact matches: pass@1 estimated from `samples` draws, the RL literature's sampled accuracy.
+    Prompts of equal length are batched together (generate takes no padding); an answer must end
+    with end_id within max_new_tokens."""
+    if temperature == 0 and samples != 1:
+        raise ValueError(f"greedy evaluation draws one answer per turn, not samples={samples}")
     tpl = template or sft.chat_template(tokenizer)
     device = next(model.parameters()).device
     prompts, golds = [], []
@@ -229,19 +235,21 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
             if t["role"] == "assistant":
                 prompts.append(tpl.render(turns[:k], True))
                 golds.append(t["content"].strip())
-    by_len: dict[int, list[int]] = {}
+    by_len: dict[int, list[tuple[int, int]]] = {}  # prompt length → (turn, draw)
     for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
+        by_len.setdefault(len(p), []).extend((i, j) for j in range(samples))
     correct = 0
     for n, idx in sorted(by_len.items()):
-        for j in range(0, len(idx), batch_size):
-            chunk = idx[j:j + batch_size]
-            x = torch.tensor([prompts[i] for i in chunk], device=device)  # (b, n)
-            out = M.generate(model, x, max_new_tokens, tpl.end_id)[:, n:].tolist()  # (b, <= max_new)
-            for i, new in zip(chunk, out):
+        for c in range(0, len(idx), batch_size):
+            chunk = idx[c:c + batch_size]
+            x = torch.tensor([prompts[i] for i, _ in chunk], device=device)  # (b, n)
+            seeds = [hash((seed, i, j)) % 2**63 for i, j in chunk] if temperature > 0 else None
+            out = M.generate(model, x, max_new_tokens, tpl.end_id, temperature=temperature,
+                             seeds=seeds)[:, n:].tolist()  # (b, <= max_new)
+            for (i, _), new in zip(chunk, out):
                 if tpl.end_id in new:
                     correct += tpl.decode(new[:new.index(tpl.end_id)]).strip() == golds[i]
-    return correct / max(len(prompts), 1)
+    return correct / max(len(prompts) * samples, 1)
 
 
 def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,

@@ -29,6 +29,7 @@ Reference
     `loss_fn` seam (GRPOLoss), as dpo.py's does. Layouts: dp, tp, ZeRO-0..2 (cli.py refuses the rest).
 
 Run
+    python train.py --sft --export-hf out/sft && python train.py --grpo --init-from out/sft   # the demo
     python train.py --grpo --init-from DIR --grpo-group 8 [--grpo-kl 0.04] [--verifier pkg.mod:fn]
     torchrun --nproc_per_node 4 train.py --grpo --init-from DIR --tp 2 --zero 1 --data prompts.jsonl
 
@@ -48,6 +49,8 @@ Invariants
       test_trainer_layouts_equal_single_process_on_fixed_rollouts).
     - A short train.py --grpo run from a partly trained start raises the expected exact-match reward
       on its arithmetic questions (tests/test_grpo.py::test_short_run_raises_the_arithmetic_reward).
+    - On the built-in questions, train.py scores the held-out ones before step 1 and after the last,
+      greedy and sampled as GRPO samples (tests/test_grpo.py::test_builtin_eval_before_and_after).
 """
 from __future__ import annotations
 

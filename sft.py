@@ -15,8 +15,8 @@ What it does
        position_ids and labels; `report()` prints fill efficiency against the lower bound
        ceil(tokens / seq_len) and against padding (one conversation per row, `packing="none"`).
     4. `arithmetic_chats` is the embedded default set (deterministic multi-turn arithmetic chats, held-out
-       questions disjoint from training ones); feed.evaluate greedily answers the held-out questions
-       with model.generate and returns exact-match accuracy (it lives where the model is).
+       questions disjoint from training ones); feed.evaluate answers the held-out questions with
+       model.generate, greedy or sampled, and returns exact-match accuracy (it lives where the model is).
 
 Shifted labels and packing (the invariants)
     A conversation (a sample) renders to ids[0..L-1]; the model consumes ids[:-1] (L-1 positions) and
@@ -57,8 +57,8 @@ from chat import (ChatTemplate, Conversation, builtin_template, chat_template,  
                   tokenize_conversation, tokenize_samples)
 
 IGNORE_INDEX = -100
-# the default set packs to 99.4% fill at 1024 (99.0% at 512; 95.7% at the built-in demo's 256: its
-# chats are 25 to ~250 tokens long)
+# the default set packs to 99.3% fill at 1024 (99.2% at 512; 96.6% at the built-in demo's 256: its
+# chats are 30 to ~320 tokens long)
 DEFAULT_SEQ_LEN = 1024
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -369,26 +369,32 @@ QUESTIONS = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?
 FOLLOW_UPS = {"+": "Now add {c}.", "-": "Now subtract {c}."}
 
 
-def _question_keys(max_operand: int, ops: tuple[str, ...], rng: random.Random) -> list[tuple[int, str, int]]:
-    """Every first question (a, op, b), shuffled: the first n_eval are held out."""
-    keys = [(a, op, b) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)
+def _question_keys(max_operands: tuple[int, int], ops: tuple[str, ...],
+                   rng: random.Random) -> list[tuple[int, str, int]]:
+    """Every first question (a, op, b), a <= max_operands[0], b <= max_operands[1], shuffled: the
+    first n_eval are held out."""
+    top_a, top_b = max_operands
+    keys = [(a, op, b) for op in ops for a in range(top_a + 1) for b in range(top_b + 1)
             if op == "+" or a >= b]
     rng.shuffle(keys)
     return keys
 
 
-def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 9,
+def arithmetic_chats(n_train: int = 20000, n_eval: int = 100, max_operands: tuple[int, int] = (99, 9),
                      ops: tuple[str, ...] = ("+",), p_follow_up: float = 0.3,
                      seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
-    """Deterministic synthetic chats: optional system prompt, "What is 3 + 5?" → "8" in varied
-    phrasing, sometimes follow-ups ("Now add 4." → "12"). Results never go negative. The first question
-    (a, op, b) of every eval chat never occurs in training, neither as a first question (disjoint
-    sets) nor as a follow-up (a training chat ends before one that would restate it).
-    The defaults (single-digit sums, 20 of the 100 questions held out) are what the tiny model learns
-    in a short CPU run; two-digit sums and differences (max_operand=99, ops=("+", "-")) it does not
+    """Deterministic synthetic chats: optional system prompt, "What is 37 + 5?" → "42" in varied
+    phrasing, sometimes follow-ups ("Now add 4." → "46", c <= max_operands[1]). Results never go
+    negative. The first question (a, op, b) of every eval chat never occurs in training, neither as
+    a first question (disjoint sets) nor as a follow-up (a training chat ends before one that would
+    restate it).
+    The defaults (a number below 100 plus a digit: 1000 questions, 100 held out) are what the tiny
+    model learns in a short CPU run as a rule, not a table: held-out questions are answered about
+    as well as training ones. Single-digit sums (max_operands=(9, 9)) it learns as a table of 100
+    facts; two-digit sums and differences (max_operands=(99, 99), ops=("+", "-")) not at all
     (docs/post-training.md: measured)."""
     rng = random.Random(seed)
-    keys = _question_keys(max_operand, ops, rng)
+    keys = _question_keys(max_operands, ops, rng)
     if n_eval >= len(keys):
         raise ValueError(f"n_eval={n_eval} leaves no training questions out of {len(keys)}")
     held_out, seen = keys[:n_eval], keys[n_eval:]
@@ -402,9 +408,9 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 
         turns += [{"role": "user", "content": rng.choice(QUESTIONS).format(a=a, op=op, b=b)},
                   {"role": "assistant", "content": str(value)}]
         cut = False  # a training chat ends before a follow-up that restates a held-out question
-        while rng.random() < p_follow_up:  # ("Now add 4." after 5 is 5 + 4); the draws go on, so
+        while rng.random() < p_follow_up:  # ("Now add 4." after 38 is 38 + 4); the draws go on, so
             op = rng.choice(ops)            # every other chat stays what it was
-            c = rng.randint(0, max_operand if op == "+" else min(value, max_operand))
+            c = rng.randint(0, max_operands[1] if op == "+" else min(value, max_operands[1]))
             cut = cut or (train and (value, op, c) in banned)
             value = value + c if op == "+" else value - c
             if not cut:
@@ -414,13 +420,13 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 20, max_operand: int = 
     return [chat(rng.choice(seen), True) for _ in range(n_train)], [chat(k, False) for k in held_out]
 
 
-def held_out_phrasings(n_eval: int = 20, max_operand: int = 9, ops: tuple[str, ...] = ("+",),
-                       seed: int = 0) -> list[Conversation]:
+def held_out_phrasings(n_eval: int = 100, max_operands: tuple[int, int] = (99, 9),
+                       ops: tuple[str, ...] = ("+",), seed: int = 0) -> list[Conversation]:
     """Each held-out first question of arithmetic_chats (the same arguments) in every phrasing and
     under every system prompt: single-turn chats, 15 per question. A steadier eval than one chat per
-    question (20 questions are 5% steps)."""
+    question: one model's answers to a question's phrasings differ."""
     out = []
-    for a, op, b in _question_keys(max_operand, ops, random.Random(seed))[:n_eval]:
+    for a, op, b in _question_keys(max_operands, ops, random.Random(seed))[:n_eval]:
         value = a + b if op == "+" else a - b
         for system in SYSTEM_PROMPTS:
             for q in QUESTIONS:

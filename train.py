@@ -319,6 +319,23 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
 
 
 # ------------------------------------------------------------------------------------------ main
+def held_out_eval(model: torch.nn.Module, opt: Z.DataParallelOptimizer, eval_set: list[sft.Conversation],
+                  tpl: sft.ChatTemplate, args: argparse.Namespace, grid: G.Grid, step: int) -> dict[str, float]:
+    """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs inside),
+    printed on rank 0. Greedy; under --grpo also sampled as GRPO samples (its temperature, G draws a
+    question): the accuracy GRPO optimizes, which greedy decoding shows only once the mode flips."""
+    with G.stage("held-out eval (generation)", grid), opt.gathered():
+        out = {"eval_exact_match": feed.evaluate(model, None, eval_set, template=tpl)}
+        if args.grpo:
+            out["eval_sampled"] = feed.evaluate(model, None, eval_set, template=tpl, samples=args.grpo_group,
+                                                temperature=args.grpo_temperature, seed=args.seed)
+    if grid.rank == 0:
+        print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
+              + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
+                 f"{args.grpo_group} draws a question)" if args.grpo else ""), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as cleanup:  # the --save folder's lock goes however the run ends
         run(argv, cleanup)
@@ -408,6 +425,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     load = (lambda rows: [{"rows": rows}]) if rl else (  # GRPO: the prompt rows stay on the host
         lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid))
     prefetch = feed.Prefetcher(load, sampler, max(args.steps - start, 0), grid.device)
+    if rl and eval_set and start == 0:  # GRPO's "before": the same eval on the starting policy
+        before = {"step": 0, **held_out_eval(model, opt, eval_set, tpl, args, grid, 0)}
+        if metrics:
+            metrics.write(json.dumps(before) + "\n")
     t_start, bad, good = time.time(), 0, 0
     stopped = 0
     for step in range(start, args.steps):
@@ -466,11 +487,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         if evaluate:
             opt.finish_gathers()  # evaluation reads complete parameters
         if eval_set and evaluate:
-            with G.stage("SFT eval (generation)", grid), opt.gathered():  # all ranks: tp runs inside
-                record["eval_exact_match"] = feed.evaluate(model, None, eval_set, template=tpl)
-            if log:
-                print(f"eval step {step + 1}: held-out exact match {record['eval_exact_match']:.1%}",
-                      flush=True)
+            record.update(held_out_eval(model, opt, eval_set, tpl, args, grid, step + 1))
         if val is not None and evaluate:
             with G.stage("validation loss (forward over the held-out split)", grid):
                 record["val_loss"] = feed.val_loss(chunks, val, val_batches, args, grid)

@@ -345,7 +345,8 @@ def sec_sft(ctx: Ctx) -> None:
         import data
         import sft
         S, b = (128, 2) if ctx.args.quick else (sft.DEFAULT_SEQ_LEN, 4)
-        ds = sft.SFTDataset(sft.arithmetic_chats(n_train=600 if ctx.args.quick else 6000)[0],
+        ds = sft.SFTDataset(sft.arithmetic_chats(n_train=600 if ctx.args.quick else 6000,
+                                                n_eval=20, max_operands=(9, 9))[0],
                             data.ByteTokenizer(), S, "ffd")
         pick = torch.randperm(len(ds), generator=torch.Generator().manual_seed(ctx.args.seed)).tolist()
         packed, dense, padded, real, model = [], [], [], [], ctx.fresh()
@@ -391,7 +392,7 @@ def sec_sft(ctx: Ctx) -> None:
                     r["ffd"], r["pad"])
         real, st = statistics.mean(real), ds.stats
         pad_pos = statistics.mean(mb["input_ids"].numel() for mb in padded)
-        ctx.table("SFT packing (default arithmetic set, byte tokenizer; forward + backward)",
+        ctx.table("SFT packing (single-digit arithmetic chats, byte tokenizer; forward + backward)",
                   ["layout", "attention", "positions/step", "real tokens/step", "fill", "ms/step",
                    "real tokens/s", "vs padded", "saved by attention, one layer"],
                   [[name, how, f"{pos:.0f}", f"{real:.0f}", f"{real / pos:.1%}", f"{r[k][0]:.1f}",

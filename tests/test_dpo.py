@@ -36,7 +36,7 @@ CFG = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hi
 
 
 def pairs(n: int = 6, seed: int = 0) -> list[dpo.Pair]:
-    return dpo.arithmetic_pairs(n, seed=seed, n_eval=4, max_operand=9, ops=("+", "-"), p_follow_up=0.3)
+    return dpo.arithmetic_pairs(n, seed=seed, n_eval=4, max_operands=(9, 9), ops=("+", "-"), p_follow_up=0.3)
 
 
 def rows(ds: dpo.PairDataset) -> dict[str, torch.Tensor]:

@@ -245,7 +245,20 @@ def expected_reward(model: torch.nn.Module, prompts: list[list[int]], golds: lis
     return total / len(prompts)
 
 
-def test_short_run_raises_the_arithmetic_reward(tmp_path):
+@pytest.fixture(scope="module")
+def start200() -> tuple[torch.nn.Module, list]:
+    """test_sft's tiny model after 200 SFT steps on single-digit addition (1 thread: deterministic),
+    and its 20 held-out chats: a partly trained start, built once for the tests below."""
+    from test_sft import addition_start
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
+    try:
+        return addition_start(200)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_short_run_raises_the_arithmetic_reward(tmp_path, start200):
     """From a fixed, partly trained start (test_sft's tiny model after 200 SFT steps on single-digit
     addition), 10 steps of train.main --grpo with the exact-match verifier on 8 training questions
     (all 8 in every step, G = 8) raise the expected reward on those questions, computed exactly (the
@@ -253,12 +266,12 @@ def test_short_run_raises_the_arithmetic_reward(tmp_path):
     bit; the margin is half the measured gain (1 thread, deterministic)."""
     import json
     import sft
-    from test_sft import TOK, addition_start
+    from test_sft import TOK
     from feed import evaluate
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
     try:
-        start, held_out = addition_start(200)
+        start, held_out = start200
         W.save_hf(start.state_dict(), start.config, tmp_path / "start")
         held = {tuple(map(int, re.findall(r"\d+", next(t["content"] for t in c if t["role"] == "user"))))
                 for c in held_out}
@@ -287,3 +300,78 @@ def test_short_run_raises_the_arithmetic_reward(tmp_path):
     # measured: 0.258 -> 0.359 (greedy 4/8 -> 6/8); lr 0 would leave 0.258 exactly, lr 3e-3 overshoots
     # (0.291): the margin asks for half the measured gain
     assert after >= before + 0.05, (before, after)
+
+
+def test_builtin_eval_before_and_after(tmp_path, monkeypatch, capfd, start200):
+    """--grpo on the built-in questions evaluates the held-out ones before step 1 (step 0 in the
+    metrics) and after the last step: greedy, and sampled as GRPO samples (its temperature, G draws a
+    question, seeded by --seed). Against feed.evaluate on the starting model; at lr 0 the end is the
+    start, so both evals repeat. The start is partly trained: neither number is 0 or 1."""
+    import sft
+    from test_sft import TOK
+    from feed import evaluate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
+    try:
+        start, _ = start200
+        W.save_hf(start.state_dict(), start.config, tmp_path / "start")
+        held_out = sft.held_out_phrasings(n_eval=20, max_operands=(9, 9))[::5]  # the start's task
+        monkeypatch.setattr(sft, "held_out_phrasings", lambda **kw: held_out)
+        argv = ["--grpo", "--init-from", str(tmp_path / "start"), "--seq-len", "96", "--batch-size", "2",
+                "--steps", "2", "--lr", "0", "--grpo-group", "4", "--grpo-max-new", "4",
+                "--grpo-temperature", "0.8", "--seed", "3", "--metrics", str(tmp_path / "m.jsonl")]
+        run_ranks(_grpo_main, 1, argv)
+        greedy = evaluate(start, TOK, held_out, max_new_tokens=8)
+        sampled = evaluate(start, TOK, held_out, max_new_tokens=8, temperature=0.8, samples=4, seed=3)
+    finally:
+        torch.set_num_threads(threads)
+    records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_exact_match"], r["eval_sampled"]) for r in records if "eval_sampled" in r]
+    assert evals == [(0, greedy, sampled), (2, greedy, sampled)] and 0 < sampled < 1 and 0 < greedy < 1, evals
+    assert "eval step 0: held-out exact match" in capfd.readouterr().out
+
+
+def test_heldout_comparison_against_transformers(tmp_path, start200, capsys):
+    """bench.bench_heldout on two exports (the partly trained start, and a copy with its lm_head
+    shifted): each question's expected reward against transformers' own model loaded from the
+    export (softmax of its logits, float64, each prompt alone), its greedy exact match against
+    feed.evaluate, and the paired line against the two lists (1e-5 relative: fp32 forwards)."""
+    import copy
+
+    import transformers as T
+
+    import sft
+    from bench import bench_heldout
+    from feed import evaluate
+    from test_sft import TOK
+    start, _ = start200
+    other = copy.deepcopy(start)
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.05 * torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    W.save_hf(start.state_dict(), start.config, tmp_path / "a")
+    W.save_hf(other.state_dict(), other.config, tmp_path / "b")
+    got = bench_heldout.main([str(tmp_path / "a"), str(tmp_path / "b"), "--questions", "3"])
+    tpl = sft.chat_template(TOK)
+    chats = sft.held_out_phrasings()[:3 * bench_heldout.PHRASINGS]
+    blocks = [chats[i:i + bench_heldout.PHRASINGS] for i in range(0, len(chats), bench_heldout.PHRASINGS)]
+    for d, model in (("a", start), ("b", other)):
+        greedy, reward = got[str(tmp_path / d)]
+        assert greedy == [evaluate(model, TOK, b, template=tpl) for b in blocks]
+        hf = T.LlamaForCausalLM.from_pretrained(tmp_path / d).double().eval()
+        want = []
+        for b in blocks:
+            ps = []
+            for c in b:
+                prompt, gold = tpl.render(c[:-1], True), TOK.encode(c[-1]["content"]) + [tpl.end_id]
+                with torch.no_grad():
+                    logp = hf(torch.tensor([prompt + gold])).logits[0].log_softmax(-1)  # (S, V)
+                ps.append(sum(logp[len(prompt) - 1 + k, t] for k, t in enumerate(gold)).exp().item())
+            want.append(sum(ps) / len(ps))
+        assert torch.allclose(torch.tensor(reward, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                              rtol=1e-5, atol=0)
+    (ga, ra), (gb, rb) = got.values()
+    assert min(ra) > 0 and ra != rb  # the start answers some; the copy differs
+    out = capsys.readouterr().out
+    assert f"expected reward, paired: {bench_heldout.paired(ra, rb)}" in out
+    d = [y - x for x, y in zip(ra, rb)]
+    assert bench_heldout.paired(ra, rb).startswith(f"{sum(d) / len(d):+.4f}")

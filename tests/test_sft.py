@@ -21,7 +21,7 @@ import sft
 from data import ByteTokenizer
 from dist import run_ranks
 from feed import evaluate
-from model import LlamaConfig, build
+from model import LlamaConfig, build, generate
 from weights import materialize
 from precision import MixedPrecisionOptimizer, OptimConfig, count_targets, normalized_loss
 
@@ -408,7 +408,7 @@ def test_packing_none_and_default_set_fill():
     def first_questions(chats: list) -> set:
         firsts = [next(t["content"] for t in c if t["role"] == "user") for c in chats]
         return {re.search(r"(\d+) ([+-]) (\d+)", q).groups() for q in firsts}
-    assert len(held_out) == 20 and not first_questions(held_out) & first_questions(train)
+    assert len(held_out) == 100 and not first_questions(held_out) & first_questions(train)
 
     def facts(chats: list) -> set:  # every (a, op, b) a training chat states, follow-ups included
         out = set()
@@ -537,7 +537,7 @@ class Oracle(torch.nn.Module):
 
 
 def test_evaluate_exact_match_on_a_known_model():
-    _, held_out = sft.arithmetic_chats(n_eval=30, max_operand=9, p_follow_up=0.5, seed=4)
+    _, held_out = sft.arithmetic_chats(n_eval=30, max_operands=(9, 9), p_follow_up=0.5, seed=4)
     tpl = sft.chat_template(TOK)
     answers, n_turns, n_right = {}, 0, 0
     for c in held_out:
@@ -551,6 +551,32 @@ def test_evaluate_exact_match_on_a_known_model():
     acc = evaluate(Oracle(answers), TOK, held_out, max_new_tokens=5, batch_size=4)
     assert acc == n_right / n_turns
 
+
+
+def test_sampled_evaluate_equals_each_draw_alone():
+    """evaluate(temperature > 0, samples=k): the mean exact match of k draws a turn, draw j of turn i
+    seeded with (seed, i, j). Against brute force: every draw decoded alone, one row (a row's draw does
+    not depend on its batch: test_generate). The model is partly trained, so its draws are neither all
+    right nor all wrong; greedy evaluation takes no samples."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic, and the 2-core machine is shared
+    try:
+        model, held_out = addition_start(200)
+        tpl = sft.chat_template(TOK)
+        acc = evaluate(model, TOK, held_out, max_new_tokens=5, batch_size=7, temperature=1.0, samples=3, seed=5)
+        turns = [(c[:k], t["content"]) for c in held_out for k, t in enumerate(c) if t["role"] == "assistant"]
+        right = 0
+        for i, (prompt, gold) in enumerate(turns):
+            x = torch.tensor([tpl.render(prompt, True)])  # (1, n)
+            for j in range(3):
+                new = generate(model, x, 5, tpl.end_id, temperature=1.0,
+                               seeds=[hash((5, i, j)) % 2**63])[0, x.shape[1]:].tolist()
+                right += tpl.end_id in new and tpl.decode(new[:new.index(tpl.end_id)]).strip() == gold
+        assert acc == right / (3 * len(turns)) and 0 < acc < 1, (acc, right)
+        with pytest.raises(ValueError, match="greedy evaluation draws one answer"):
+            evaluate(model, TOK, held_out, samples=3)
+    finally:
+        torch.set_num_threads(threads)
 
 def sft_steps(model: torch.nn.Module, ds: sft.SFTDataset, steps: int, lr: float, batch: int = 8) -> None:
     """AdamW on random packed rows, `batch` per step: 20 warm-up steps, cosine to lr/10 (as train.py)."""
@@ -569,7 +595,7 @@ def addition_start(steps: int, lr: float = 3e-3) -> tuple[torch.nn.Module, list[
     """The tiny 2-layer model after `steps` SFT steps (8 rows x 128 tokens, 1 thread: deterministic)
     on single-digit addition (4000 chats, no follow-ups), and the 20 held-out chats (never trained on)."""
     torch.manual_seed(0)
-    train, held_out = sft.arithmetic_chats(n_train=4000, n_eval=20, max_operand=9, ops=("+",),
+    train, held_out = sft.arithmetic_chats(n_train=4000, n_eval=20, max_operands=(9, 9), ops=("+",),
                                            p_follow_up=0.0, seed=0)
     model = tiny_model(seed=0)
     sft_steps(model, sft.SFTDataset(train, TOK, seq_len=128), steps, lr)
