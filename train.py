@@ -130,7 +130,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
     if args.compile:  # the layers left eager: named in the log line
-        args.eager_layers = M.compile_layers(model, packed=args.sft and args.packing == "ffd")
+        args.eager_layers = M.compile_layers(model, packed=(args.sft or args.dpo) and args.packing == "ffd")
     return model, shards, init
 
 
@@ -401,7 +401,8 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
 
     log = grid.rank == 0
     metrics = open_metrics(args.metrics, start) if args.metrics and log else None
-    tokens_per_step = args.batch_size * args.seq_len
+    # positions a step runs: --dpo --packing none has two rows a pair (--batch-size counts pairs)
+    tokens_per_step = args.batch_size * args.seq_len * (2 if args.dpo and args.packing == "none" else 1)
     fpt = cli.flops_per_token(cfg, args.seq_len)
     peak = cli.peak_flops(args, grid.device)
     eager = getattr(args, "eager_layers", [])  # compile_layers: whole layers, then "<layer>.mlp" blocks

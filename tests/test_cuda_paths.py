@@ -283,9 +283,17 @@ def test_bench_gpu_smoke(tmp_path):
     assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
 
 
-def test_log_line_names_eager_layers(capsys):
-    """--compile --ac with packed rows: train.py's first log line says that the checkpointed layers
-    run eagerly (compile_layers leaves them so), not just "compiled layers"."""
-    train.main(["--sft", "--compile", "--ac", "--steps", "0", "--seq-len", "256"])
+@pytest.mark.parametrize("mode", ["--sft", "--dpo"])
+def test_log_line_names_eager_layers(capsys, tmp_path, mode):
+    """--compile --ac with packed rows (SFT's, DPO's pairs): train.py's first log line says that the
+    checkpointed layers run eagerly (compile_layers leaves them so), not just "compiled layers"."""
+    import json
+    import dpo
+    data = []
+    if mode == "--dpo":  # 8 built-in pairs, not 1000: the reference is computed before step 0
+        (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n"
+                                                      for c, r in dpo.arithmetic_pairs(8)))
+        data = ["--data", str(tmp_path / "pairs.jsonl"), "--model", "tiny", "--batch-size", "2"]
+    train.main([mode, "--compile", "--ac", "--steps", "0", "--seq-len", "256", *data])
     line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
     assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line

@@ -183,6 +183,8 @@ def test_cp_layouts_match_single_process(tmp_path):
     all-reduce over cp gives the loss."""
     run_ranks(_main, 1, _argv(tmp_path, "padded", "--packing", "none"))
     want, norms = losses(tmp_path / "padded.jsonl"), grad_norms(tmp_path / "padded.jsonl")
+    tokens = [json.loads(line)["tokens"] for line in (tmp_path / "padded.jsonl").read_text().splitlines()]
+    assert tokens == [step * 4 * 2 * 192 for step in range(1, 5)]  # 4 pairs a step, two rows of 192 each
     assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
     for name, (world, extra) in PADDED.items():
         run_ranks(_main, world, _argv(tmp_path, name, "--packing", "none", *extra))
