@@ -316,10 +316,11 @@ def apply_dpo(chunks: list[nn.Module], beta: float, *, rows_per_pair: int = 1,
 
 # --- refinement: the trainer's glue (train.py --dpo): data, and the reference in the training layout
 def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTemplate, list]:
-    """--data's pairs, or the built-in arithmetic ones, tokenized on every rank (no cache yet)."""
+    """--data's pairs, or the built-in arithmetic ones (the SFT demo's training chats, whatever --seed),
+    tokenized on every rank (no cache yet)."""
     import data
     tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
-    ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(seed=args.seed), tpl,
+    ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(), tpl,
                      args.seq_len, args.packing)
     if grid.rank == 0:
         print(ds.report(), flush=True)

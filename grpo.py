@@ -203,15 +203,16 @@ def load_prompts(path: str) -> list[tuple[list, str]]:
 def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
     """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups), and
     for train.py's exact-match eval the built-in set's held-out questions, each in every phrasing
-    (sft.held_out_phrasings; none with --data)."""
+    (sft.held_out_phrasings; none with --data). The built-in split is the SFT demo's whatever --seed,
+    so no held-out question is ever trained on."""
     import data
     import sft
     tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
     if args.data:
         items, eval_set = load_prompts(args.data), []
     else:
-        chats, _ = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0, seed=args.seed)
-        eval_set = sft.held_out_phrasings(seed=args.seed)
+        chats, _ = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0)
+        eval_set = sft.held_out_phrasings()
         items = [(c[:-1], c[-1]["content"]) for c in chats]
     encoded = [(tpl.render(turns, True), gold) for turns, gold in items]
     fits = [(p, g) for p, g in encoded if len(p) + args.grpo_max_new <= args.seq_len]

@@ -375,3 +375,22 @@ def test_heldout_comparison_against_transformers(tmp_path, start200, capsys):
     assert f"expected reward, paired: {bench_heldout.paired(ra, rb)}" in out
     d = [y - x for x, y in zip(ra, rb)]
     assert bench_heldout.paired(ra, rb).startswith(f"{sum(d) / len(d):+.4f}")
+
+
+def test_builtin_questions_are_the_sft_demo_split():
+    """Whatever --seed, --grpo's built-in prompts are training questions of the SFT demo's split
+    (sft.arithmetic_chats' defaults) and its eval asks exactly the demo's held-out ones: a GRPO run
+    after `train.py --sft` never trains on a question its eval counts as held out."""
+    import types
+
+    import cli
+    import sft
+    from test_sft import TOK
+    question = lambda text: tuple(re.findall(r"(\d+) \+ (\d+)", text)[-1])  # noqa: E731
+    held_out = {question(next(t["content"] for t in c if t["role"] == "user")) for c in sft.arithmetic_chats()[1]}
+    for seed in (0, 3):
+        ds, _, eval_set = grpo.load(cli.parse_args(["--grpo", "--init-from", "x", "--seed", str(seed)]),
+                                    types.SimpleNamespace(rank=1))
+        trained = {question(TOK.decode(p)) for p in ds.prompts}
+        assert len(trained) > 800 and not trained & held_out
+        assert {question(c[-2]["content"]) for c in eval_set} == held_out
