@@ -323,7 +323,7 @@ def held_out_eval(model: torch.nn.Module, opt: Z.DataParallelOptimizer, eval_set
                   tpl: sft.ChatTemplate, args: argparse.Namespace, grid: G.Grid, step: int) -> dict[str, float]:
     """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs inside),
     printed on rank 0. Greedy; under --grpo also sampled as GRPO samples (its temperature, G draws a
-    question): the accuracy GRPO optimizes, which greedy decoding shows only once the mode flips."""
+    prompt): the accuracy GRPO optimizes, which greedy decoding shows only once the mode flips."""
     with G.stage("held-out eval (generation)", grid), opt.gathered():
         out = {"eval_exact_match": feed.evaluate(model, None, eval_set, template=tpl)}
         if args.grpo:
@@ -332,7 +332,7 @@ def held_out_eval(model: torch.nn.Module, opt: Z.DataParallelOptimizer, eval_set
     if grid.rank == 0:
         print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
-                 f"{args.grpo_group} draws a question)" if args.grpo else ""), flush=True)
+                 f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
     return out
 
 

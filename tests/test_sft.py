@@ -603,7 +603,7 @@ def addition_start(steps: int, lr: float = 3e-3) -> tuple[torch.nn.Module, list[
 
 
 def test_end_to_end_sft_learns_held_out_addition():
-    """Short CPU run on single-digit addition (the built-in set without follow-ups: 80 training
+    """Short CPU run on single-digit addition (the previous built-in set, no follow-ups: 80 training
     questions, 20 held-out ones never seen in training). Untrained: 0/20 exact. Measured after 400
     steps (8 rows x 128 tokens, lr 3e-3, 2 layers x 64 hidden, 1 thread, deterministic): 13/20; the
     test asks >= 10/20 (800 steps at lr 2e-3 reach 18/20 in twice the time)."""
