@@ -273,7 +273,8 @@ class Trainer:
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
         self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
                     else None)
-        self.local = torch.zeros(5, dtype=torch.float64)  # Σr, Σr², replies, right (r >= 1), reply tokens
+        # Σr, Σr², replies, right (r >= 1), reply tokens, positions (the step's rows × their length)
+        self.local = torch.zeros(6, dtype=torch.float64)
 
     def _take_keys(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
@@ -326,7 +327,8 @@ class Trainer:
         r = rewards.flatten().double()
         self.loss.sums = torch.zeros(2, dtype=torch.float64)
         self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())),
-                                  (r >= 1).sum().double(), mask.sum().double().cpu()])
+                                  (r >= 1).sum().double(), mask.sum().double().cpu(),
+                                  torch.tensor(float(ids.numel()))])
         micro = []
         for i, l, g in zip(ids.chunk(micro_batches), labels.chunk(micro_batches), adv.chunk(micro_batches)):
             mb = {"input_ids": i, "labels": l, "grpo_adv": g, "grpo_old": self.logps(i, l)}
@@ -336,17 +338,20 @@ class Trainer:
         return micro
 
     def stats(self, group: Any = None) -> dict[str, float]:
-        """The step's log over every dp rank (one all-reduce of 7 numbers; none on a group of one):
+        """The step's log over every dp rank (one all-reduce of 8 numbers; none on a group of one):
         reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
-        reply length (tokens, the end token included), mean KL and clip fraction per reply token."""
+        reply length (tokens, the end token included), mean KL and clip fraction per reply token, and
+        `positions`: the token positions the step trained on (its rows, padded, over all dp ranks;
+        train.py's tokens/s and MFU count these, not --batch-size × --seq-len)."""
         import torch.distributed as dist
         t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
-        s, s2, n, right, tokens, clipped, kl = t.tolist()
+        s, s2, n, right, tokens, positions, clipped, kl = t.tolist()
         mean = s / n
         return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
-                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1)}
+                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens, 1),
+                "clip_fraction": clipped / max(tokens, 1), "positions": positions}
 
 
 def stats_text(s: dict[str, float]) -> str:

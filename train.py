@@ -431,6 +431,8 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         if metrics:
             metrics.write(json.dumps(before) + "\n")
     t_start, bad, good = time.time(), 0, 0
+    # tokens trained so far; GRPO's steps differ in size, so a resumed GRPO run counts from its resume
+    tokens_seen = 0 if rl else tokens_per_step * start
     stopped = 0
     for step in range(start, args.steps):
         t0 = time.time()
@@ -463,7 +465,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         if logs and grid.device.type == "cuda":
             torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
         dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's
-        tps = tokens_per_step / dt
+        step_tokens = rl_stats["positions"] if rl else tokens_per_step  # GRPO: its rollouts' rows
+        tokens_seen += step_tokens
+        tps = step_tokens / dt
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             bad += 1
             if log:
@@ -483,7 +487,7 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                   f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
                   + (f" · {GR.stats_text(rl_stats)}" if rl else "") + f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_per_step * (step + 1), "tokens_per_s": tps, "step_time_s": dt, **rl_stats}
+                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **rl_stats}
         evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
         if evaluate:
             opt.finish_gathers()  # evaluation reads complete parameters

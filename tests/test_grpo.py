@@ -9,6 +9,7 @@
 - tp2 against the single process on fixed rollouts: the loss and the replicated (norm) parameters'
   gradients within 1e-5 relative (fp32; tp reorders a few sums).
 """
+import itertools
 import json
 import math
 import re
@@ -214,6 +215,9 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
         return records, W.load_hf(tmp_path / name).state_dict()
 
     want, want_params = run("single", 1)
+    longest = max(ro.labels.shape[1] for k, ro in ROLLOUTS.items() if k != "generated")
+    # 4 prompts × 4 replies a step, padded to the step's longest row: 16 rows, never the --seq-len of 48
+    assert all(r["positions"] % 16 == 0 and r["positions"] <= 16 * longest < 16 * 48 for r in want)
     generated = ROLLOUTS.pop("generated")
     assert generated == 12 and len(want) == 3  # 4 prompts × 3 steps, each sampled once
     assert all(r["reward_std"] > 0 and r["loss"] != 0 for r in want)
@@ -227,6 +231,10 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
         for g, w in zip(got, want):
             for k in ("loss", "reward_mean", "reward_std", "accuracy", "reply_len", "kl", "clip_fraction"):
                 assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (name, k)
+            # the positions trained (tokens/s counts them): tp's ranks hold the same rows; a dp rank
+            # pads its half to its own longest reply, never longer than the whole step's
+            assert g["positions"] == w["positions"] if name == "tp2" else g["positions"] <= w["positions"]
+        assert [r["tokens"] for r in got] == list(itertools.accumulate(r["positions"] for r in got))
         for n, w in want_params.items():  # in norm: AdamW turns round-off in a near-zero gradient
             # into an update of about ±lr on that element (m/√v ≈ sign g), so a few elements differ by
             # ~1e-4 at lr 1e-2 while a wrong gradient would move every element by ~lr
