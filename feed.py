@@ -227,6 +227,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
     with end_id within max_new_tokens."""
     if temperature == 0 and samples != 1:
         raise ValueError(f"greedy evaluation draws one answer per turn, not samples={samples}")
+    if samples < 1:
+        raise ValueError(f"samples={samples}: a sampled evaluation needs at least one draw per turn")
     tpl = template or sft.chat_template(tokenizer)
     device = next(model.parameters()).device
     prompts, golds = [], []

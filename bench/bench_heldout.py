@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[list[float], list[flo
     p.add_argument("--questions", type=int, default=None, help="only the first N held-out questions")
     p.add_argument("--seed", type=int, default=0, help="the built-in set's seed (train.py --seed)")
     args = p.parse_args(argv)
+    if args.questions is not None and args.questions < 1:
+        p.error(f"--questions {args.questions}: at least one question")
     tok = data.ByteTokenizer()  # the built-in demo's
     tpl = sft.chat_template(tok)
     chats = sft.held_out_phrasings(seed=args.seed)[:None if args.questions is None else args.questions * PHRASINGS]

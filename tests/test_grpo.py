@@ -358,6 +358,8 @@ def test_heldout_comparison_against_transformers(tmp_path, start200, capsys):
         other.lm_head.weight.add_(0.05 * torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
     W.save_hf(start.state_dict(), start.config, tmp_path / "a")
     W.save_hf(other.state_dict(), other.config, tmp_path / "b")
+    with pytest.raises(SystemExit):  # argparse's one message and exit status 2
+        bench_heldout.main([str(tmp_path / "a"), "--questions", "0"])
     got = bench_heldout.main([str(tmp_path / "a"), str(tmp_path / "b"), "--questions", "3"])
     tpl = sft.chat_template(TOK)
     chats = sft.held_out_phrasings()[:3 * bench_heldout.PHRASINGS]

@@ -575,6 +575,8 @@ def test_sampled_evaluate_equals_each_draw_alone():
         assert acc == right / (3 * len(turns)) and 0 < acc < 1, (acc, right)
         with pytest.raises(ValueError, match="greedy evaluation draws one answer"):
             evaluate(model, TOK, held_out, samples=3)
+        with pytest.raises(ValueError, match="at least one draw per turn"):
+            evaluate(model, TOK, held_out, temperature=1.0, samples=0)
     finally:
         torch.set_num_threads(threads)
 
