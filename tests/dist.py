@@ -2,6 +2,7 @@
 
     results = run_ranks(fn, world_size=4, *args)   # fn(rank, world_size, *args) -> picklable
     result = run_alone([folder], "module", "fn", *args)  # as if only `folder` were importable
+    reinit()                                       # inside fn: a fresh default group, no new port
 
 Ranks are forked from the already-imported test process (about 3x cheaper than spawning fresh
 interpreters on a 2-core machine) and pinned to one intra-op thread each, so 8 ranks fit on 2 cores.
@@ -15,7 +16,6 @@ import importlib
 import os
 import pickle
 import queue
-import socket
 import sys
 import traceback
 from typing import Any, Callable
@@ -25,17 +25,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HELD: dict[str, Any] = {}  # in a forked rank: the store client, the rank, the world, groups made
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict) -> None:
+def reinit(**kwargs: Any) -> None:
+    """Form the default group (again) inside a forked rank, after train.main destroyed it, on the
+    store rank 0 opened: each group under its own key prefix, with no new port to find."""
+    _HELD["made"] += 1
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"group{_HELD['made']}/", _HELD["store"]),
+                            rank=_HELD["rank"], world_size=_HELD["world"], **kwargs)
+
+
+def _worker(fn: Callable, rank: int, world: int, port: Any, ready: Any, q: Any, args: tuple,
+            kwargs: dict) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        # Rank 0 serves the store on a port the OS picks as it binds, and hands it over in shared
+        # memory. A port picked first and bound later can be taken in between by any gloo connection
+        # (EADDRINUSE). The parent serves nothing: a child forked beside a server thread can inherit
+        # a libc lock that thread held (seen: a rank stuck in the resolver's lock, forever).
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+            port.value = store.port
+            ready.set()
+        else:
+            if not ready.wait(timeout=120):
+                raise TimeoutError("rank 0 opened no store within 120 s")
+            store = dist.TCPStore("127.0.0.1", port.value, world, is_master=False)
+        _HELD.update(store=store, rank=rank, world=world, made=0)
+        reinit()
         result = fn(rank, world, *args, **kwargs)
         # plain pickle copies tensor data; the queue's own pickler would pass shared-memory
         # handles that die with this process at os._exit
@@ -56,8 +74,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     ordered by rank."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, q, args, kwargs), daemon=True)
+    port, ready = ctx.Value("i", 0), ctx.Event()  # rank 0's store port, set once it listens
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, ready, q, args, kwargs), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -36,7 +36,7 @@ import grid as G
 import model as M
 import train
 import weights as W
-from dist import free_port, run_ranks
+from dist import reinit, run_ranks
 from test_model import assert_close
 from test_moe_models import hf_model
 from test_train import _main, assert_curve, losses
@@ -48,11 +48,11 @@ def grad_norms(path) -> list[float]:
     return [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()]
 
 
-def _mains(rank: int, world: int, runs: list[tuple[list[str], int]]) -> None:
+def _mains(rank: int, world: int, runs: list[list[str]]) -> None:
     """train.main for each argv in turn; each run destroys its process group, the next makes one."""
-    for argv, port in runs:
+    for argv in runs:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            reinit()
         train.main(argv)
 
 
@@ -80,7 +80,7 @@ def test_ep_layouts_resume_and_export_equal_single_process(tmp_path):
         "resume_ep4": ["--ep", "4", "--resume", str(saved), "--zero", "2"],
         "resume_ep2": ["--ep", "2", "--resume", str(saved)],
     }
-    run_ranks(_mains, 4, [(argv(name, *flags), free_port()) for name, flags in layouts.items()], timeout=240)
+    run_ranks(_mains, 4, [argv(name, *flags) for name, flags in layouts.items()], timeout=240)
     for name in layouts:
         done = slice(2 if name.startswith("resume") else 0, None)  # a resumed run logs steps 3-4
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want[done])

@@ -23,7 +23,7 @@ import model as M
 import sft
 import train
 import weights as W
-from dist import free_port, run_ranks
+from dist import reinit, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = M.PRESETS["tiny"]
@@ -329,15 +329,14 @@ def test_skipped_run_fails_and_resumed_eta_counts_own_steps(tmp_path, capfd):
     assert "ETA 10s" in out.split("step 4/5")[1].splitlines()[0]
 
 
-def _data_wait_main(rank: int, world: int, port: int, tmp: str) -> list[str]:
+def _data_wait_main(rank: int, world: int, tmp: str) -> list[str]:
     """The default group gets a 3 s timeout; rank 0 prepares for 6 s. A barrier of the default group
     would time out (as NCCL's watchdog kills the waiting ranks); the gloo wait does not."""
     import datetime
     import time
     import torch.distributed as dist
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=3))
+    reinit(timeout=datetime.timedelta(seconds=3))
     grid = G.Grid(rank=rank, world=world, device=torch.device("cpu"))
     slow = data.prepare
     data.prepare = lambda *a, **k: time.sleep(6) or slow(*a, **k)
@@ -358,7 +357,7 @@ def _data_wait_main(rank: int, world: int, port: int, tmp: str) -> list[str]:
 
 def test_ranks_wait_for_data_preparation_beyond_the_timeout_then_check_they_see_it(tmp_path):
     write(tmp_path / "c.jsonl", ["some text, long enough for rows"] * 3)
-    r0, r1 = run_ranks(_data_wait_main, 2, free_port(), str(tmp_path), timeout=120)
+    r0, r1 = run_ranks(_data_wait_main, 2, str(tmp_path), timeout=120)
     assert r0[0] == r1[0]  # both read the folder rank 0 prepared
     assert r0[1] == r1[1] and r0[1].startswith("ranks [1] do not see the data rank 0 prepared at ")
     assert "multi-node run needs --data on a filesystem every node shares" in r0[1]
