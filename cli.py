@@ -142,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "copy of the initial weights (default 0: off)")
     a("--grpo-temperature", type=float, default=None, help="--grpo: sampling temperature (default 1.0)")
     a("--grpo-max-new", type=int, default=None, help="--grpo: reply tokens at most (default 8)")
+    a("--grpo-updates", type=int, default=None, help="--grpo: optimizer updates per rollout batch, DeepSeekMath's "
+                                                     "μ (default 1); from the second the ratio leaves 1 and the "
+                                                     "clip acts")
     a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' of (reply, gold) → "
                                        "float (default grpo:arithmetic_reward, exact match)")
     a("--timeout", type=float, default=600.0,
@@ -398,7 +401,7 @@ def validate_dpo(args: argparse.Namespace) -> list[str]:
 
 
 GRPO_DEFAULTS = {"grpo_group": 8, "grpo_clip": 0.2, "grpo_kl": 0.0, "grpo_temperature": 1.0, "grpo_max_new": 8,
-                 "verifier": "grpo:arithmetic_reward"}
+                 "grpo_updates": 1, "verifier": "grpo:arithmetic_reward"}
 
 
 def validate_grpo(args: argparse.Namespace) -> list[str]:
@@ -424,8 +427,9 @@ def validate_grpo(args: argparse.Namespace) -> list[str]:
         errors.append("--sp with --grpo: a decode step's one token cannot be split over the tp ranks; drop --sp")
     if args.grpo_group < 2:
         errors.append(f"--grpo-group must be >= 2 (a group of one has advantage 0), got {args.grpo_group}")
-    if args.grpo_max_new < 1:
-        errors.append(f"--grpo-max-new must be >= 1, got {args.grpo_max_new}")
+    for flag in ("grpo_max_new", "grpo_updates"):
+        if getattr(args, flag) < 1:
+            errors.append(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("grpo_clip", "grpo_temperature"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
             errors.append(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")

@@ -24,9 +24,11 @@ Reference
     Schulman 2020, "Approximating KL Divergence" (k3); Yu et al. 2025, "DAPO" (token-level loss).
 
     The trainer (refinement below): each step the policy itself samples in the training process (no
-    weight sync), `Trainer.rollout_batch` scores, normalizes and takes the old log-probs (no grad;
-    one update per rollout batch, so the ratio starts at 1), and the loss runs through the model's
-    `loss_fn` seam (GRPOLoss), as dpo.py's does. Layouts: dp, tp, ZeRO-0..2 (cli.py refuses the rest).
+    weight sync), `Trainer.rollout_batch` scores, normalizes and takes the old log-probs (no grad),
+    and the loss runs through the model's `loss_fn` seam (GRPOLoss), as dpo.py's does. train.py makes
+    μ optimizer updates on each rollout batch (--grpo-updates, default 1). The ratio is 1 at the
+    first; from the second the policy has moved and the clip acts. Layouts: dp, tp, ZeRO-0..2
+    (cli.py refuses the rest).
 
 Run
     python train.py --sft --export-hf out/sft && python train.py --grpo --init-from out/sft   # the demo
@@ -47,6 +49,8 @@ Invariants
       (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
       losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
       test_trainer_layouts_equal_single_process_on_fixed_rollouts).
+    - μ = 2 updates a rollout batch equal the same two updates written out with torch.optim.AdamW,
+      the old log-probs the rollout policy's (tests/test_grpo.py::test_updates_reuse_the_rollout).
     - A short train.py --grpo run from a partly trained start raises the expected exact-match reward
       on its arithmetic questions (tests/test_grpo.py::test_short_run_raises_the_arithmetic_reward).
     - On the built-in questions, train.py scores the held-out ones before step 1 and after the last,
@@ -340,18 +344,19 @@ class Trainer:
     def stats(self, group: Any = None) -> dict[str, float]:
         """The step's log over every dp rank (one all-reduce of 8 numbers; none on a group of one):
         reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
-        reply length (tokens, the end token included), mean KL and clip fraction per reply token, and
-        `positions`: the token positions the step trained on (its rows, padded, over all dp ranks;
-        train.py's tokens/s and MFU count these, not --batch-size × --seq-len)."""
+        reply length (tokens, the end token included), mean KL and clip fraction per reply token over
+        the step's μ updates, and `positions`: the token positions the step trained on (its rows,
+        padded, over all dp ranks, times μ; train.py's tokens/s and MFU count these, not
+        --batch-size × --seq-len)."""
         import torch.distributed as dist
         t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
         s, s2, n, right, tokens, positions, clipped, kl = t.tolist()
-        mean = s / n
+        mean, mu = s / n, self.args.grpo_updates  # the loss ran μ times over the step's reply tokens
         return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
-                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens, 1),
-                "clip_fraction": clipped / max(tokens, 1), "positions": positions}
+                "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens * mu, 1),
+                "clip_fraction": clipped / max(tokens * mu, 1), "positions": positions * mu}
 
 
 def stats_text(s: dict[str, float]) -> str:

@@ -445,23 +445,28 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         with G.stage("counting the step's target tokens (dp all-reduce)", grid):
             # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
-        with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
-            loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
-                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
-                                   peer_groups=grid.pp_peers)
-        with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
-            opt.finish()  # dp / ZeRO reductions land
-            if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
-                dist.all_reduce(loss, group=grid.dp_group)
-        rl_stats = rl.stats(grid.dp_group) if rl else {}
-        meter.settle()  # nothing in flight: the one point of the step where the meter may restart
-        loss_host = feed.host_copy(loss)  # read after the step's sync, below: free
         lr = cli.lr_at(step, args)
-        meter.phase("step")
-        with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
-            grad_norm = opt.step(lr)  # the step's one host sync: the grad norm decides the update
+        losses, norms = [], []
+        # GRPO: μ optimizer updates on one rollout batch (--grpo-updates). The old log-probs stay the
+        # rollout policy's, so from the second update on the ratio leaves 1 and the clip acts.
+        for _ in range(args.grpo_updates if rl else 1):
+            with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
+                loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
+                                       seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                                       peer_groups=grid.pp_peers)
+            with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
+                opt.finish()  # dp / ZeRO reductions land
+                if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
+                    dist.all_reduce(loss, group=grid.dp_group)
+            meter.settle()  # nothing in flight: the one point of an update where the meter may restart
+            losses.append(feed.host_copy(loss))  # read after the update's sync, below: free
+            meter.phase("step")
+            with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
+                norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
+        rl_stats = rl.stats(grid.dp_group) if rl else {}
         meter.phase(None)  # logging, eval: not training memory
-        loss_value = float(loss_host)
+        # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
+        loss_value, grad_norm = sum(map(float, losses)) / len(losses), sum(norms) / len(norms)
         if logs and grid.device.type == "cuda":
             torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
         dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's

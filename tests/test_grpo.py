@@ -21,6 +21,7 @@ import grpo
 import model as M
 import weights as W
 from dist import run_ranks
+from test_model import assert_close
 
 
 def test_advantages():
@@ -150,6 +151,7 @@ def test_flags_refused(tmp_path, capsys):
     assert "--grpo-group must be >= 2" in errors("--grpo", "--grpo-group", "1")
     assert "--grpo-kl must be >= 0" in errors("--grpo", "--grpo-kl", "-1")
     assert "--grpo-clip must be > 0" in errors("--grpo", "--grpo-clip", "0")
+    assert "--grpo-updates must be >= 1" in errors("--grpo", "--grpo-updates", "0")
     assert "--verifier: " in errors("--grpo", "--verifier", "grpo:nope")
     assert "go with --grpo" in errors("--grpo-group", "4")
     # --resume: a checkpoint of another training (--sft, --dpo, --grpo) is refused before any heavy
@@ -181,6 +183,25 @@ def _replay(real):
     return rollout
 
 
+def trainer_argv(tmp_path, name: str, *extra: str) -> list[str]:
+    """train.main --grpo on a tiny random model (its save_pretrained folder) and 6 prompts, written to
+    tmp_path the first time: 4 prompts a step, G 4, KL 0.1 to the initial weights, lr 1e-2 constant,
+    the uneven char_reward; the metrics and the export named after the run."""
+    if not (tmp_path / "init").exists():
+        cfg = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            initializer_range=0.3)
+        W.save_hf(W.materialize(M.build(cfg), "cpu", seed=0).state_dict(), cfg, tmp_path / "init")
+        (tmp_path / "prompts.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2)]))
+    return ["--grpo", "--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "prompts.jsonl"),
+            "--seq-len", "48", "--batch-size", "4", "--lr", "1e-2", "--warmup", "0", "--grpo-group", "4",
+            "--grpo-max-new", "5", "--grpo-kl", "0.1", "--verifier", "test_grpo:char_reward",
+            "--log-every", "100", "--metrics", str(tmp_path / f"{name}.jsonl"),
+            "--export-hf", str(tmp_path / name), *extra]
+
+
 def _grpo_main(rank: int, world: int, argv: list[str]) -> dict:
     import train
     train.main(argv)
@@ -188,27 +209,15 @@ def _grpo_main(rank: int, world: int, argv: list[str]) -> dict:
 
 
 def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkeypatch):
-    """train.main --grpo, 3 steps: the single process samples (the rollouts recorded); tp2,
-    dp2·zero1 and dp2·zero2 replay the same replies. Every step's loss, reward log and the updated parameters
-    within 1e-5 relative (fp32; tp and dp reorder sums; the parameters in norm, see below). KL to the
-    initial weights is on."""
-    import json
-    cfg = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                        initializer_range=0.3)
-    W.save_hf(W.materialize(M.build(cfg), "cpu", seed=0).state_dict(), cfg, tmp_path / "init")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
-                               for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2)]))
+    """train.main --grpo, 3 steps of 2 updates each (--grpo-updates 2): the single process samples
+    (the rollouts recorded); tp2, dp2·zero1 and dp2·zero2 replay the same replies. Every step's loss,
+    reward log and the updated parameters within 1e-5 relative (fp32; tp and dp reorder sums; the
+    parameters in norm, see below). KL to the initial weights is on; the clip acts."""
     monkeypatch.setattr(grpo, "rollout", _replay(grpo.rollout))
     ROLLOUTS.clear()
 
     def run(name: str, world: int, *extra: str) -> tuple[list[dict], dict]:
-        argv = ["--grpo", "--init-from", str(tmp_path / "init"), "--data", str(prompts), "--seq-len", "48",
-                "--batch-size", "4", "--steps", "3", "--lr", "1e-2", "--warmup", "0", "--grpo-group", "4",
-                "--grpo-max-new", "5", "--grpo-kl", "0.1", "--verifier", "test_grpo:char_reward",
-                "--log-every", "100", "--metrics", str(tmp_path / f"{name}.jsonl"),
-                "--export-hf", str(tmp_path / name), *extra]
+        argv = trainer_argv(tmp_path, name, "--steps", "3", "--grpo-updates", "2", *extra)
         got = run_ranks(_grpo_main, world, argv)[0]
         ROLLOUTS.update(got)
         records = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
@@ -216,14 +225,16 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
 
     want, want_params = run("single", 1)
     longest = max(ro.labels.shape[1] for k, ro in ROLLOUTS.items() if k != "generated")
-    # 4 prompts × 4 replies a step, padded to the step's longest row: 16 rows, never the --seq-len of 48
-    assert all(r["positions"] % 16 == 0 and r["positions"] <= 16 * longest < 16 * 48 for r in want)
+    # 4 prompts × 4 replies a step, padded to the step's longest row: 16 rows, never the --seq-len of
+    # 48, trained twice
+    assert all(r["positions"] % 32 == 0 and r["positions"] <= 32 * longest < 32 * 48 for r in want)
     generated = ROLLOUTS.pop("generated")
     assert generated == 12 and len(want) == 3  # 4 prompts × 3 steps, each sampled once
     assert all(r["reward_std"] > 0 and r["loss"] != 0 for r in want)
     start = W.load_hf(tmp_path / "init").state_dict()
     assert all((want_params[n] - start[n]).abs().max() > 1e-4 for n in start)  # the steps moved every tensor
-    assert want[-1]["kl"] > 0 and want[0]["kl"] == 0  # the policy leaves the reference after step 1
+    # each step's second update: the policy has left the reference and the sampling policy
+    assert all(r["kl"] > 0 and r["clip_fraction"] > 0 for r in want)
     for name, world, extra in (("tp2", 2, ["--tp", "2"]), ("dp2-zero1", 2, ["--zero", "1"]),
                                ("dp2-zero2", 2, ["--zero", "2"])):
         got, params = run(name, world, *extra)
@@ -239,6 +250,47 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
             # into an update of about ±lr on that element (m/√v ≈ sign g), so a few elements differ by
             # ~1e-4 at lr 1e-2 while a wrong gradient would move every element by ~lr
             assert (params[n] - w).norm() <= 1e-5 * w.norm(), (name, n)
+
+
+def test_updates_reuse_the_rollout(tmp_path, monkeypatch):
+    """--grpo-updates 2: one step, two AdamW updates on one rollout batch. The same two written out
+    here from the recorded batch (ids, labels, advantages): the old log-probs the initial model's
+    (the rollout policy's in both updates, never the policy's of the moment), grpo_loss over the
+    step's reply tokens with the KL to the initial model, torch.optim.AdamW (no decay, no clipping).
+    The logged loss, KL and clip fraction (the updates' means) within 1e-5, the exported parameters
+    within 1e-5 relative in norm (why in norm: the layout test above). The first update's ratio is 1;
+    the second's leaves [1 − ε, 1 + ε] on some tokens, so the clip acts: old log-probs taken anew
+    before each update would make both ratios 1 and fail the comparison."""
+    recorded: list = []
+    real = grpo.Trainer.batch
+    monkeypatch.setattr(grpo.Trainer, "batch", lambda self, *a: recorded.append(real(self, *a)) or recorded[-1])
+    argv = trainer_argv(tmp_path, "mu2", "--steps", "1", "--grpo-updates", "2", "--grpo-clip", "0.05",
+                        "--weight-decay", "0", "--clip", "0")
+    [[micro]] = run_ranks(lambda rank, world: (_grpo_main(rank, world, argv), recorded)[1], 1)
+    [log] = [json.loads(x) for x in (tmp_path / "mu2.jsonl").read_text().splitlines()]
+
+    model = W.load_hf(tmp_path / "init")
+    ids, labels, adv = (torch.cat([mb[k] for mb in micro]) for k in ("input_ids", "labels", "grpo_adv"))
+    mask = labels != -100
+    with torch.no_grad():
+        old = grpo.token_logps(model, ids, labels)  # the rollout policy: the initial model
+    assert_close(torch.cat([mb["grpo_old"] for mb in micro]), old)
+    assert_close(torch.cat([mb["grpo_ref"] for mb in micro]), old)  # the KL's reference: the same model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    stats = []
+    for _ in range(2):
+        loss, s = grpo.grpo_loss(grpo.token_logps(model, ids, labels), old, adv, mask, int(mask.sum()),
+                                 clip_eps=0.05, kl_beta=0.1, ref_logp=old)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        stats.append((loss.item(), s.kl.item(), s.clip_fraction.item()))
+    assert stats[0][2] == 0 and stats[1][2] > 0 and stats[1][1] > 0  # update 2: the ratio moved, the clip acts
+    for key, want in zip(("loss", "kl", "clip_fraction"), (sum(x) / 2 for x in zip(*stats))):
+        assert log[key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    got = W.load_hf(tmp_path / "mu2").state_dict()
+    for n, w in model.state_dict().items():
+        assert (got[n] - w).norm() <= 1e-5 * w.norm(), n
 
 
 def expected_reward(model: torch.nn.Module, prompts: list[list[int]], golds: list[list[int]]) -> float:
