@@ -33,6 +33,8 @@ What it does
        partial: DPOLoss all-reduces them over the cp group, tp's g then f (forward and backward a sum).
     The step loss = Σ pair losses / pairs of the whole step (all micro-batches, all dp ranks; every
     cp rank counts its replica's pairs and holds their whole losses, so each weighs 1/cp).
+    The step's log (`DPOLoss.stats`): the implicit rewards r̂ = β(π − r) of the chosen and rejected
+    replies, their margin, and the share of pairs the policy ranks right (r̂_c > r̂_r).
     Layouts: tp/sp, pp (the loss on the last stage), dp, ZeRO-0..3 and cp as in training; packed
     rows under cp are refused (cli.py).
 
@@ -58,7 +60,8 @@ Invariants
       (tests/test_dpo.py::test_sequence_logps_match_transformers).
     - tp2, pp2, zero2 and dp2 give the single process's losses within 1e-5 (tests/test_dpo.py::
       test_layouts_match_single_process); with --packing none, so do cp2 and cp2·dp2
-      (test_cp_layouts_match_single_process).
+      (test_cp_layouts_match_single_process). The logged rewards too, and they equal the formula on
+      fixed log-probs (test_formula_and_ln2).
 """
 from __future__ import annotations
 
@@ -264,6 +267,7 @@ class DPOLoss:
         self.seq: torch.Tensor | None = None
         self.ref: torch.Tensor | None = None
         self.record: list[torch.Tensor] | None = None
+        self.sums = torch.zeros(4, dtype=torch.float64)  # the log: Σ r̂_c, Σ r̂_r, pairs with r̂_c > r̂_r, pairs
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  reduction: str = "mean") -> torch.Tensor:
@@ -285,11 +289,36 @@ class DPOLoss:
             self.record.append(sums[0].detach())
             return sums.new_zeros(())
         pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in sums)  # (B, S//2, 2)
-        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)  # (B, S//2)
-        losses = losses[pairs_of(seq)]  # (pairs,)
+        keep = pairs_of(seq)  # (B, S//2)
+        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)[keep]  # (pairs,)
+        with torch.no_grad():  # the implicit rewards r̂ = β(π − r), chosen and rejected: the step's log
+            r_c, r_r = (self.beta * (pol[..., h] - ref[..., h])[keep] for h in (0, 1))  # (pairs,) each
+            step = torch.stack([r_c.sum(), r_r.sum(), (r_c > r_r).sum(), keep.sum()]).double()  # (4,)
+            self.sums = self.sums.to(step.device) + step  # stays on the device: no host read here
         if reduction == "none":
             return losses
         return losses.sum() if reduction == "sum" else losses.mean()
+
+
+    def stats(self, device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """The step's implicit rewards r̂ = β(π − r) over `group`'s pairs, then cleared: the mean
+        chosen and rejected r̂, their mean margin, and the share of pairs whose chosen r̂ is the higher
+        (0 at step 1, where π = r). One all-reduce of 4 numbers. `group` must hold every rank that
+        computed pair losses (train.py: the whole world). tp and cp peers hold the same pairs, so they
+        weigh the counts as the sums; pp stages without the head add zeros."""
+        t, self.sums = self.sums.to(device), torch.zeros(4, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        chosen, rejected, right, pairs = t.tolist()
+        pairs = max(pairs, 1.0)
+        return {"reward_chosen": chosen / pairs, "reward_rejected": rejected / pairs,
+                "reward_margin": (chosen - rejected) / pairs, "reward_accuracy": right / pairs}
+
+
+def stats_text(s: dict[str, float]) -> str:
+    """The step line's DPO part."""
+    return (f"reward chosen {s['reward_chosen']:+.3f} rejected {s['reward_rejected']:+.3f} · "
+            f"margin {s['reward_margin']:+.3f} · acc {s['reward_accuracy']:.1%}")
 
 
 def _take_keys(loss: DPOLoss, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -392,9 +392,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
     # the loss, chosen once: tokens (pretraining, SFT) or preference pairs (--dpo: the loss_fn seam)
     count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
+    preference = None  # --dpo: the DPO loss, which also sums the step's implicit rewards for the log
     if args.dpo:
         with G.stage("DPO reference log-probs (one forward over every pair)", grid):
-            DPO.prepare(chunks, ds, args, grid)
+            preference = DPO.prepare(chunks, ds, args, grid)
     # --grpo: the step's batch is made by sampling from the policy itself (grpo.Trainer.rollout_batch),
     # the sampler giving prompt indices; the loss is grpo's through the same loss_fn seam
     rl = GR.Trainer(model, args, tpl, grid.device) if args.grpo else None
@@ -463,14 +464,15 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             meter.phase("step")
             with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
                 norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
-        rl_stats = rl.stats(grid.dp_group) if rl else {}
+        # GRPO's rewards over dp (tp ranks hold the same rows); DPO's over the world (the head's pp stage)
+        step_stats = rl.stats(grid.dp_group) if rl else preference.stats(grid.device) if preference else {}
         meter.phase(None)  # logging, eval: not training memory
         # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
         loss_value, grad_norm = sum(map(float, losses)) / len(losses), sum(norms) / len(norms)
         if logs and grid.device.type == "cuda":
             torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
         dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's
-        step_tokens = rl_stats["positions"] if rl else tokens_per_step  # GRPO: its rollouts' rows
+        step_tokens = step_stats["positions"] if rl else tokens_per_step  # GRPO: its rollouts' rows
         tokens_seen += step_tokens
         tps = step_tokens / dt
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -490,9 +492,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
                   f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
-                  + (f" · {GR.stats_text(rl_stats)}" if rl else "") + f" · ETA {eta:.0f}s", flush=True)
+                  + (f" · {GR.stats_text(step_stats)}" if rl else f" · {DPO.stats_text(step_stats)}"
+                     if preference else "") + f" · ETA {eta:.0f}s", flush=True)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **rl_stats}
+                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **step_stats}
         evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
         if evaluate:
             opt.finish_gathers()  # evaluation reads complete parameters

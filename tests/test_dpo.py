@@ -35,6 +35,9 @@ CFG = M.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hi
                     initializer_range=0.1)
 
 
+REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")  # the step log's
+
+
 def pairs(n: int = 6, seed: int = 0) -> list[dpo.Pair]:
     return dpo.arithmetic_pairs(n, seed=seed, n_eval=4, max_operands=(9, 9), ops=("+", "-"), p_follow_up=0.3)
 
@@ -70,6 +73,25 @@ def test_formula_and_ln2():
     assert torch.equal(per_pair, torch.full((n,), math.log(2.0)))
     mean = model(b["input_ids"], labels=b["labels"], reduction="mean", **kw)
     assert mean.item() == pytest.approx(math.log(2))
+
+    # the log's implicit rewards r̂ = β(π − r): all 0 while π = r; then the formula on fixed log-probs
+    assert loss.stats(torch.device("cpu")) == dict.fromkeys(REWARDS, 0.0)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        loss.record = []
+        model(b["input_ids"], labels=b["labels"], **kw)  # the moved policy's sums, as the reference's
+    ref = ds.ref.clone()  # (pairs, 2): r_c, r_r
+    ds.set_reference(list(range(len(ds))), loss.record[0])
+    pi, ds.ref, loss.record = ds.ref.double(), ref, None  # π_c, π_r by pair
+    model(b["input_ids"], labels=b["labels"], reduction="sum", **kw)
+    r_hat = 0.5 * (pi - ref.double())  # (pairs, 2): β(π − r), chosen and rejected
+    right = (r_hat[:, 0] > r_hat[:, 1]).double().mean().item()
+    assert 0 < right < 1  # some pairs each way: the comparison's direction is checked
+    want = {"reward_chosen": r_hat[:, 0].mean().item(), "reward_rejected": r_hat[:, 1].mean().item(),
+            "reward_margin": (r_hat[:, 0] - r_hat[:, 1]).mean().item(), "reward_accuracy": right}
+    assert loss.stats(torch.device("cpu")) == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_sequence_logps_match_transformers(tmp_path):
@@ -161,13 +183,30 @@ def _argv(tmp_path, name: str, *extra: str) -> list[str]:
 
 
 def test_layouts_match_single_process(tmp_path):
+    """Also the step log's implicit rewards: 0 at step 1 (π = r); the layouts' within 1e-5."""
     run_ranks(_main, 1, _argv(tmp_path, "single"))
     want = losses(tmp_path / "single.jsonl")
     assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
+    rewards = records(tmp_path / "single.jsonl")
+    assert [rewards[0][k] for k in REWARDS] == [0.0] * 4
+    assert rewards[-1]["reward_margin"] > 0 and rewards[-1]["reward_accuracy"] > 0  # the chosen replies gain
     for name, extra in LAYOUTS.items():
         run_ranks(_main, 2, _argv(tmp_path, name, *extra))
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
         assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), grad_norms(tmp_path / "single.jsonl"))
+        assert_rewards(tmp_path / f"{name}.jsonl", tmp_path / "single.jsonl")
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_rewards(got, want) -> None:
+    """The implicit-reward log of every step within 1e-5, relative or absolute. Absolute, because
+    r̂ = β(π − r) is a difference of fp32 sums about 20 in size: their round-off (~1e-6 relative, so
+    ~2e-5 absolute) does not shrink with the difference (measured 3.1e-6 on a margin of 0.21 at cp2)."""
+    for g, w in zip(records(got), records(want), strict=True):
+        assert {k: g[k] for k in REWARDS} == pytest.approx({k: w[k] for k in REWARDS}, rel=1e-5, abs=1e-5)
 
 
 def grad_norms(path) -> list[float]:
@@ -190,3 +229,4 @@ def test_cp_layouts_match_single_process(tmp_path):
         run_ranks(_main, world, _argv(tmp_path, name, "--packing", "none", *extra))
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
         assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), norms)
+        assert_rewards(tmp_path / f"{name}.jsonl", tmp_path / "padded.jsonl")  # cp ranks count pairs alike
