@@ -130,13 +130,22 @@ class Rollout:
         keep = self.labels != IGNORE_INDEX  # (N, S + n - 1)
         return [row[k].tolist() for row, k in zip(self.labels, keep)]
 
+    def split(self, group: int) -> list[Rollout]:
+        """One Rollout per prompt, its G rows (a row past its end token holds only the end token)."""
+        return [Rollout(i, l, self.prompt_len) for i, l in zip(self.ids.split(group), self.labels.split(group))]
+
+
+def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
+    """The sampling seed of each of P·G replies: reply j of prompt p draws with (seed, p, j)."""
+    return [hash((seed, p, j)) % 2**63 for p in range(prompts) for j in range(group)]
+
 
 def rollout(model: torch.nn.Module, prompts: torch.Tensor, group: int, max_new_tokens: int, end_id: int,
-            seed: int, temperature: float = 1.0, top_k: int | None = None) -> Rollout:
-    """prompts (P, S) of one length → P·G sampled replies (model.generate with the KV cache); reply
-    j of prompt p draws with seed (seed, p, j), so a reply never depends on the batch it is in."""
+            seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> Rollout:
+    """prompts (P, S) of one length → P·G sampled replies (model.generate with the KV cache), reply
+    i drawing with seeds[i] (P·G of them, e.g. reply_seeds): a reply depends on its prompt and seed,
+    never on the batch it is in."""
     P, S = prompts.shape
-    seeds = [hash((seed, p, j)) % 2**63 for p in range(P) for j in range(group)]
     out = generate(model, prompts.repeat_interleave(group, dim=0), max_new_tokens, end_id,
                    temperature=temperature, top_k=top_k, seeds=seeds)  # (P·G, S + n)
     labels = out[:, 1:].clone()  # (N, S + n - 1): position t predicts out[t + 1]
@@ -306,17 +315,23 @@ class Trainer:
                       micro_batches: int) -> list[dict[str, torch.Tensor]]:
         """This dp rank's prompts → G replies each (reply j of prompt r draws with the seed of
         (--seed, step, r, j): the same in every layout), scored, as right-padded rows split into
-        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref)."""
-        a = self.args
+        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref). Prompts of one length
+        are sampled in one generate call (it takes no padding); each keeps its own seeds."""
+        a, G = self.args, self.args.grpo_group
         opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
-        ros, rewards = [], []
-        for r in rows:
-            prompt = torch.tensor([ds.prompts[r]], device=self.device)  # (1, S_r)
-            ro = rollout(self.model, prompt, a.grpo_group, a.grpo_max_new, self.tpl.end_id,
-                         seed=hash((a.seed, step, r)) % 2**63, temperature=a.grpo_temperature)
-            ros.append(ro)
-            rewards.append(self.score(ro, ds.golds[r]))
-        return self.batch(ros, torch.stack(rewards), micro_batches)
+        by_len: dict[int, list[int]] = {}  # prompt length → positions in `rows`
+        for i, r in enumerate(rows):
+            by_len.setdefault(len(ds.prompts[r]), []).append(i)
+        ros: list[Rollout | None] = [None] * len(rows)
+        for idx in by_len.values():
+            prompts = torch.tensor([ds.prompts[rows[i]] for i in idx], device=self.device)  # (P, S)
+            seeds = [s for i in idx for s in reply_seeds(hash((a.seed, step, rows[i])) % 2**63, 1, G)]
+            out = rollout(self.model, prompts, G, a.grpo_max_new, self.tpl.end_id, seeds,
+                          temperature=a.grpo_temperature)
+            for i, ro in zip(idx, out.split(G)):
+                ros[i] = ro
+        rewards = torch.stack([self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)])  # (P, G)
+        return self.batch(ros, rewards, micro_batches)
 
     @torch.no_grad()
     def batch(self, ros: list[Rollout], rewards: torch.Tensor,

@@ -75,9 +75,15 @@ def test_rollout_and_reward():
     model = W.materialize(M.build(cfg), "cpu", seed=0)
     prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
     end = int(M.generate(model, prompts, 1)[0, -1])  # a token the model emits: some replies end
-    a = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seed=7, temperature=1.5)
-    b = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seed=7, temperature=1.5)
+    seeds = grpo.reply_seeds(7, 2, 3)
+    a = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seeds=seeds, temperature=1.5)
+    b = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seeds=seeds, temperature=1.5)
     assert torch.equal(a.ids, b.ids) and a.ids.shape[0] == 6
+    # prompt 1 alone, with its seeds, gets the same replies (the trainer batches prompts of one length)
+    alone = grpo.rollout(model, prompts[1:], group=3, max_new_tokens=6, end_id=end, seeds=seeds[3:], temperature=1.5)
+    w = alone.ids.shape[1]
+    assert torch.equal(a.split(3)[1].ids[:, :w], alone.ids) and (a.ids[3:, w:] == end).all()
+    assert torch.equal(a.split(3)[1].labels[:, :w - 1], alone.labels) and (a.labels[3:, w - 1:] == -100).all()
     assert torch.equal(a.ids[::3, :4], prompts) and torch.equal(a.ids[:3, :4], prompts[0].expand(3, 4))
     for row, rep in zip(a.ids.tolist(), a.replies()):
         new = row[4:]
@@ -118,7 +124,8 @@ def test_tp2_equals_single_process_on_fixed_rollouts(tmp_path):
     model = W.materialize(M.build(cfg), "cpu", seed=0)
     W.save_hf(model.state_dict(), cfg, tmp_path)
     prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
-    ro = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=-1, seed=7, temperature=1.5)
+    ro = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=-1, seeds=grpo.reply_seeds(7, 2, 3),
+                      temperature=1.5)
     adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])).flatten()
     want_loss, want_grads = _grpo_step(model, ro, adv)
     assert want_loss != 0 and len(want_grads) == 5 and all(g.abs().max() > 0 for g in want_grads.values())
@@ -169,17 +176,23 @@ def test_flags_refused(tmp_path, capsys):
             assert f"{flag} (checkpoint: " in err and "the rows change" in err, err
 
 
-ROLLOUTS: dict = {}  # (prompt ids, seed) → Rollout: the single process's samples, replayed by the layouts
+ROLLOUTS: dict = {}  # (prompt ids, its G seeds) → its Rollout: the single process's samples, replayed
 
 
 def _replay(real):
-    def rollout(model, prompts, group, max_new_tokens, end_id, seed, **kw):
-        key = (tuple(prompts.flatten().tolist()), seed)
-        if key not in ROLLOUTS:
-            ROLLOUTS[key] = real(model, prompts, group, max_new_tokens, end_id, seed, **kw)
-            ROLLOUTS.setdefault("generated", 0)
-            ROLLOUTS["generated"] += 1
-        return ROLLOUTS[key]
+    """grpo.rollout, recording each prompt's replies the first time and replaying them after: a
+    layout that groups prompts otherwise (a dp rank holds only some) gets the same replies."""
+    def rollout(model, prompts, group, max_new_tokens, end_id, seeds, **kw):
+        keys = [(tuple(p.tolist()), tuple(seeds[i * group:(i + 1) * group])) for i, p in enumerate(prompts)]
+        if any(k not in ROLLOUTS for k in keys):
+            ROLLOUTS.update(zip(keys, real(model, prompts, group, max_new_tokens, end_id, seeds, **kw).split(group)))
+            ROLLOUTS["generated"] = ROLLOUTS.get("generated", 0) + len(keys)
+        pieces = [ROLLOUTS[k] for k in keys]
+        more = [max(r.ids.shape[1] for r in pieces) - r.ids.shape[1] for r in pieces]  # as one call: a row
+        pad = torch.nn.functional.pad  # past its end token repeats it, with no targets
+        return grpo.Rollout(torch.cat([pad(r.ids, (0, m), value=end_id) for r, m in zip(pieces, more)]),
+                            torch.cat([pad(r.labels, (0, m), value=-100) for r, m in zip(pieces, more)]),
+                            pieces[0].prompt_len)
     return rollout
 
 
