@@ -286,8 +286,9 @@ class Trainer:
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
         self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
                     else None)
-        # Σr, Σr², replies, right (r >= 1), reply tokens, positions (the step's rows × their length)
-        self.local = torch.zeros(6, dtype=torch.float64)
+        # Σr, Σr², replies, right (r >= 1), reply tokens, positions (the step's rows × their length L),
+        # positions × L (attention's FLOPs grow with L: what MFU needs)
+        self.local = torch.zeros(7, dtype=torch.float64)
 
     def _take_keys(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
@@ -347,7 +348,7 @@ class Trainer:
         self.loss.sums = torch.zeros(2, dtype=torch.float64)
         self.local = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel())),
                                   (r >= 1).sum().double(), mask.sum().double().cpu(),
-                                  torch.tensor(float(ids.numel()))])
+                                  torch.tensor(float(ids.numel())), torch.tensor(float(ids.numel() * L))])
         micro = []
         for i, l, g in zip(ids.chunk(micro_batches), labels.chunk(micro_batches), adv.chunk(micro_batches)):
             mb = {"input_ids": i, "labels": l, "grpo_adv": g, "grpo_old": self.logps(i, l)}
@@ -357,21 +358,24 @@ class Trainer:
         return micro
 
     def stats(self, group: Any = None) -> dict[str, float]:
-        """The step's log over every dp rank (one all-reduce of 8 numbers; none on a group of one):
+        """The step's log over every dp rank (one all-reduce of 9 numbers; none on a group of one):
         reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
         reply length (tokens, the end token included), mean KL and clip fraction per reply token over
-        the step's μ updates, and `positions`: the token positions the step trained on (its rows,
+        the step's μ updates; `positions`: the token positions the step trained on (its rows,
         padded, over all dp ranks, times μ; train.py's tokens/s and MFU count these, not
-        --batch-size × --seq-len)."""
+        --batch-size × --seq-len); `row_len`: the rows' length, weighted by their positions (a dp
+        rank pads to its own longest). Attention's FLOPs per token grow linearly with it, so
+        cli.flops_per_token(cfg, row_len) is the step's exact mean."""
         import torch.distributed as dist
         t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
-        s, s2, n, right, tokens, positions, clipped, kl = t.tolist()
+        s, s2, n, right, tokens, positions, by_len, clipped, kl = t.tolist()
         mean, mu = s / n, self.args.grpo_updates  # the loss ran μ times over the step's reply tokens
         return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                 "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens * mu, 1),
-                "clip_fraction": clipped / max(tokens * mu, 1), "positions": positions * mu}
+                "clip_fraction": clipped / max(tokens * mu, 1), "positions": positions * mu,
+                "row_len": by_len / positions}
 
 
 def stats_text(s: dict[str, float]) -> str:

@@ -487,7 +487,9 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
         if logs:
             # steps run by this process only: a resumed run did not do the first `start`
             eta = (time.time() - t_start) / (step + 1 - start) * (args.steps - step - 1)
-            mfu = f"{100 * tps * fpt / (peak * grid.world):.1f}%" if peak else "n/a"
+            # GRPO's rows are as long as its rollouts, not --seq-len: attention's FLOPs at their length
+            step_fpt = cli.flops_per_token(cfg, step_stats["row_len"]) if rl else fpt
+            mfu = f"{100 * tps * step_fpt / (peak * grid.world):.1f}%" if peak else "n/a"
             print(f"step {step + 1}/{args.steps} · loss {loss_value:.4f} · lr {lr:.2e} · "
                   f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
                   f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "

@@ -241,6 +241,7 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
     # 4 prompts × 4 replies a step, padded to the step's longest row: 16 rows, never the --seq-len of
     # 48, trained twice
     assert all(r["positions"] % 32 == 0 and r["positions"] <= 32 * longest < 32 * 48 for r in want)
+    assert all(r["row_len"] == r["positions"] / 32 for r in want)  # MFU's attention FLOPs: at this length
     generated = ROLLOUTS.pop("generated")
     assert generated == 12 and len(want) == 3  # 4 prompts × 3 steps, each sampled once
     assert all(r["reward_std"] > 0 and r["loss"] != 0 for r in want)
@@ -258,6 +259,7 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
             # the positions trained (tokens/s counts them): tp's ranks hold the same rows; a dp rank
             # pads its half to its own longest reply, never longer than the whole step's
             assert g["positions"] == w["positions"] if name == "tp2" else g["positions"] <= w["positions"]
+            assert g["row_len"] == w["row_len"] if name == "tp2" else g["row_len"] <= w["row_len"]
         assert [r["tokens"] for r in got] == list(itertools.accumulate(r["positions"] for r in got))
         for n, w in want_params.items():  # in norm: AdamW turns round-off in a near-zero gradient
             # into an update of about ±lr on that element (m/√v ≈ sign g), so a few elements differ by
