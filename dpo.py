@@ -300,16 +300,22 @@ class DPOLoss:
         return losses.sum() if reduction == "sum" else losses.mean()
 
 
-    def stats(self, device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """The step's implicit rewards r̂ = β(π − r) over `group`'s pairs, then cleared: the mean
-        chosen and rejected r̂, their mean margin, and the share of pairs whose chosen r̂ is the higher
-        (0 at step 1, where π = r). One all-reduce of 4 numbers. `group` must hold every rank that
-        computed pair losses (train.py: the whole world). tp and cp peers hold the same pairs, so they
-        weigh the counts as the sums; pp stages without the head add zeros."""
+    def reduce_log(self, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The step's implicit-reward sums over `group`'s pairs, on `device`, then cleared: one
+        all-reduce of 4 numbers. `group` must hold every rank that computed pair losses (train.py:
+        the whole world). tp and cp peers hold the same pairs, so they weigh the pair count as they
+        weigh the sums; pp stages without the head add zeros. train.py calls it before the optimizer
+        step and reads the result (`stats`) after the step's host sync: no sync of its own."""
         t, self.sums = self.sums.to(device), torch.zeros(4, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
-        chosen, rejected, right, pairs = t.tolist()
+        return t
+
+    @staticmethod
+    def stats(sums: torch.Tensor) -> dict[str, float]:
+        """The log from reduce_log's sums: the mean chosen and rejected r̂ = β(π − r), their mean
+        margin, and the share of pairs whose chosen r̂ is the higher (0 at step 1, where π = r)."""
+        chosen, rejected, right, pairs = sums.tolist()
         pairs = max(pairs, 1.0)
         return {"reward_chosen": chosen / pairs, "reward_rejected": rejected / pairs,
                 "reward_margin": (chosen - rejected) / pairs, "reward_accuracy": right / pairs}

@@ -357,20 +357,25 @@ class Trainer:
             micro.append(mb)
         return micro
 
-    def stats(self, group: Any = None) -> dict[str, float]:
-        """The step's log over every dp rank (one all-reduce of 9 numbers; none on a group of one):
-        reward mean and std (population, over all replies), accuracy (share of rewards >= 1), mean
-        reply length (tokens, the end token included), mean KL and clip fraction per reply token over
-        the step's μ updates; `positions`: the token positions the step trained on (its rows,
-        padded, over all dp ranks, times μ; train.py's tokens/s and MFU count these, not
-        --batch-size × --seq-len); `row_len`: the rows' length, weighted by their positions (a dp
-        rank pads to its own longest). Attention's FLOPs per token grow linearly with it, so
-        cli.flops_per_token(cfg, row_len) is the step's exact mean."""
+    def reduce_log(self, group: Any = None) -> torch.Tensor:
+        """The step's log sums over every dp rank, on the device: one all-reduce of 9 numbers (none
+        on a group of one). train.py calls it after the step's last backward and reads the result
+        (`stats`) after the optimizer's host sync, so the log adds no sync of its own."""
         import torch.distributed as dist
         t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(t, group=group)
-        s, s2, n, right, tokens, positions, by_len, clipped, kl = t.tolist()
+        return t
+
+    def stats(self, sums: torch.Tensor) -> dict[str, float]:
+        """The step's log from reduce_log's sums: reward mean and std (population, over all
+        replies), accuracy (share of rewards >= 1), mean reply length (tokens, the end token
+        included), mean KL and clip fraction per reply token over the step's μ updates; `positions`:
+        the token positions the step trained on (its rows, padded, over all dp ranks, times μ;
+        train.py's tokens/s and MFU count these, not --batch-size × --seq-len); `row_len`: the rows'
+        length, weighted by their positions (a dp rank pads to its own longest). Attention's FLOPs
+        per token grow linearly with it, so cli.flops_per_token(cfg, row_len) is the step's exact mean."""
+        s, s2, n, right, tokens, positions, by_len, clipped, kl = sums.tolist()
         mean, mu = s / n, self.args.grpo_updates  # the loss ran μ times over the step's reply tokens
         return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
                 "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens * mu, 1),

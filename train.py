@@ -447,10 +447,11 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
             # a device tensor, never read on the host: the loss is divided by it there
             targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
         lr = cli.lr_at(step, args)
-        losses, norms = [], []
+        losses, norms, log_sums = [], [], None
         # GRPO: μ optimizer updates on one rollout batch (--grpo-updates). The old log-probs stay the
         # rollout policy's, so from the second update on the ratio leaves 1 and the clip acts.
-        for _ in range(args.grpo_updates if rl else 1):
+        updates = args.grpo_updates if rl else 1
+        for update in range(updates):
             with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
                 loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
                                        seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
@@ -459,13 +460,18 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
                 opt.finish()  # dp / ZeRO reductions land
                 if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
                     dist.all_reduce(loss, group=grid.dp_group)
+                # the log's sums are complete after the last backward: reduce them now, read them
+                # after the optimizer's sync. GRPO's over dp (tp ranks hold the same rows); DPO's
+                # over the world (pair losses live on the head's pp stage)
+                if update == updates - 1 and (rl or preference):
+                    log_sums = feed.host_copy(rl.reduce_log(grid.dp_group) if rl else
+                                              preference.reduce_log(grid.device))
             meter.settle()  # nothing in flight: the one point of an update where the meter may restart
             losses.append(feed.host_copy(loss))  # read after the update's sync, below: free
             meter.phase("step")
             with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
                 norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
-        # GRPO's rewards over dp (tp ranks hold the same rows); DPO's over the world (the head's pp stage)
-        step_stats = rl.stats(grid.dp_group) if rl else preference.stats(grid.device) if preference else {}
+        step_stats = rl.stats(log_sums) if rl else preference.stats(log_sums) if preference else {}
         meter.phase(None)  # logging, eval: not training memory
         # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
         loss_value, grad_norm = sum(map(float, losses)) / len(losses), sum(norms) / len(norms)

@@ -75,7 +75,7 @@ def test_formula_and_ln2():
     assert mean.item() == pytest.approx(math.log(2))
 
     # the log's implicit rewards r̂ = β(π − r): all 0 while π = r; then the formula on fixed log-probs
-    assert loss.stats(torch.device("cpu")) == dict.fromkeys(REWARDS, 0.0)
+    assert loss.stats(loss.reduce_log(torch.device("cpu"))) == dict.fromkeys(REWARDS, 0.0)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in model.parameters():
@@ -91,7 +91,7 @@ def test_formula_and_ln2():
     assert 0 < right < 1  # some pairs each way: the comparison's direction is checked
     want = {"reward_chosen": r_hat[:, 0].mean().item(), "reward_rejected": r_hat[:, 1].mean().item(),
             "reward_margin": (r_hat[:, 0] - r_hat[:, 1]).mean().item(), "reward_accuracy": right}
-    assert loss.stats(torch.device("cpu")) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert loss.stats(loss.reduce_log(torch.device("cpu"))) == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_sequence_logps_match_transformers(tmp_path):
