@@ -223,8 +223,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
     reference chat. Greedy answers (model.generate) at temperature 0. Above it, `samples` sampled
     answers per turn (answer j of turn i draws with the seed of (seed, i, j)) and the mean of their
     exact matches: pass@1 estimated from `samples` draws, the RL literature's sampled accuracy.
-    Prompts of equal length are batched together (generate takes no padding); an answer must end
-    with end_id within max_new_tokens."""
+    Prompts are batched shortest first, right-padded (generate's lengths); an answer must end with
+    end_id within max_new_tokens."""
     if temperature == 0 and samples != 1:
         raise ValueError(f"greedy evaluation draws one answer per turn, not samples={samples}")
     if samples < 1:
@@ -237,20 +237,20 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
             if t["role"] == "assistant":
                 prompts.append(tpl.render(turns[:k], True))
                 golds.append(t["content"].strip())
-    by_len: dict[int, list[tuple[int, int]]] = {}  # prompt length → (turn, draw)
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).extend((i, j) for j in range(samples))
+    todo = sorted((len(p), i, j) for i, p in enumerate(prompts) for j in range(samples))  # (length, turn, draw)
     correct = 0
-    for n, idx in sorted(by_len.items()):
-        for c in range(0, len(idx), batch_size):
-            chunk = idx[c:c + batch_size]
-            x = torch.tensor([prompts[i] for i, _ in chunk], device=device)  # (b, n)
-            seeds = [hash((seed, i, j)) % 2**63 for i, j in chunk] if temperature > 0 else None
-            out = M.generate(model, x, max_new_tokens, tpl.end_id, temperature=temperature,
-                             seeds=seeds)[:, n:].tolist()  # (b, <= max_new)
-            for (i, _), new in zip(chunk, out):
-                if tpl.end_id in new:
-                    correct += tpl.decode(new[:new.index(tpl.end_id)]).strip() == golds[i]
+    for c in range(0, len(todo), batch_size):
+        chunk = todo[c:c + batch_size]  # shortest first: little padding
+        S = chunk[-1][0]
+        x = torch.tensor([prompts[i] + [tpl.end_id] * (S - n) for n, i, _ in chunk], device=device)  # (b, S)
+        seeds = [hash((seed, i, j)) % 2**63 for _, i, j in chunk] if temperature > 0 else None
+        out = M.generate(model, x, max_new_tokens, tpl.end_id, temperature=temperature, seeds=seeds,
+                         lengths=[n for n, _, _ in chunk])  # (b, S + steps): row b's answer from its length
+        steps = out.shape[1] - S
+        for (n, i, _), row in zip(chunk, out.tolist()):
+            new = row[n:n + steps]  # the answer (the cells after it hold end_id: not part of it)
+            if tpl.end_id in new:
+                correct += tpl.decode(new[:new.index(tpl.end_id)]).strip() == golds[i]
     return correct / max(len(prompts) * samples, 1)
 
 

@@ -119,20 +119,16 @@ def token_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor)
 # ----------------------------------------------------------------------------------------- rollouts
 @dataclass
 class Rollout:
-    """G replies per prompt of one prompt length. ids (N, S + n) prompt and reply, N = P·G, group
-    after group; labels (N, S + n - 1) aligned with ids[:, :-1] (model.py's convention), the reply
-    tokens up to and including the end token as targets, -100 elsewhere (the prompt, after the end)."""
+    """One prompt's G replies. ids (G, S + n): the prompt (S tokens), then the replies, n the longest
+    reply's tokens (a row past its end token holds only the end token); labels (G, S + n - 1) aligned
+    with ids[:, :-1] (model.py's convention), the reply tokens up to and including the end token as
+    targets, -100 elsewhere (the prompt, after the end)."""
     ids: torch.Tensor
     labels: torch.Tensor
-    prompt_len: int
 
     def replies(self) -> list[list[int]]:
-        keep = self.labels != IGNORE_INDEX  # (N, S + n - 1)
+        keep = self.labels != IGNORE_INDEX  # (G, S + n - 1)
         return [row[k].tolist() for row, k in zip(self.labels, keep)]
-
-    def split(self, group: int) -> list[Rollout]:
-        """One Rollout per prompt, its G rows (a row past its end token holds only the end token)."""
-        return [Rollout(i, l, self.prompt_len) for i, l in zip(self.ids.split(group), self.labels.split(group))]
 
 
 def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
@@ -140,20 +136,32 @@ def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
     return [hash((seed, p, j)) % 2**63 for p in range(prompts) for j in range(group)]
 
 
-def rollout(model: torch.nn.Module, prompts: torch.Tensor, group: int, max_new_tokens: int, end_id: int,
-            seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> Rollout:
-    """prompts (P, S) of one length → P·G sampled replies (model.generate with the KV cache), reply
-    i drawing with seeds[i] (P·G of them, e.g. reply_seeds): a reply depends on its prompt and seed,
-    never on the batch it is in."""
-    P, S = prompts.shape
-    out = generate(model, prompts.repeat_interleave(group, dim=0), max_new_tokens, end_id,
-                   temperature=temperature, top_k=top_k, seeds=seeds)  # (P·G, S + n)
-    labels = out[:, 1:].clone()  # (N, S + n - 1): position t predicts out[t + 1]
+def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
+            seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> list[Rollout]:
+    """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each. One
+    model.generate call (the KV cache; the prompts right-padded, with their lengths); reply i draws
+    with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt and seed only,
+    never on the batch it is in, so each Rollout is the one a call for its prompt alone makes."""
+    S = max(map(len, prompts))
+    device = next(model.parameters()).device
+    ids = torch.tensor([p + [end_id] * (S - len(p)) for p in prompts], device=device)  # (P, S)
+    lengths = [len(p) for p in prompts for _ in range(group)]
+    out = generate(model, ids.repeat_interleave(group, dim=0), max_new_tokens, end_id, temperature=temperature,
+                   top_k=top_k, seeds=seeds, lengths=lengths)  # (P·G, S + n): reply b from lengths[b]
+    n = out.shape[1] - S  # the steps decoded
+    return [_labeled(rows[:, :len(p) + n], len(p), end_id) for p, rows in zip(prompts, out.split(group))]
+
+
+def _labeled(ids: torch.Tensor, S: int, end_id: int) -> Rollout:
+    """ids (G, S + n): a prompt of S tokens and G replies → their Rollout, cut after the longest
+    reply's end token (the columns where every row is past its end hold nothing to learn)."""
+    labels = ids[:, 1:].clone()  # (G, S + n - 1): position t predicts ids[t + 1]
     labels[:, :S - 1] = IGNORE_INDEX
-    ended = (out[:, S:] == end_id).long().cumsum(1)  # (N, n): ≥ 1 from the end token on
-    after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0  # (N, n) past the end
+    ended = (ids[:, S:] == end_id).long().cumsum(1)  # (G, n): ≥ 1 from the end token on
+    after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0  # (G, n) past the end
     labels[:, S - 1:][after] = IGNORE_INDEX
-    return Rollout(out, labels, S)
+    longest = int((~after).sum(1).max())  # the longest reply, its end token included
+    return Rollout(ids[:, :S + longest], labels[:, :S + longest - 1])
 
 
 def arithmetic_reward(reply: str, gold: str) -> float:
@@ -316,21 +324,13 @@ class Trainer:
                       micro_batches: int) -> list[dict[str, torch.Tensor]]:
         """This dp rank's prompts → G replies each (reply j of prompt r draws with the seed of
         (--seed, step, r, j): the same in every layout), scored, as right-padded rows split into
-        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref). Prompts of one length
-        are sampled in one generate call (it takes no padding); each keeps its own seeds."""
+        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref). All the prompts are
+        sampled in one generate call, whatever their lengths; each keeps its own seeds."""
         a, G = self.args, self.args.grpo_group
         opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
-        by_len: dict[int, list[int]] = {}  # prompt length → positions in `rows`
-        for i, r in enumerate(rows):
-            by_len.setdefault(len(ds.prompts[r]), []).append(i)
-        ros: list[Rollout | None] = [None] * len(rows)
-        for idx in by_len.values():
-            prompts = torch.tensor([ds.prompts[rows[i]] for i in idx], device=self.device)  # (P, S)
-            seeds = [s for i in idx for s in reply_seeds(hash((a.seed, step, rows[i])) % 2**63, 1, G)]
-            out = rollout(self.model, prompts, G, a.grpo_max_new, self.tpl.end_id, seeds,
-                          temperature=a.grpo_temperature)
-            for i, ro in zip(idx, out.split(G)):
-                ros[i] = ro
+        seeds = [s for r in rows for s in reply_seeds(hash((a.seed, step, r)) % 2**63, 1, G)]
+        ros = rollout(self.model, [ds.prompts[r] for r in rows], G, a.grpo_max_new, self.tpl.end_id, seeds,
+                      temperature=a.grpo_temperature)  # one generate call for all the prompts
         rewards = torch.stack([self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)])  # (P, G)
         return self.batch(ros, rewards, micro_batches)
 

@@ -54,7 +54,8 @@ Invariants
       -100 is ignored.
     - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
       KVCache (prefill, then one position per step; a tp rank caches its own heads): token for token
-      the uncached decode's, every family, tp1 and tp2 (tests/test_generate.py).
+      the uncached decode's, every family, tp1 and tp2; prompts of different lengths in one batch
+      decode as each would alone (tests/test_generate.py).
     - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
       (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
       the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks,
@@ -655,8 +656,9 @@ class Llama(nn.Module):
         they are derived here from position_ids, a host copy per call); or a dense (B, 1, S, S) bool
         mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
         logits (B, S, V), or hidden states on a stage without lm_head.
-        cache: a KVCache (generation, below): input_ids continue the cached positions, the keys and
-        values are appended, and only the last position's logits (B, 1, V) are returned.
+        cache: a KVCache (generation, below): each row of input_ids continues that row's cached
+        positions, the keys and values are appended, and only each row's last position's logits
+        (B, 1, V) are returned (the prefill's rows may be right-padded prompts: KVCache's lengths).
         router_stats: the earlier pipeline stages' router statistics (`stage_extras`).
         real_tokens (B, S) bool: False marks padding (sft.py's rows), which then counts in no router
         statistic: transformers' load_balancing_loss_func with that attention_mask. None: every token
@@ -667,7 +669,7 @@ class Llama(nn.Module):
         if cache is not None:
             if position_ids is not None or docs is not None or labels is not None or real_tokens is not None:
                 raise ValueError("a KVCache takes plain rows: no position_ids, docs, labels or real_tokens")
-            position_ids = torch.arange(cache.length, cache.length + S, device=h.device).expand(B, S)
+            position_ids = cache.positions(B, S, h.device)  # (B, S): each row from its own end
         elif position_ids is None:
             if docs is not None:
                 raise ValueError("docs (document boundaries) need the position_ids restarting per document")
@@ -684,8 +686,7 @@ class Llama(nn.Module):
                 else:
                     h = layer(h, cos, sin, docs, cache=cache.layer(name))
         if cache is not None:
-            cache.length += S
-            h = h[:, -1:]  # (B, 1, H): generation reads the next token only
+            h = cache.advance(h)  # (B, 1, H): generation reads each row's next token only
         if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
             moe_cfg = self.config.moe_config()
             own = self.router_stats_fn(router_stats_of([t for t in router_logits if t is not None],
@@ -787,19 +788,43 @@ def build(cfg: LlamaConfig) -> Llama:
 # every position and masks what a sliding window no longer sees (a ring buffer of `window` slots
 # would bound it; not built).
 class KVCache:
-    """Every layer's keys and values (LayerCache, made on first use, keyed as model.model.layers) and
-    `length`, the positions already in them; room for `capacity` positions."""
+    """Every layer's keys and values (LayerCache, made on first use, keyed as model.model.layers), room
+    for `capacity` positions a row. `ends` (B,): the positions each row holds (None until the
+    prefill); `length`: the columns written, on the host (the longest row's end), which the capacity
+    check reads without a device sync. The prefill's rows may be right-padded prompts of `lengths`
+    (B,) real tokens (None: every row full). Causal attention keeps the padding after a prompt out of
+    its tokens' sight. Each later call appends its positions at each row's own end, over that
+    padding, and masks the keys past a row's end."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
+    def __init__(self, capacity: int, lengths: torch.Tensor | None = None):
+        self.capacity, self.lengths, self.length = capacity, lengths, 0
+        self.ends: torch.Tensor | None = None
         self.layers: dict[str, LayerCache] = {}
 
     def layer(self, name: str) -> "LayerCache":
         return self.layers.setdefault(name, LayerCache(self))
 
+    def positions(self, B: int, S: int, device: torch.device) -> torch.Tensor:
+        """(B, S) the positions of a call's S tokens: each row continues from its end."""
+        new = torch.arange(S, device=device)
+        return new.expand(B, S) if self.ends is None else self.ends[:, None] + new
+
+    def advance(self, h: torch.Tensor) -> torch.Tensor:
+        """After a call's layers: each row's end moves past its new tokens; h (B, S, H) → (B, 1, H),
+        the hidden state at each row's last real position."""
+        B, S = h.shape[:2]
+        if self.ends is None:  # the prefill: a right-padded prompt ends at its own length
+            last = (torch.full((B,), S, device=h.device) if self.lengths is None
+                    else self.lengths.to(h.device)) - 1  # (B,) within this call
+            self.ends = last + 1
+        else:  # S new positions a row
+            last, self.ends = torch.full((B,), S - 1, device=h.device), self.ends + S
+        self.length += S
+        return h[torch.arange(B, device=h.device), last][:, None]  # (B, 1, H)
+
 
 class LayerCache:
-    """One attention layer's keys and values, (B, capacity, nkv, hd) each, valid up to cache.length."""
+    """One attention layer's keys and values, (B, capacity, nkv, hd) each; row b's valid up to ends[b]."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -808,22 +833,24 @@ class LayerCache:
 
     @torch.compiler.disable  # host-side state: runs eagerly between a compiled layer's graphs
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """Append k, v (B, S, nkv, hd) after the cached positions and attend the S new queries
-        q (B, S, nh, hd) to all of them: causal, within attn's window. The first call (the prefill)
-        is the layer's own attention (attn.attn_fn), the uncached forward's to the bit."""
+        """Append k, v (B, S, nkv, hd) at each row's end and attend the S new queries q (B, S, nh, hd)
+        to the row's keys up to each query: causal, within attn's window. The first call (the
+        prefill) is the layer's own attention (attn.attn_fn), the uncached forward's to the bit."""
         B, S = k.shape[:2]
         P = self.cache.length
         if P + S > self.cache.capacity:
             raise ValueError(f"KVCache full: {P} + {S} positions > capacity {self.cache.capacity}")
-        if self.k is None:
-            self.k = k.new_empty(B, self.cache.capacity, *k.shape[2:])  # (B, capacity, nkv, hd)
-            self.v = v.new_empty(B, self.cache.capacity, *v.shape[2:])
-        self.k[:, P:P + S], self.v[:, P:P + S] = k, v
-        if P == 0:
+        if self.k is None:  # the prefill: rows from slot 0
+            self.k = k.new_zeros(B, self.cache.capacity, *k.shape[2:])  # (B, capacity, nkv, hd)
+            self.v = v.new_zeros(B, self.cache.capacity, *v.shape[2:])
+            self.k[:, :S], self.v[:, :S] = k, v
             return attn.attn_fn(q, k, v, None)
-        gap = torch.arange(P, P + S, device=q.device)[:, None] - torch.arange(P + S, device=q.device)
-        see = gap >= 0 if attn.window is None else (gap >= 0) & (gap < attn.window)  # (S, P+S)
-        return attend(q, self.k[:, :P + S], self.v[:, :P + S], see[None, None])  # (B, S, nh, hd)
+        slots = self.cache.ends[:, None] + torch.arange(S, device=q.device)  # (B, S): each row's next
+        rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
+        self.k[rows, slots], self.v[rows, slots] = k, v
+        gap = slots[:, :, None] - torch.arange(P + S, device=q.device)  # (B, S, P+S): query − key slot
+        see = gap >= 0 if attn.window is None else (gap >= 0) & (gap < attn.window)  # (B, S, P+S)
+        return attend(q, self.k[:, :P + S], self.v[:, :P + S], see[:, None])  # (B, S, nh, hd)
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -843,13 +870,16 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 @torch.no_grad()
 def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None = None, *,
              temperature: float = 0.0, top_k: int | None = None, seeds: Sequence[int] | None = None,
-             use_cache: bool | None = None) -> torch.Tensor:
+             use_cache: bool | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens: greedy at temperature 0,
     else sampled (next_token) with one seed per row, so a row's reply depends on its prompt and seed
     only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
+    lengths: prompts of different lengths, right-padded: row b's prompt is input_ids[b, :lengths[b]].
+    Its reply then starts at lengths[b], over the padding, and the cells after it hold eos_id (0
+    without one). None: every prompt is all S tokens.
     use_cache: prefill once, then one position per step (KVCache); False reruns the whole prefix
     every step (the reference: the same tokens in fp32, tests/test_generate.py); None: the cache
-    whenever model.forward takes one (any model mapping ids (B, S) to logits runs uncached).
+    whenever model.forward takes one (any causal model mapping ids (B, S) to logits runs uncached).
     Under tp every rank sees the same gathered logits and seeds, hence draws the same tokens."""
     B, S = input_ids.shape
     if temperature < 0 or (top_k is not None and top_k < 1):
@@ -857,21 +887,31 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
     if temperature > 0 and (seeds is None or len(seeds) != B):
         raise ValueError(f"sampling (temperature={temperature}) needs one seed per row: {B} rows, "
                          f"seeds={seeds}")
+    if lengths is not None and (len(lengths) != B or not all(1 <= n <= S for n in lengths)):
+        raise ValueError(f"lengths={lengths}: one per row, each within 1..{S} (the prompts' width)")
     gens = [torch.Generator(input_ids.device).manual_seed(int(s)) for s in seeds] if temperature > 0 else []
     if use_cache is None:
         use_cache = "cache" in inspect.signature(model.forward).parameters
-    cache = KVCache(S + max_new_tokens) if use_cache else None
+    ends = torch.tensor(lengths if lengths is not None else [S] * B, device=input_ids.device)  # (B,)
+    cache = KVCache(S + max_new_tokens, ends if lengths is not None else None) if use_cache else None
+    rows = torch.arange(B, device=input_ids.device)
+    fill = torch.full((B, 1), 0 if eos_id is None else eos_id, dtype=input_ids.dtype, device=input_ids.device)
     was_training = model.training
     model.eval()
-    out, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    out, done, nxt = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device), None
     try:
         for _ in range(max_new_tokens):
-            logits = model(out) if cache is None else model(out[:, cache.length:], cache=cache)  # (B, *, V)
-            nxt = next_token(logits[:, -1], temperature, top_k, gens)  # (B,)
+            if cache is None:  # the whole prefix again; causal, so a row's cells past its end change nothing
+                logits = model(out)[rows, ends - 1]  # (B, V)
+            else:
+                logits = model(out if nxt is None else nxt[:, None], cache=cache)[:, -1]  # (B, V)
+            nxt = next_token(logits, temperature, top_k, gens)  # (B,)
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
                 done |= nxt == eos_id
-            out = torch.cat([out, nxt[:, None]], dim=1)
+            out = torch.cat([out, fill], dim=1)  # (B, S + t + 1)
+            out[rows, ends] = nxt  # each row's next cell: the new column when its prompt is all S
+            ends = ends + 1
             if eos_id is not None and bool(done.all()):
                 break
     finally:

@@ -60,6 +60,28 @@ def test_cached_greedy_equals_uncached(family):
         assert not torch.equal(cached, M.generate(plain, x, NEW))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_of_different_lengths_in_one_batch(family):
+    """Right-padded prompts of 2, 5 and 4 tokens in one batch (`lengths`), junk in the padding: each
+    row's reply is the reply it gets decoded alone (greedy, sampled with its seed, and stopped at an
+    end token), cached and uncached, token for token in fp32; the cells after a reply hold eos_id
+    (0 without one). The windowed families decode far past their window of 3."""
+    model, x, lengths = tiny(family), prompts(), [2, 5, 4]
+    junk = x.clone()
+    junk[0, 2:], junk[2, 4:] = 7, 7
+    eos = int(M.generate(model, x[:1, :2], NEW)[0, 2 + NEW // 2])  # row 0 emits it halfway
+    for kw in (dict(), dict(temperature=1.0, top_k=8, seeds=[1, 2, 3]), dict(eos_id=eos)):
+        for use_cache in (True, False):
+            got = M.generate(model, junk, NEW, lengths=lengths, use_cache=use_cache, **kw)
+            for b, n in enumerate(lengths):
+                alone = M.generate(model, x[b:b + 1, :n], NEW, **{**kw, "seeds": kw["seeds"][b:b + 1]}
+                                   if "seeds" in kw else kw)[0]  # (n + new,)
+                assert torch.equal(got[b, :len(alone)], alone), (kw, use_cache, b)
+                assert (got[b, len(alone):] == kw.get("eos_id", 0)).all(), (kw, use_cache, b)
+    with pytest.raises(ValueError, match="lengths"):
+        M.generate(model, x, NEW, lengths=[2, 6, 4])
+
+
 def test_sampling_per_sample_seeds_and_top_k():
     model, x = tiny("qwen3"), prompts(4)
     kw = dict(temperature=0.8, top_k=5, seeds=[11, 12, 13, 14])
@@ -105,21 +127,23 @@ def _tp_generate(rank: int, world: int, root: str) -> dict:
             model(x, cache=cache)
         out[family] = dict(heads=cache.layers["0"].k.shape[2], greedy=M.generate(model, x, NEW),
                            uncached=M.generate(model, x, NEW, use_cache=False),
+                           ragged=M.generate(model, x, NEW, lengths=[2, 5, 4]),
                            sampled=M.generate(model, x, NEW, temperature=1.0, top_k=8, seeds=[1, 2, 3]))
     return out
 
 
 def test_tp2_each_rank_caches_its_heads(tmp_path):
-    """One launch of 2 ranks for all four families; each rank's cache holds nkv/2 heads."""
+    """One launch of 2 ranks for all four families; each rank's cache holds nkv/2 heads; prompts of
+    different lengths in one batch too."""
     want = {}
     for family in FAMILIES:
         model, x = tiny(family), prompts()
         W.save_hf(model.state_dict(), model.config, tmp_path / family)
-        want[family] = dict(greedy=M.generate(model, x, NEW),
+        want[family] = dict(greedy=M.generate(model, x, NEW), ragged=M.generate(model, x, NEW, lengths=[2, 5, 4]),
                             sampled=M.generate(model, x, NEW, temperature=1.0, top_k=8, seeds=[1, 2, 3]))
     for ranks in run_ranks(_tp_generate, 2, str(tmp_path)):
         for family, r in ranks.items():
             assert r["heads"] == BASE["num_key_value_heads"] // 2, family
-            for k in ("greedy", "sampled"):
+            for k in ("greedy", "sampled", "ragged"):
                 assert torch.equal(r[k], want[family][k]), (family, k)
             assert torch.equal(r["uncached"], want[family]["greedy"]), family

@@ -73,24 +73,31 @@ def test_rollout_and_reward():
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                         initializer_range=0.3)
     model = W.materialize(M.build(cfg), "cpu", seed=0)
-    prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
-    end = int(M.generate(model, prompts, 1)[0, -1])  # a token the model emits: some replies end
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (4, 2)]  # two lengths, one call
+    end = int(M.generate(model, torch.tensor(prompts[:1]), 1)[0, -1])  # a token the model emits: some end
     seeds = grpo.reply_seeds(7, 2, 3)
-    a = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seeds=seeds, temperature=1.5)
-    b = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=end, seeds=seeds, temperature=1.5)
-    assert torch.equal(a.ids, b.ids) and a.ids.shape[0] == 6
-    # prompt 1 alone, with its seeds, gets the same replies (the trainer batches prompts of one length)
-    alone = grpo.rollout(model, prompts[1:], group=3, max_new_tokens=6, end_id=end, seeds=seeds[3:], temperature=1.5)
-    w = alone.ids.shape[1]
-    assert torch.equal(a.split(3)[1].ids[:, :w], alone.ids) and (a.ids[3:, w:] == end).all()
-    assert torch.equal(a.split(3)[1].labels[:, :w - 1], alone.labels) and (a.labels[3:, w - 1:] == -100).all()
-    assert torch.equal(a.ids[::3, :4], prompts) and torch.equal(a.ids[:3, :4], prompts[0].expand(3, 4))
-    for row, rep in zip(a.ids.tolist(), a.replies()):
-        new = row[4:]
-        want = new[:new.index(end) + 1] if end in new else new
-        assert rep == want
-    logp = grpo.token_logps(model, a.ids[:, :-1], a.labels)
-    assert ((logp < 0) == (a.labels != -100)).all()
+    kw = dict(group=3, max_new_tokens=6, end_id=end, temperature=1.5)
+    a, b = (grpo.rollout(model, prompts, seeds=seeds, **kw) for _ in range(2))
+    assert all(torch.equal(x.ids, y.ids) and torch.equal(x.labels, y.labels) for x, y in zip(a, b))
+    # each prompt's Rollout is the one a call for that prompt alone makes, to the bit
+    for p, ro in enumerate(a):
+        [alone] = grpo.rollout(model, prompts[p:p + 1], seeds=seeds[3 * p:3 * p + 3], **kw)
+        assert torch.equal(ro.ids, alone.ids) and torch.equal(ro.labels, alone.labels), p
+    for prompt, ro in zip(prompts, a):
+        S = len(prompt)
+        assert ro.ids.shape[0] == 3 and torch.equal(ro.ids[:, :S], torch.tensor(prompt).expand(3, S))
+        replies = []
+        for row, rep in zip(ro.ids.tolist(), ro.replies()):
+            new = row[S:]
+            want = new[:new.index(end) + 1] if end in new else new
+            assert rep == want
+            replies.append(rep)
+        assert ro.ids.shape[1] == S + max(map(len, replies))  # cut after the longest reply
+        logp = grpo.token_logps(model, ro.ids[:, :-1], ro.labels)
+        assert ((logp < 0) == (ro.labels != -100)).all()
+    ends = [end in r for ro in a for r in ro.replies()]
+    assert any(ends) and not all(ends)  # some replies end, some run to the limit
     assert grpo.arithmetic_reward(" 12 ", "12") == 1.0 and grpo.arithmetic_reward("13", "12") == 0.0
     assert grpo.load_verifier("grpo:arithmetic_reward") is grpo.arithmetic_reward
     with pytest.raises(ValueError, match="package.module:function"):
@@ -123,9 +130,10 @@ def test_tp2_equals_single_process_on_fixed_rollouts(tmp_path):
                         initializer_range=0.3)
     model = W.materialize(M.build(cfg), "cpu", seed=0)
     W.save_hf(model.state_dict(), cfg, tmp_path)
-    prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1))
-    ro = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=-1, seeds=grpo.reply_seeds(7, 2, 3),
-                      temperature=1.5)
+    prompts = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(1)).tolist()
+    ros = grpo.rollout(model, prompts, group=3, max_new_tokens=6, end_id=-1, seeds=grpo.reply_seeds(7, 2, 3),
+                       temperature=1.5)  # no end: every reply 6 tokens, one width
+    ro = grpo.Rollout(torch.cat([r.ids for r in ros]), torch.cat([r.labels for r in ros]))
     adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])).flatten()
     want_loss, want_grads = _grpo_step(model, ro, adv)
     assert want_loss != 0 and len(want_grads) == 5 and all(g.abs().max() > 0 for g in want_grads.values())
@@ -181,18 +189,13 @@ ROLLOUTS: dict = {}  # (prompt ids, its G seeds) → its Rollout: the single pro
 
 def _replay(real):
     """grpo.rollout, recording each prompt's replies the first time and replaying them after: a
-    layout that groups prompts otherwise (a dp rank holds only some) gets the same replies."""
+    layout that batches the prompts otherwise (a dp rank holds only some) gets the same replies."""
     def rollout(model, prompts, group, max_new_tokens, end_id, seeds, **kw):
-        keys = [(tuple(p.tolist()), tuple(seeds[i * group:(i + 1) * group])) for i, p in enumerate(prompts)]
+        keys = [(tuple(p), tuple(seeds[i * group:(i + 1) * group])) for i, p in enumerate(prompts)]
         if any(k not in ROLLOUTS for k in keys):
-            ROLLOUTS.update(zip(keys, real(model, prompts, group, max_new_tokens, end_id, seeds, **kw).split(group)))
+            ROLLOUTS.update(zip(keys, real(model, prompts, group, max_new_tokens, end_id, seeds, **kw)))
             ROLLOUTS["generated"] = ROLLOUTS.get("generated", 0) + len(keys)
-        pieces = [ROLLOUTS[k] for k in keys]
-        more = [max(r.ids.shape[1] for r in pieces) - r.ids.shape[1] for r in pieces]  # as one call: a row
-        pad = torch.nn.functional.pad  # past its end token repeats it, with no targets
-        return grpo.Rollout(torch.cat([pad(r.ids, (0, m), value=end_id) for r, m in zip(pieces, more)]),
-                            torch.cat([pad(r.labels, (0, m), value=-100) for r, m in zip(pieces, more)]),
-                            pieces[0].prompt_len)
+        return [ROLLOUTS[k] for k in keys]
     return rollout
 
 

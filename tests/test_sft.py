@@ -518,7 +518,9 @@ def test_load_jsonl_formats_and_malformed_lines(tmp_path):
 # ----------------------------------------------------------------------------------------- eval
 class Oracle(torch.nn.Module):
     """Greedy-decodes a fixed continuation per prompt (the gold answer, or a wrong one): a model with
-    a known accuracy, to check evaluate's batching, stopping and scoring."""
+    a known accuracy, to check evaluate's batching, stopping and scoring. Causal, as a language model
+    is: position t's logits read the tokens up to t only, so a right-padded row's padding after its
+    prompt changes nothing before it."""
 
     def __init__(self, answers: dict[tuple, list[int]]):
         super().__init__()
@@ -528,11 +530,12 @@ class Oracle(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros(*ids.shape, 260)
         for b, row in enumerate(ids.tolist()):
-            for n in range(len(row), 0, -1):
-                if tuple(row[:n]) in self.answers:
-                    cont = self.answers[tuple(row[:n])]
-                    logits[b, -1, cont[min(len(row) - n, len(cont) - 1)]] = 1.0
-                    break
+            for t in range(len(row)):  # position t continues row[:t + 1]
+                for n in range(t + 1, 0, -1):
+                    if tuple(row[:n]) in self.answers:
+                        cont = self.answers[tuple(row[:n])]
+                        logits[b, t, cont[min(t + 1 - n, len(cont) - 1)]] = 1.0
+                        break
         return logits
 
 
