@@ -309,7 +309,8 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     meter = MEM.PeakMeter("cpu")
     out["leak"] = collectives_leak(meter)
     set_c10_accounting(False)  # the control, last: the accounting is stale from here on
-    out["leak_without"] = collectives_leak(meter)
+    # gloo's worker drops the last reference only some of the time (a race): up to 5 rounds to see it
+    out["leak_without"] = next((b for b in (collectives_leak(meter) for _ in range(5)) if b > 0), 0)
     meter.close()
     return out
 
