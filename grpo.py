@@ -149,19 +149,26 @@ def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_ne
     out = generate(model, ids.repeat_interleave(group, dim=0), max_new_tokens, end_id, temperature=temperature,
                    top_k=top_k, seeds=seeds, lengths=lengths)  # (P·G, S + n): reply b from lengths[b]
     n = out.shape[1] - S  # the steps decoded
-    return [_labeled(rows[:, :len(p) + n], len(p), end_id) for p, rows in zip(prompts, out.split(group))]
+    cols = torch.tensor(lengths, device=device)[:, None] + torch.arange(n, device=device)  # (P·G, n)
+    after = _past_end(out.gather(1, cols), end_id)  # (P·G, n): past each reply's end token
+    # each prompt's longest reply, its end token included: one host read for the whole batch
+    longest = (~after).sum(1).view(len(prompts), group).amax(1).tolist()  # (P,)
+    return [_labeled(rows[:, :len(p) + m], len(p), end_id) for p, m, rows in zip(prompts, longest, out.split(group))]
+
+
+def _past_end(replies: torch.Tensor, end_id: int) -> torch.Tensor:
+    """replies (N, n) → (N, n) bool: True after the first end token (the end token itself is False)."""
+    ended = (replies == end_id).long().cumsum(1)  # (N, n): ≥ 1 from the end token on
+    return torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0
 
 
 def _labeled(ids: torch.Tensor, S: int, end_id: int) -> Rollout:
-    """ids (G, S + n): a prompt of S tokens and G replies → their Rollout, cut after the longest
-    reply's end token (the columns where every row is past its end hold nothing to learn)."""
-    labels = ids[:, 1:].clone()  # (G, S + n - 1): position t predicts ids[t + 1]
+    """ids (G, S + m): a prompt of S tokens and G replies, cut after the longest one's end token
+    (the columns where every row is past its end hold nothing to learn) → their Rollout."""
+    labels = ids[:, 1:].clone()  # (G, S + m - 1): position t predicts ids[t + 1]
     labels[:, :S - 1] = IGNORE_INDEX
-    ended = (ids[:, S:] == end_id).long().cumsum(1)  # (G, n): ≥ 1 from the end token on
-    after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0  # (G, n) past the end
-    labels[:, S - 1:][after] = IGNORE_INDEX
-    longest = int((~after).sum(1).max())  # the longest reply, its end token included
-    return Rollout(ids[:, :S + longest], labels[:, :S + longest - 1])
+    labels[:, S - 1:][_past_end(ids[:, S:], end_id)] = IGNORE_INDEX
+    return Rollout(ids, labels)
 
 
 def arithmetic_reward(reply: str, gold: str) -> float:
