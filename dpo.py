@@ -41,7 +41,7 @@ Invariants (tests/test_dpo.py)
     - Policy = reference gives exactly ln 2 (fp32). The loss and the logged rewards equal the
       formula on fixed log-probs (test_formula_and_ln2).
     - Sequence log-probs equal transformers' log_softmax on the same pairs
-      (test_sequence_logps_match_transformers).
+      (test_sequence_logps_match_transformers). DPOLoss equals textbook_dpo_loss (test_textbook_*).
     - tp2, pp2, zero2 and dp2 give the single process's losses and rewards within 1e-5
       (test_layouts_match_single_process). With --packing none, so do cp2 and cp2·dp2
       (test_cp_layouts_match_single_process).
@@ -82,6 +82,22 @@ def dpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r:
     return -F.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
 
 
+def textbook_dpo_loss(policy: nn.Module, reference: nn.Module, chosen: tuple[torch.Tensor, torch.Tensor],
+                      rejected: tuple[torch.Tensor, torch.Tensor], beta: float) -> torch.Tensor:
+    """The mean loss of N pairs as the paper writes it, from full (N, L-1, V) logits.
+    chosen and rejected are (ids (N, L), labels (N, L-1)): one reply per row, -100 off the reply.
+    DPOLoss below computes the same without logits, on packed rows (tests/test_dpo.py)."""
+    def logps(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = model(ids[:, :-1])  # (N, L-1, V)
+        lp = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # (N, L-1)
+        return (lp * (labels != IGNORE_INDEX)).sum(-1)  # (N,): Σ over each reply's targets
+
+    with torch.no_grad():  # the reference is frozen
+        ref_c, ref_r = logps(reference, *chosen), logps(reference, *rejected)
+    return dpo_loss(logps(policy, *chosen), logps(policy, *rejected), ref_c, ref_r, beta).mean()
+
+
+# Production: the layout's own per-token loss (no logits), summed per document of a packed row.
 def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
     """The sum of each document's target log-probs. token_logps (B·S,) or (B, S); labels, seq (B, S).
     seq is the row's dpo_seq: 2p + half on pair p's tokens (half 0 chosen, 1 rejected), −1 on none.
