@@ -67,8 +67,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """rewards (P, G): G replies per prompt → advantages (P, G), (r − mean) / (std + eps) per group.
     The std is the population one. A group whose rewards are all equal gets exactly 0."""
     # The group mean stands in for a value model's estimate of E[reward | prompt]. Subtracting a
-    # baseline leaves the policy gradient unbiased and cuts its variance. Dividing by the std puts
-    # every prompt on one scale, whether its rewards differ a lot or a little.
+    # baseline leaves the policy gradient unbiased and cuts its variance. The std puts every prompt
+    # on one scale.
     r = rewards.float()
     mean = r.mean(dim=1, keepdim=True)  # (P, 1)
     std = r.std(dim=1, correction=0, keepdim=True)  # (P, 1)
@@ -177,12 +177,12 @@ def _labeled(ids: torch.Tensor, S: int, end_id: int) -> Rollout:
     return Rollout(ids, labels)
 
 
+# ---- refinement: the trainer's glue (train.py --grpo): verifiers, prompts, a step's micro-batches
 def arithmetic_reward(reply: str, gold: str) -> float:
     """1.0 when the reply is exactly the gold answer (sft.evaluate's check), else 0.0."""
     return float(reply.strip() == gold.strip())
 
 
-# ---- refinement: the trainer's glue (train.py --grpo): prompts, the verifier, a step's micro-batches
 def load_verifier(path: str) -> Callable[[str, str], float]:
     """'package.module:function' → the function (reply_text, gold) → reward. Raises naming what is missing."""
     module, _, name = path.partition(":")
