@@ -76,7 +76,8 @@ def dpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r:
     # Bradley–Terry models a preference as P(chosen ≻ rejected) = σ(reward_c − reward_r).
     # In that difference Z cancels: the reward needs no model of its own.
     # Put the policy π in place of π* and maximize the log-likelihood of the data's preferences.
-    # In log-probs, log(π/π_ref) is π − r. The gradient is −β·σ(−margin)·(∇π_c − ∇π_r):
+    # In this file's notation (summed log-probs) log(π(y)/π_ref(y)) is π − r.
+    # The gradient is −β·σ(−margin)·(∇π_c − ∇π_r):
     # it weighs most the pairs that the policy ranks wrong.
     # logsigmoid, not log(sigmoid): it never overflows at large margins.
     return -F.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
@@ -130,7 +131,8 @@ def _take_keys(loss: DPOLoss, module: nn.Module, args: tuple, kwargs: dict) -> t
 def apply_dpo(chunks: list[nn.Module], beta: float, *, rows_per_pair: int = 1,
               cp_group: dist.ProcessGroup | None) -> DPOLoss:
     """Make each model chunk a DPO one. The chunk holding lm_head computes DPOLoss.
-    Every chunk takes dpo_seq and dpo_ref out of its keywords, so pp passes them as position_ids.
+    Every chunk takes dpo_seq and dpo_ref out of its keywords. So pp passes them along as it
+    passes position_ids, and the model's forward never sees them.
     Apply it after tp: it wraps tp's loss_fn. rows_per_pair and cp_group are DPOLoss's.
     A run without cp passes its group of one, or None without torch.distributed."""
     with_head = [c for c in chunks if c.lm_head is not None]
