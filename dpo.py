@@ -41,7 +41,8 @@ Invariants (tests/test_dpo.py)
     - Policy = reference gives exactly ln 2 (fp32). The loss and the logged rewards equal the
       formula on fixed log-probs (test_formula_and_ln2).
     - Sequence log-probs equal transformers' log_softmax on the same pairs
-      (test_sequence_logps_match_transformers). DPOLoss equals textbook_dpo_loss (test_textbook_*).
+      (test_sequence_logps_match_transformers).
+    - DPOLoss equals textbook_dpo_loss, its full-logits form (test_textbook_equals_production).
     - tp2, pp2, zero2 and dp2 give the single process's losses and rewards within 1e-5
       (test_layouts_match_single_process). With --packing none, so do cp2 and cp2·dp2
       (test_cp_layouts_match_single_process).

@@ -1,5 +1,4 @@
-"""GRPO: G sampled replies per prompt, a verifier's reward, group-normalized advantages, and the
-clipped token-level surrogate. The trainer's glue of `train.py --grpo` follows the core.
+"""GRPO: sampled replies, a verifier's reward, group-normalized advantages, a clipped surrogate.
 
 The algorithm
     Group Relative Policy Optimization drops PPO's value model. The other replies to the same
@@ -41,8 +40,9 @@ Invariants (tests/test_grpo.py)
       Tokens outside the clip range get no gradient from the surrogate.
     - rollout's replies are reproducible from the seeds. Their labels end at the end token
       (test_rollout_and_reward).
-    - tp2 gives the single process's loss and gradients within 1e-5 on fixed rollouts. So do
-      train.py's losses, logs and parameters at tp2 and dp2·zero1 (test_*_on_fixed_rollouts).
+    - tp2 gives the single process's loss and gradients within 1e-5 on fixed rollouts
+      (test_tp2_equals_single_process_on_fixed_rollouts). So do train.py's losses, logs and
+      parameters at tp2 and dp2·zero1 (test_trainer_layouts_equal_single_process_on_fixed_rollouts).
     - μ = 2 updates equal the same two written out with torch.optim.AdamW
       (test_updates_reuse_the_rollout).
     - A short run raises the arithmetic reward (test_short_run_raises_the_arithmetic_reward).
