@@ -117,8 +117,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
 
 
 def token_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, S) log-prob of each label under the model, 0 where the label is -100. It is the model's
-    own loss with reduction "none": no (T, V) logits, and tp's vocab-parallel loss under tp."""
+    """(B, S) log-prob of each label, 0 where it is -100. The model's own loss with reduction
+    "none" gives it: no (T, V) logits, and tp's vocab-parallel loss under tp."""
     return -model(ids, labels=labels, reduction="none").view(labels.shape)
 
 
@@ -145,7 +145,7 @@ def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
 def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
             seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> list[Rollout]:
     """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each.
-    One model.generate call samples them all, with the prompts right-padded and their lengths given.
+    One model.generate call samples them all (the prompts right-padded, their lengths given).
     Reply i draws with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt
     and seed only, never on its batch. So each Rollout equals a call for its prompt alone."""
     S = max(map(len, prompts))
