@@ -1,9 +1,9 @@
 """Chat → token ids with an assistant-only loss mask, for the built-in template or any HF chat template.
 
 What it does
-    `chat_template(tok, reply_end)` picks how chats are rendered: the tokenizer's own chat template
-    (transformers' apply_chat_template) when it has one, else the built-in template below.
-    `tokenize_conversation(turns, tpl)` returns the ids of the whole chat and the shifted labels:
+    `chat_template(tok, reply_end)` picks how chats are rendered. It takes the tokenizer's own chat
+    template (transformers' apply_chat_template) when there is one, else the built-in one below.
+    `tokenize_conversation(turns, tpl)` returns the ids of the whole chat and the shifted labels.
     labels[t] = ids[t+1] where that token belongs to an assistant reply, else -100.
     `tokenize_samples` is what datasets call: the same, with the per-turn fallback below.
 
@@ -11,41 +11,41 @@ Run
     torchrun --nproc_per_node 1 train.py --sft --data chats.jsonl --tokenizer DIR [--reply-end TOKEN]
 
 How the mask is found (character spans, not token prefixes)
-    For every assistant turn k the TEXT is rendered twice: turns[:k] with the generation prompt
-    ("before") and turns[:k+1] ("after"). The reply is the characters from the end of "before" up to
-    and including the end-of-turn token's text, which is searched backwards from the end of the part
-    of "after" the whole chat shares: what the model must write after the generation prompt, and
-    nothing the template adds after the end token (ChatML's "\\n"), nor what it adds only where a
-    chat stops (Phi-3's eos, written when no generation prompt is asked). The whole chat is then
-    tokenized ONCE and the character spans mapped to tokens through the fast tokenizer's offsets.
-    Rule: a token is a target iff it holds at least one reply character, so a token straddling a
-    boundary (a BPE merge across the end of the generation prompt) is a target. The ids are exactly
-    the tokenizer's own rendering of the whole chat (apply_chat_template), which token-prefix checks
-    cannot promise: a byte-level BPE splits "\\n\\n" at the end of a text differently from "\\n\\n" +
-    more text (Llama-3's generation prompt ends so).
-    A slow tokenizer (no offsets) encodes the text piece by piece, split at the span boundaries: the
-    mask is exact, but no token crosses a boundary, so the ids may differ from its whole-text ids.
+    For each assistant turn k the TEXT is rendered twice. "before" is turns[:k] with the generation
+    prompt, "after" is turns[:k+1]. The reply starts where "before" ends. It ends with the text of
+    the end-of-turn token, searched backwards in the part of "after" that the whole chat shares.
+    So the reply is what the model must write after the generation prompt. It holds nothing the
+    template adds after the end token (ChatML's "\\n"). Nor does it hold what the template adds only
+    where a chat stops (Phi-3's eos, written when no generation prompt is asked).
+    The whole chat is then tokenized ONCE. The fast tokenizer's offsets map the spans to tokens.
+    Rule: a token is a target iff it holds at least one reply character. A token straddling a
+    boundary (a BPE merge across the end of the generation prompt) is thus a target.
+    The ids are exactly the tokenizer's own rendering of the whole chat (apply_chat_template).
+    Token-prefix checks cannot promise that. A byte-level BPE splits "\\n\\n" at the end of a text
+    differently from "\\n\\n" + more text, and Llama-3's generation prompt ends so.
+    A slow tokenizer has no offsets. It encodes the text piece by piece, split at the span boundaries.
+    The mask is then exact, but the ids may differ from its whole-text ids.
 
 The end of a reply
-    The template's own end-of-turn token, which is not always the tokenizer's eos (Gemma ends turns with
-    <end_of_turn>, a Llama-3 base tokenizer's eos is <|end_of_text|> while its turns end with
-    <|eot_id|>). Detected from the rendering of a probe chat: the first special or added token after
-    the reply. `reply_end` (train.py --reply-end TOKEN) overrides it. `tpl.end_source` says which was
-    used (train.py prints it with the packing report).
+    It is the template's own end-of-turn token, not always the tokenizer's eos. Gemma ends turns
+    with <end_of_turn>. A Llama-3 base tokenizer's eos is <|end_of_text|>, its turns end with <|eot_id|>.
+    It is detected from a probe chat: the first special or added token after the reply.
+    `reply_end` (train.py --reply-end TOKEN) overrides it. `tpl.end_source` says which was used.
 
 Templates that rewrite earlier turns
-    Some templates render an earlier turn differently once later turns follow (Qwen3 and DeepSeek-R1
-    drop the reasoning of earlier assistant turns). Then turns[:k+1] is not a text prefix of the whole
-    chat and one sample cannot hold every reply as it was written. Such a chat becomes one sample per
-    assistant turn: turns[:k+1] with only reply k as the target, exactly what inference sees (counted
-    in the packing report, never silent). A template whose generation prompt is not a prefix of the
-    reply turn's rendering cannot be masked at all: ValueError.
+    Some templates render an earlier turn differently once later turns follow. Qwen3 and
+    DeepSeek-R1 drop the reasoning of earlier assistant turns. Then turns[:k+1] is not a text prefix
+    of the whole chat, and one sample cannot hold every reply as written. Such a chat becomes one
+    sample per assistant turn: turns[:k+1], with only reply k as the target. That is exactly what
+    inference sees. The packing report counts these chats. A template whose generation prompt is
+    not a prefix of the reply turn's rendering cannot be masked at all: ValueError.
 
 Built-in template (data.ByteTokenizer, or any tokenizer without a chat_template)
     <bos>system: {content}\\nuser: {content}\\nassistant: {content}<end>user: {content}\\nassistant: ...
-    [bos] + per turn: non-assistant turns encode "{role}: {content}\\n"; an assistant turn encodes
-    "assistant: " (the generation prompt, never a target) + "{content}" + [end] (targets), end = eos
-    unless reply_end. Pieces are encoded separately and concatenated: exact with any tokenizer.
+    [bos] comes first, when the tokenizer has one. A non-assistant turn encodes "{role}: {content}\\n".
+    An assistant turn encodes "assistant: ", the generation prompt and never a target. Then
+    "{content}" + [end] follow, the targets. end is eos unless reply_end is given.
+    Each piece is encoded alone, which is exact with any tokenizer.
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def _digest(*parts: Any) -> str:
 
 
 def builtin_template(tok: Any, reply_end: str | None = None) -> ChatTemplate:
-    """The built-in template of the module docstring, for data.ByteTokenizer or an HF tokenizer without
-    a chat_template (raw or behind data.HFTokenizer); no bos when the tokenizer has none."""
+    """The built-in template of the module docstring. It serves data.ByteTokenizer, or an HF tokenizer
+    without a chat_template (raw or behind data.HFTokenizer). No bos when the tokenizer has none."""
     if hasattr(tok, "bos_id"):  # data.py's ByteTokenizer / HFTokenizer: encode adds no specials
         bos, eos, pad, enc = tok.bos_id, tok.eos_id, tok.pad_id, tok.encode
     else:  # a raw transformers tokenizer
@@ -124,9 +124,9 @@ def _single_token(enc: Callable[[str], list[int]], text: str) -> int:
 
 
 def chat_template(tok: Any, reply_end: str | None = None) -> ChatTemplate:
-    """The tokenizer's own chat template when it has one, else the built-in one. `tok` is a
-    transformers tokenizer, data.HFTokenizer (its `.hf` is used) or data.ByteTokenizer. reply_end:
-    the token text that ends a reply (default: detected from the template, see the module docstring)."""
+    """The tokenizer's own chat template when it has one, else the built-in one.
+    `tok` is a transformers tokenizer, data.HFTokenizer (its `.hf` is used) or data.ByteTokenizer.
+    reply_end is the token text that ends a reply. By default it is detected from the template."""
     if not getattr(getattr(tok, "hf", tok), "chat_template", None):
         return builtin_template(tok, reply_end)
     tok = getattr(tok, "hf", tok)
@@ -154,8 +154,8 @@ def chat_template(tok: Any, reply_end: str | None = None) -> ChatTemplate:
                 continue
             before, after = text(turns[:k], True), text(turns[:k + 1], False)
             _require_prefix(before, after, f"the generation prompt after turns[:{k}]", ValueError)
-            # the last end token that the whole chat shares with turns[:k+1]: what a template adds
-            # only where the chat stops (Phi-3's eos after the last message) is not in the chat
+            # the last end token that the whole chat shares with turns[:k+1]. What a template adds
+            # only where the chat stops (Phi-3's eos after the last message) is not in the chat.
             stop = after.rfind(end_text, len(before), _common_prefix(after, full))
             if stop < 0:
                 stop = after.rfind(end_text, len(before))
@@ -232,16 +232,16 @@ def _labels(ids: list[int], flags: list[bool]) -> list[int]:
 
 
 def tokenize_conversation(turns: Conversation, tpl: ChatTemplate) -> tuple[list[int], list[int]]:
-    """Rendered ids (L,) and shifted labels (L-1,): labels[t] is the target of position t (input ids[t]),
-    ids[t+1] where that token belongs to an assistant reply (content + end token), else -100.
-    Raises TemplateRewritesTurns / ValueError (see the module docstring)."""
+    """Rendered ids (L,) and shifted labels (L-1,). labels[t] is the target of position t, whose input
+    is ids[t]. It is ids[t+1] where that token belongs to an assistant reply (content + end token),
+    else -100. Raises TemplateRewritesTurns or ValueError (see the module docstring)."""
     ids, flags = tpl.encode(turns, False)
     return ids, _labels(ids, flags)
 
 
 def tokenize_samples(turns: Conversation, tpl: ChatTemplate) -> tuple[list[tuple[list[int], list[int]]], bool]:
-    """([(ids, labels)], split): the whole chat as one sample, or (split True) one sample per assistant
-    turn when the template rewrites earlier turns (the per-turn fallback of the module docstring)."""
+    """([(ids, labels)], split): the whole chat as one sample, with split False.
+    When the template rewrites earlier turns, one sample per assistant turn, with split True."""
     try:
         return [tokenize_conversation(turns, tpl)], False
     except TemplateRewritesTurns:

@@ -1,46 +1,45 @@
 """Pretraining data: a byte tokenizer, corpus → one flat token memmap, and a lazy dataset of rows.
 
 What it does
-    `prepare` tokenizes a corpus — a .txt file (one document), a .jsonl file (one document per line,
-    its "text" field) or a folder of such files — appends EOS after every document and writes one flat
-    stream `tokens.bin` (uint16 when the vocab fits, else uint32) plus `meta.json`. With
-    `val_fraction` > 0 that share of the DOCUMENTS goes to a second stream, `val.bin`, the held-out
-    split of the validation loss. `TokenDataset` serves rows of seq_len+1 tokens of either split by
-    index, read lazily through a memmap. `is_prepared` says whether a prepared folder still matches
-    its source (every file's size, mtime and a sampled content hash; the tokenizer's files; the
-    options). `default_corpus` is the data used without --data: the running Python's stdlib sources
-    (real text on every machine), byte-tokenized by `ByteTokenizer` (no download), prepared once
-    into a cache folder.
+    `prepare` tokenizes a corpus: a .txt file (one document), a .jsonl file (one document per line,
+    its "text" field) or a folder of such files. It appends EOS after every document. It writes one
+    flat stream `tokens.bin` (uint16 when the vocab fits, else uint32) plus `meta.json`.
+    With `val_fraction` > 0, that share of the DOCUMENTS goes to a second stream, `val.bin`.
+    It is the held-out split of the validation loss.
+    `TokenDataset` serves rows of seq_len+1 tokens of either split by index, read lazily through a memmap.
+    `is_prepared` says whether a prepared folder still matches its source and options.
+    `default_corpus` is the data used without --data: the running Python's stdlib sources. They are
+    real text on every machine. `ByteTokenizer` tokenizes them with no download, once, into a cache.
 
 Reference
-    nanoGPT's flat uint16 token file with EOS separators (data/openwebtext/prepare.py); ByT5's byte
+    nanoGPT's flat uint16 token file with EOS separators (data/openwebtext/prepare.py). ByT5's byte
     vocabulary (Xue et al. 2022).
 
 Run
     torchrun --nproc_per_node 1 train.py --data corpus.txt      (a .jsonl file or a folder works too)
 
 Invariants
-    - The streams are a pure function of (files, tokenizer, max_bytes, val_fraction): a folder's
-      .txt/.jsonl files in sorted relative-path order (recursive), documents in file order, EOS after
-      each non-empty document; max_bytes keeps the first max_bytes bytes of document text. Document i
-      (0-based, over the whole corpus) is held out iff floor((i+1)·f) > floor(i·f), f = val_fraction:
-      whole documents, spread evenly over the corpus (a folder sorted by path would otherwise hold
-      out one topic), so no row of one split shares a token with the other. A .txt file is one
-      document: it alone gives no held-out split.
-    - A folder is prepared iff meta.json exists and its token counts match tokens.bin's (and
-      val.bin's) size. All are written under temporary names and renamed, tokens first, meta last: a
-      crashed prepare leaves no meta.json and never passes for a finished one; a full disk removes
-      the partial files and says so.
-    - Staleness (`is_prepared`): meta.json records a fingerprint of the source — per file its
-      relative path, size, mtime and a SHA-256 of 16 sampled 64 KiB chunks (the whole file when it
-      is under 1 MiB) — and of the tokenizer folder's files. Any edit that changes the size or the
-      mtime is caught; a same-size copy with its mtime preserved (cp -p, rsync -a, tar) is caught by
-      the sample. Hashing whole files would also catch an in-place edit that keeps the size, restores
-      the mtime and misses every sampled chunk, at the price of reading the whole corpus at every
-      launch (minutes for 100 GB); the sample reads at most 1 MiB per file.
-    - Row i = tokens[i*S : i*S + S + 1]: neighbouring rows share one boundary token, so each token
-      is a target at most once. No shuffling here: the order is the sampler's job (dp.py).
-    - Missing paths raise FileNotFoundError; other bad input raises ValueError naming the file.
+    - The streams are a pure function of (files, tokenizer, max_bytes, val_fraction). A folder's
+      .txt/.jsonl files come in sorted relative-path order (recursive), documents in file order.
+      EOS follows each non-empty document. max_bytes keeps the first max_bytes bytes of text.
+    - Document i (0-based, over the whole corpus) is held out iff floor((i+1)·f) > floor(i·f), with
+      f = val_fraction. Whole documents are held out, so no row of one split shares a token with the
+      other. They are spread evenly: a folder sorted by path would otherwise hold out one topic.
+      A .txt file is one document, so it alone gives no held-out split.
+    - A folder is prepared iff meta.json exists and its token counts match the streams' sizes.
+      Every file is written under a temporary name and renamed, tokens first, meta last. A crashed
+      prepare leaves no meta.json, so it never passes for a finished one. A full disk removes the
+      partial files and says so.
+    - Staleness (`is_prepared`): meta.json records a fingerprint of the source and of the tokenizer
+      folder's files. Per file it holds the relative path, size, mtime and a SHA-256 of 16 sampled
+      64 KiB chunks (the whole file under 1 MiB). An edit that changes the size or the mtime is
+      caught. A same-size copy with its mtime preserved (cp -p, rsync -a, tar) is caught by the sample.
+      Hashing whole files would also catch an in-place edit that keeps the size and the mtime and
+      misses every sample. It would read the whole corpus at every launch (minutes for 100 GB).
+      The sample reads at most 1 MiB per file.
+    - Row i = tokens[i*S : i*S + S + 1]. Neighbouring rows share one boundary token, so each token is
+      a target at most once. There is no shuffling here: the order is the sampler's job (dp.py).
+    - Missing paths raise FileNotFoundError. Other bad input raises ValueError naming the file.
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ SAMPLE_CHUNKS, CHUNK_BYTES = 16, 64 * 1024  # content sampled per file for the s
 # an HF tokenizer folder has at least one of these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
-# Left out of the default corpus: installed packages are not the stdlib, and the test suites are 60%
-# of it (so they would crowd out the library under the cap), some in deliberately broken encodings.
+# Left out of the default corpus. Installed packages are not the stdlib. The test suites are 60% of
+# it, so they would crowd out the library under the cap, and some use deliberately broken encodings.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -97,9 +96,9 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local HF tokenizer behind the ByteTokenizer interface (the raw one is `.hf`). The adapter
-    exists for three traps: HF `encode` adds BOS by default, HF `vocab_size` leaves out added tokens
-    (whose ids are larger), and `eos_token_id` may be None."""
+    """A local HF tokenizer behind the ByteTokenizer interface (the raw one is `.hf`).
+    The adapter exists for three traps. HF `encode` adds BOS by default. HF `vocab_size` leaves out
+    added tokens, whose ids are larger. And `eos_token_id` may be None."""
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer  # heavy import, only when an HF tokenizer is used
@@ -126,8 +125,8 @@ class HFTokenizer:
 
 
 def _check_tokenizer_dir(folder: Path) -> None:
-    """Refuse a folder that is no HF tokenizer, or that asks to run its own code (`auto_map`):
-    a data folder must never execute Python on every rank of a cluster."""
+    """Refuse a folder that is no HF tokenizer, or that asks to run its own code (`auto_map`).
+    A data folder must never execute Python on every rank of a cluster."""
     if not any((folder / n).is_file() for n in TOKENIZER_FILES):
         raise ValueError(f"{folder} is not an HF tokenizer folder: it has none of "
                          f"{', '.join(TOKENIZER_FILES)}")
@@ -169,7 +168,7 @@ def _source_files(source: Path) -> list[Path]:
 
 
 def _documents(path: Path) -> Iterator[str]:
-    """A .jsonl file yields each line's "text"; any other file is one document, read byte-exact
+    """A .jsonl file yields each line's "text". Any other file is one document, read byte-exact
     (strict UTF-8, no newline translation)."""
     try:
         if path.suffix != ".jsonl":
@@ -193,9 +192,9 @@ def _documents(path: Path) -> Iterator[str]:
 
 
 def _capped(texts: Iterator[str], max_bytes: int | None) -> Iterator[tuple[str, int]]:
-    """Yield (document, its UTF-8 size), at most max_bytes in all; the document crossing the cap is
-    cut at a character boundary and ends the corpus. Empty documents would only add a lone EOS:
-    they are dropped."""
+    """Yield (document, its UTF-8 size), at most max_bytes in all. The document crossing the cap is
+    cut at a character boundary and ends the corpus. Empty documents would only add a lone EOS,
+    so they are dropped."""
     left = max_bytes
     for text in texts:
         raw = text.encode("utf-8")
@@ -217,9 +216,9 @@ def _held_out(i: int, frac: Fraction) -> bool:
 
 
 def fingerprint(files: Sequence[Path], root: Path) -> str:
-    """SHA-256 over each file's path relative to root, size, mtime and content sample: the whole
-    file up to SAMPLE_CHUNKS·CHUNK_BYTES, else SAMPLE_CHUNKS chunks evenly spaced from the first
-    byte to the last (module invariants: why a sample and not the whole file)."""
+    """SHA-256 over each file's path relative to root, size, mtime and a content sample.
+    The sample is the whole file up to SAMPLE_CHUNKS·CHUNK_BYTES. Beyond, it is SAMPLE_CHUNKS chunks
+    evenly spaced from the first byte to the last. The module invariants say why not whole files."""
     h = hashlib.sha256()
     for path in files:
         st = path.stat()
@@ -236,8 +235,8 @@ def fingerprint(files: Sequence[Path], root: Path) -> str:
 
 def source_key(source: str | Path, tokenizer_path: str | None = None, max_bytes: int | None = None,
                val_fraction: float = 0.0) -> dict:
-    """What a folder prepared from `source` must record in meta.json to be current: the source's
-    and the tokenizer's fingerprints and the options that shape the streams."""
+    """What a folder prepared from `source` must record in meta.json to be current. It holds the
+    source's and the tokenizer's fingerprints, and the options that shape the streams."""
     source = Path(source).resolve()
     files = _source_files(source)
     root = source if source.is_dir() else source.parent
@@ -253,8 +252,8 @@ def source_key(source: str | Path, tokenizer_path: str | None = None, max_bytes:
 
 def is_prepared(out_dir: str | Path, source: str | Path, tokenizer_path: str | None = None,
                 max_bytes: int | None = None, val_fraction: float = 0.0) -> bool:
-    """out_dir holds a complete preparation of `source` as it is now (same files, sizes, mtimes and
-    sampled content; same tokenizer files; same options)."""
+    """out_dir holds a complete preparation of `source` as it is now. Same files, sizes, mtimes and
+    sampled content, same tokenizer files, same options."""
     try:
         meta = read_meta(Path(out_dir))
     except (OSError, ValueError):
@@ -272,8 +271,8 @@ def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key
     if max_bytes is not None:
         total = min(total, max_bytes)
     frac = Fraction(val_fraction).limit_denominator(10**6)
-    # Per-process temporary names: two processes preparing one folder never write into the same
-    # file, and each rename is atomic (still, let one rank prepare while the others wait).
+    # Per-process temporary names: two processes preparing one folder never write into one file.
+    # Each rename is atomic. Still, let one rank prepare while the others wait.
     tmp = {split: out_dir / f"{name}.tmp{os.getpid()}" for split, (name, _) in SPLITS.items()}
     tmp_meta = out_dir / f"meta.json.tmp{os.getpid()}"
     count = {split: [0, 0] for split in SPLITS}  # tokens, documents
@@ -320,8 +319,8 @@ def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key
 
 def prepare(source: str | Path, out_dir: str | Path, tokenizer_path: str | None = None,
             max_bytes: int | None = None, val_fraction: float = 0.0) -> Path:
-    """Tokenize a .txt / .jsonl file or a folder of them into out_dir, holding out val_fraction of
-    the documents as the validation split; returns out_dir."""
+    """Tokenize a .txt / .jsonl file or a folder of them into out_dir, and return out_dir.
+    val_fraction of the documents go to the validation split."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if not 0 <= val_fraction < 1:
@@ -335,8 +334,8 @@ def prepare(source: str | Path, out_dir: str | Path, tokenizer_path: str | None 
 
 def default_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_000,
                    val_fraction: float = 0.0) -> Path:
-    """The running Python's stdlib .py sources (no tests, no site-packages), sorted by relative path,
-    byte-tokenized, first max_bytes bytes; prepared on first use, then reused."""
+    """The running Python's stdlib .py sources (no tests, no site-packages), sorted by relative path.
+    Byte-tokenized, the first max_bytes bytes. Prepared on first use, then reused."""
     root = Path(sysconfig.get_paths()["stdlib"])
     version = ".".join(map(str, sys.version_info[:3]))
     out = Path(cache_dir or Path.home() / ".cache" / "attotron" / f"stdlib-{version}-{max_bytes}")
@@ -386,9 +385,9 @@ def read_meta(data_dir: Path) -> dict:
 
 
 class TokenDataset(torch.utils.data.Dataset):
-    """Row i = tokens[i*seq_len : i*seq_len + seq_len + 1] as a LongTensor (seq_len+1,); the model
-    input is row[:-1] and the shifted labels row[1:]. split "train" reads tokens.bin, "val" the
-    held-out documents in val.bin."""
+    """Row i = tokens[i*seq_len : i*seq_len + seq_len + 1] as a LongTensor (seq_len+1,).
+    The model input is row[:-1], and the shifted labels are row[1:].
+    split "train" reads tokens.bin. "val" reads the held-out documents in val.bin."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, split: str = "train"):
         self.data_dir = Path(data_dir)

@@ -1,60 +1,52 @@
-"""GRPO: G sampled replies per prompt, a verifier's reward, group-normalized advantages, the clipped
-token-level surrogate, and the trainer's glue of `train.py --grpo`.
+"""GRPO: sampled replies, a verifier's reward, group-normalized advantages, a clipped surrogate.
 
-What it does
-    Group Relative Policy Optimization replaces PPO's value model by the other replies to the same
-    prompt: sample G replies per prompt (`rollout`, model.generate with the KV cache and one seed per
-    reply), score each with a verifier (`arithmetic_reward`: exact match of the reply against the
-    gold answer; or any `fn(reply_text, gold) -> float` named by its import path, `load_verifier`),
-    and push up the replies that beat their group's mean:
-        A_i = (r_i − mean_g r) / (std_g r + ε)       std over the group's G rewards, population
-                                                     (correction 0), ε = 1e-4
-    A group whose rewards are all equal (all right or all wrong) teaches nothing: its advantages are
-    exactly 0 (set so, not left to r − mean, which may round to ±1 ulp), never NaN.
-    The loss per reply token t of reply i, with ρ = exp(log π(t) − log π_old(t)):
-        ℓ = −min(ρ·A_i, clip(ρ, 1 − ε_clip, 1 + ε_clip)·A_i) + β_KL · (exp(q) − q − 1)
-    with q = log π_ref − log π
-    (the KL term: Schulman's k3 estimator, ≥ 0, unbiased for KL(π‖π_ref); β_KL = 0: off). The step
-    loss is Σ ℓ over every reply token of the step / the GLOBAL count of reply tokens (all dp ranks),
-    as the SFT loss is normalized (precision.normalized_loss), so a long reply does not weigh less
-    per token than a short one (DAPO's token-level normalization, not GRPO's per-reply mean).
+The algorithm
+    Group Relative Policy Optimization drops PPO's value model. The other replies to the same
+    prompt serve as the baseline instead.
+    1. `rollout` samples G replies per prompt: model.generate, the KV cache, one seed per reply.
+    2. A verifier scores each reply. `arithmetic_reward` is an exact match against the gold answer.
+       Any `fn(reply_text, gold) -> float` works, named by its import path (`load_verifier`).
+    3. `group_advantages` favours the replies that beat their group's mean:
+           A_i = (r_i − mean_g r) / (std_g r + ε)      population std of the G rewards, ε = 1e-4
+       A group of equal rewards (all right or all wrong) teaches nothing. Its advantages are exactly 0.
+    4. `grpo_loss` per reply token t of reply i, with ρ = exp(log π(t) − log π_old(t)):
+           ℓ = −min(ρ·A_i, clip(ρ, 1 − ε_clip, 1 + ε_clip)·A_i) + β_KL · (exp(q) − q − 1)
+       Here q = log π_ref − log π. The KL term is Schulman's k3 estimator (β_KL = 0 turns it off).
+       The step loss is Σ ℓ over the step's reply tokens / their GLOBAL count (all dp ranks).
+       So a long reply weighs as much per token as a short one (DAPO's token-level loss).
 
-Reference
-    Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1); Schulman et al. 2017 (PPO's clipped surrogate);
-    Schulman 2020, "Approximating KL Divergence" (k3); Yu et al. 2025, "DAPO" (token-level loss).
-
-    The trainer (refinement below): each step the policy itself samples in the training process (no
-    weight sync), `Trainer.rollout_batch` scores, normalizes and takes the old log-probs (no grad),
-    and the loss runs through the model's `loss_fn` seam (GRPOLoss), as dpo.py's does. train.py makes
-    μ optimizer updates on each rollout batch (--grpo-updates, default 1). The ratio is 1 at the
-    first; from the second the policy has moved and the clip acts. Layouts: dp, tp, ZeRO-0..2
-    (cli.py refuses the rest).
+The trainer (after the refinement banner)
+    Each step the policy samples in the training process, so no weights are synced.
+    `Trainer.rollout_batch` scores the replies and takes their old log-probs, without grad.
+    The loss enters through the model's `loss_fn` seam (GRPOLoss), as dpo.py's does.
+    train.py makes μ optimizer updates on each rollout batch (--grpo-updates, default 1).
+    The ratio is 1 at the first. From the second on the policy has moved, and the clip acts.
+    Layouts: dp, tp and ZeRO-0..2 (cli.py refuses the rest).
 
 Run
     python train.py --sft --export-hf out/sft && python train.py --grpo --init-from out/sft   # the demo
     python train.py --grpo --init-from DIR --grpo-group 8 [--grpo-kl 0.04] [--verifier pkg.mod:fn]
     torchrun --nproc_per_node 4 train.py --grpo --init-from DIR --tp 2 --zero 1 --data prompts.jsonl
 
-Builds on: model.py (generate: the KV cache, per-sample seeds); the glue: sft.py, data.py
-    (the built-in arithmetic questions, the chat template)
+Reference
+    Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1). Schulman et al. 2017 (PPO's clipped surrogate).
+    Schulman 2020, "Approximating KL Divergence" (k3). Yu et al. 2025, "DAPO" (token-level loss).
 
-Invariants
-    - Advantages equal the formula; an all-equal group gives exactly 0 (tests/test_grpo.py::
-      test_advantages).
-    - The loss equals the formula token by token, with and without KL (tests/test_grpo.py::
-      test_loss_formula); tokens outside the clip range get no gradient from the surrogate.
-    - rollout draws G replies per prompt, reproducible from the seed, reply masks ending at the end
-      token (tests/test_grpo.py::test_rollout_and_reward).
-    - At tp2 the loss and gradients on fixed rollouts equal the single process's within 1e-5
-      (tests/test_grpo.py::test_tp2_equals_single_process_on_fixed_rollouts); so do train.py --grpo's
-      losses, logs and updated parameters at tp2 and dp2·zero1 (tests/test_grpo.py::
-      test_trainer_layouts_equal_single_process_on_fixed_rollouts).
-    - μ = 2 updates a rollout batch equal the same two updates written out with torch.optim.AdamW,
-      the old log-probs the rollout policy's (tests/test_grpo.py::test_updates_reuse_the_rollout).
-    - A short train.py --grpo run from a partly trained start raises the expected exact-match reward
-      on its arithmetic questions (tests/test_grpo.py::test_short_run_raises_the_arithmetic_reward).
-    - On the built-in questions, train.py scores the held-out ones before step 1 and after the last,
-      greedy and sampled as GRPO samples (tests/test_grpo.py::test_builtin_eval_before_and_after).
+Builds on: model.py (generate). The glue also uses sft.py and data.py (prompts, the template).
+
+Invariants (tests/test_grpo.py)
+    - Advantages equal the formula. An all-equal group gives exactly 0 (test_advantages).
+    - The loss equals the formula token by token, with and without KL (test_loss_formula).
+      Tokens outside the clip range get no gradient from the surrogate.
+    - rollout's replies are reproducible from the seeds. Their labels end at the end token
+      (test_rollout_and_reward).
+    - tp2 gives the single process's loss and gradients within 1e-5 on fixed rollouts
+      (test_tp2_equals_single_process_on_fixed_rollouts). So do train.py's losses, logs and
+      parameters at tp2 and dp2·zero1 (test_trainer_layouts_equal_single_process_on_fixed_rollouts).
+    - μ = 2 updates equal the same two written out with torch.optim.AdamW
+      (test_updates_reuse_the_rollout).
+    - A short run raises the arithmetic reward (test_short_run_raises_the_arithmetic_reward).
+      train.py scores the held-out questions before and after (test_builtin_eval_before_and_after).
 """
 from __future__ import annotations
 
@@ -70,12 +62,17 @@ EPS = 1e-4
 IGNORE_INDEX = -100
 
 
+# ----------------------------------------------------------------------------------------- the loss
 def group_advantages(rewards: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """rewards (P, G): G replies per prompt → advantages (P, G), (r − mean) / (std + eps) within each
-    group (population std); exactly 0 in a group whose rewards are all equal."""
+    """rewards (P, G): G replies per prompt → advantages (P, G), (r − mean) / (std + eps) per group.
+    The std is the population one. A group whose rewards are all equal gets exactly 0."""
+    # The group mean stands in for a value model's estimate of E[reward | prompt]. Subtracting a
+    # baseline leaves the policy gradient unbiased and cuts its variance. The std puts every prompt
+    # on one scale.
     r = rewards.float()
     mean = r.mean(dim=1, keepdim=True)  # (P, 1)
     std = r.std(dim=1, correction=0, keepdim=True)  # (P, 1)
+    # set to 0, not left to r − mean: that may round to ±1 ulp, and then divide by ε
     equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # (P, 1)
     return torch.where(equal, torch.zeros_like(r), (r - mean) / (std + eps))
 
@@ -89,13 +86,21 @@ class LossStats:
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
               total_tokens: torch.Tensor | int, clip_eps: float = 0.2, kl_beta: float = 0.0,
               ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
-    """The clipped token-level surrogate. logp, old_logp, ref_logp, mask: (N, T) per reply token
-    (mask True on reply tokens); adv (N,) one advantage per reply; total_tokens: reply tokens of the
-    whole step over all ranks (dp.global_count of mask.sum()). Returns Σ ℓ / total_tokens and stats."""
+    """The clipped token-level surrogate. Returns Σ ℓ / total_tokens and the stats.
+    logp, old_logp, ref_logp and mask are (N, T), per reply token. mask is True on reply tokens.
+    adv (N,) holds one advantage per reply. total_tokens counts the step's reply tokens on all
+    ranks (dp.global_count of mask.sum())."""
+    # Why the ratio. The replies were sampled from π_old, so importance sampling gives
+    # ∇E_π[A] = E_π_old[ρ·A·∇log π]. That is the gradient of ρ·A, and at ρ = 1 the plain policy gradient.
+    # Why the clip. min() takes the more pessimistic of ρ·A and clip(ρ)·A. Once ρ has left
+    # [1 − ε, 1 + ε] on the side that A favours, that term is a constant: it has no gradient.
+    # So one batch cannot pull the policy far from π_old.
+    # Why k3. E_π[exp(q)] = E_π[π_ref/π] = 1, so E_π[exp(q) − q − 1] = E_π[−q] = KL(π ‖ π_ref).
+    # Each term is ≥ 0 (exp(x) ≥ 1 + x): lower variance than −q alone.
     if kl_beta and ref_logp is None:
         raise ValueError(f"kl_beta={kl_beta} needs ref_logp (the reference's per-token log-probs)")
     ratio = (logp - old_logp).exp()  # (N, T)
-    a = adv[:, None]  # (N, 1)
+    a = adv[:, None]  # (N, 1): a reply's advantage on each of its tokens
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     per_token = -surrogate
     kl = torch.zeros_like(logp)
@@ -106,23 +111,24 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1)
     clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).to(logp.dtype)
+    # divided by the step's count, not this batch's: every token weighs the same (as SFT's loss)
     return ((per_token * m).sum() / total_tokens,
             LossStats(clip_fraction=(clipped * m).sum().detach() / n, kl=(kl * m).sum().detach() / n))
 
 
 def token_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, S) log-prob of each label under the model (0 where -100): the model's own loss with
-    reduction "none" (no (T, V) logits; tp's vocab-parallel loss under tp)."""
+    """(B, S) log-prob of each label, 0 where it is -100. The model's own loss with reduction
+    "none" gives it: no (T, V) logits, and tp's vocab-parallel loss under tp."""
     return -model(ids, labels=labels, reduction="none").view(labels.shape)
 
 
-# ----------------------------------------------------------------------------------------- rollouts
+# ----------------------------------------------------------------------------------------- the rollout
 @dataclass
 class Rollout:
-    """One prompt's G replies. ids (G, S + n): the prompt (S tokens), then the replies, n the longest
-    reply's tokens (a row past its end token holds only the end token); labels (G, S + n - 1) aligned
-    with ids[:, :-1] (model.py's convention), the reply tokens up to and including the end token as
-    targets, -100 elsewhere (the prompt, after the end)."""
+    """One prompt's G replies. ids (G, S + n) hold the prompt (S tokens), then the replies.
+    n is the longest reply's length. A row past its end token holds only end tokens.
+    labels (G, S + n - 1) align with ids[:, :-1], as model.py expects. The targets are the reply
+    tokens up to and including the end token. The rest is -100: the prompt, and after the end."""
     ids: torch.Tensor
     labels: torch.Tensor
 
@@ -138,10 +144,10 @@ def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
 
 def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
             seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> list[Rollout]:
-    """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each. One
-    model.generate call (the KV cache; the prompts right-padded, with their lengths); reply i draws
-    with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt and seed only,
-    never on the batch it is in, so each Rollout is the one a call for its prompt alone makes."""
+    """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each.
+    One model.generate call samples them all (the prompts right-padded, their lengths given).
+    Reply i draws with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt
+    and seed only, never on its batch. So each Rollout equals a call for its prompt alone."""
     S = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.tensor([p + [end_id] * (S - len(p)) for p in prompts], device=device)  # (P, S)
@@ -157,28 +163,28 @@ def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_ne
 
 
 def _past_end(replies: torch.Tensor, end_id: int) -> torch.Tensor:
-    """replies (N, n) → (N, n) bool: True after the first end token (the end token itself is False)."""
+    """replies (N, n) → (N, n) bool: True after the first end token. The end token itself is False."""
     ended = (replies == end_id).long().cumsum(1)  # (N, n): ≥ 1 from the end token on
     return torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0
 
 
 def _labeled(ids: torch.Tensor, S: int, end_id: int) -> Rollout:
-    """ids (G, S + m): a prompt of S tokens and G replies, cut after the longest one's end token
-    (the columns where every row is past its end hold nothing to learn) → their Rollout."""
+    """ids (G, S + m): a prompt of S tokens and G replies → their Rollout. The caller cuts the rows
+    after the longest reply's end token: the columns past every row's end hold nothing to learn."""
     labels = ids[:, 1:].clone()  # (G, S + m - 1): position t predicts ids[t + 1]
     labels[:, :S - 1] = IGNORE_INDEX
     labels[:, S - 1:][_past_end(ids[:, S:], end_id)] = IGNORE_INDEX
     return Rollout(ids, labels)
 
 
+# ---- refinement: the trainer's glue (train.py --grpo): verifiers, prompts, a step's micro-batches
 def arithmetic_reward(reply: str, gold: str) -> float:
     """1.0 when the reply is exactly the gold answer (sft.evaluate's check), else 0.0."""
     return float(reply.strip() == gold.strip())
 
 
 def load_verifier(path: str) -> Callable[[str, str], float]:
-    """'package.module:function' → the function (reply_text, gold) → reward; raises naming what is
-    missing."""
+    """'package.module:function' → the function (reply_text, gold) → reward. Raises naming what is missing."""
     module, _, name = path.partition(":")
     if not module or not name:
         raise ValueError(f"verifier {path!r}: expected 'package.module:function'")
@@ -191,11 +197,10 @@ def load_verifier(path: str) -> Callable[[str, str], float]:
     return fn
 
 
-# --- refinement: the trainer's glue (train.py --grpo): prompts, a step's rollouts as micro-batches
 @dataclass
 class PromptSet:
-    """Prompts (token ids, ending with the generation prompt) and the gold answer each is scored
-    against. `len` and `check_vocab` as train.py asks of a data set; the sampler draws prompt indices."""
+    """Prompts (token ids, ending with the generation prompt) and the gold answer of each.
+    `len` and `check_vocab` serve train.py, as any data set does. The sampler draws prompt indices."""
     prompts: list[list[int]]
     golds: list[str]
     dropped: int = 0  # prompts longer than --seq-len − --grpo-max-new
@@ -229,10 +234,10 @@ def load_prompts(path: str) -> list[tuple[list, str]]:
 
 
 def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
-    """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups), and
-    for train.py's exact-match eval the built-in set's held-out questions, each in every phrasing
-    (sft.held_out_phrasings; none with --data). The built-in split is the SFT demo's whatever --seed,
-    so no held-out question is ever trained on."""
+    """--data's prompts, or the built-in arithmetic questions (one question each, no follow-ups).
+    Also, for train.py's exact-match eval, the built-in set's held-out questions in every phrasing
+    (sft.held_out_phrasings; none with --data). The built-in split is the SFT demo's, whatever --seed.
+    So no held-out question is ever trained on."""
     import data
     import sft
     tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
@@ -256,11 +261,12 @@ def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
 
 
 class GRPOLoss:
-    """The model's `loss_fn(hidden, weight, labels, reduction)` under GRPO: the layout's own loss
-    (`base`: loss.py's chunked cross entropy, or tp's vocab-parallel one) per token, then grpo_loss
-    ("sum": Σ ℓ, which the pipeline divides by the step's global reply-token count). `batch` holds
-    the micro-batch's grpo_old, grpo_adv (and grpo_ref), set by the pre-hook of `Trainer`; without
-    them (the no-grad log-prob passes) it is `base` itself. `sums` (clipped tokens, Σ KL) for the log."""
+    """The model's `loss_fn(hidden, weight, labels, reduction)` under GRPO.
+    `base` is the layout's own loss (loss.py's chunked cross entropy, or tp's vocab-parallel one).
+    GRPOLoss runs it per token, then grpo_loss. "sum" gives Σ ℓ: the pipeline divides by the
+    step's global reply-token count. `batch` holds the micro-batch's grpo_old, grpo_adv (and grpo_ref).
+    Trainer's pre-hook sets it. Without it (the no-grad log-prob passes) GRPOLoss is `base` itself.
+    `sums` (clipped tokens, Σ KL) feed the log."""
 
     def __init__(self, base: Callable[..., torch.Tensor], clip_eps: float, kl_beta: float):
         self.base, self.clip_eps, self.kl_beta = base, clip_eps, kl_beta
@@ -287,11 +293,12 @@ KEYS = ("grpo_old", "grpo_adv", "grpo_ref")
 
 
 class Trainer:
-    """One GRPO step's data: `rollout_batch` turns the sampler's prompt indices into micro-batches
-    (rollouts, rewards, advantages, old and reference log-probs); `stats` is its log. Built after
-    tp (it wraps the model's loss_fn) and after the optimizer has materialized the parameters.
-    The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards, run with
-    torch.func.functional_call: one more copy of the weights per rank, no second module."""
+    """One GRPO step's data, and its log (`stats`).
+    `rollout_batch` turns the sampler's prompt indices into micro-batches: rollouts, rewards,
+    advantages, old and reference log-probs. Build it after tp, since it wraps the model's loss_fn.
+    Build it after the optimizer has materialized the parameters, too.
+    The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards.
+    It runs through torch.func.functional_call: one more copy of the weights, no second module."""
 
     def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):
         self.model, self.args, self.tpl, self.device = model, args, tpl, device
@@ -301,8 +308,8 @@ class Trainer:
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
         self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
                     else None)
-        # Σr, Σr², replies, right (r >= 1), reply tokens, positions (the step's rows × their length L),
-        # positions × L (attention's FLOPs grow with L: what MFU needs)
+        # Σr, Σr², replies, right (r >= 1), reply tokens, positions (rows × their length L), and
+        # positions × L: attention's FLOPs grow with L, and MFU needs them
         self.local = torch.zeros(7, dtype=torch.float64)
 
     def _take_keys(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -320,8 +327,8 @@ class Trainer:
         return -out.view(labels.shape)
 
     def score(self, ro: Rollout, gold: str) -> torch.Tensor:
-        """(G,) rewards: the verifier on each decoded reply, its end token removed (a reply cut at
-        --grpo-max-new is scored as it stands: the verifier decides)."""
+        """(G,) rewards: the verifier on each decoded reply, its end token removed.
+        A reply cut at --grpo-max-new is scored as it stands: the verifier decides."""
         end = self.tpl.end_id
         return torch.tensor([float(self.verifier(self.tpl.decode(r[:-1] if r and r[-1] == end else r), gold))
                              for r in ro.replies()])
@@ -329,10 +336,10 @@ class Trainer:
     @torch.no_grad()
     def rollout_batch(self, opt: Any, ds: PromptSet, rows: list[int], step: int,
                       micro_batches: int) -> list[dict[str, torch.Tensor]]:
-        """This dp rank's prompts → G replies each (reply j of prompt r draws with the seed of
-        (--seed, step, r, j): the same in every layout), scored, as right-padded rows split into
-        micro-batches with input_ids, labels, grpo_adv, grpo_old (and grpo_ref). All the prompts are
-        sampled in one generate call, whatever their lengths; each keeps its own seeds."""
+        """This dp rank's prompts → G scored replies each, as micro-batches of right-padded rows.
+        Each holds input_ids, labels, grpo_adv, grpo_old (and grpo_ref). Reply j of prompt r draws
+        with the seed of (--seed, step, r, j): the same in every layout. One generate call samples
+        all the prompts, whatever their lengths."""
         a, G = self.args, self.args.grpo_group
         opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
         seeds = [s for r in rows for s in reply_seeds(hash((a.seed, step, r)) % 2**63, 1, G)]
@@ -365,9 +372,9 @@ class Trainer:
         return micro
 
     def reduce_log(self, group: Any = None) -> torch.Tensor:
-        """The step's log sums over every dp rank, on the device: one all-reduce of 9 numbers (none
-        on a group of one). train.py calls it after the step's last backward and reads the result
-        (`stats`) after the optimizer's host sync, so the log adds no sync of its own."""
+        """The step's log sums over every dp rank, on the device: one all-reduce of 9 numbers.
+        A group of one reduces nothing. train.py calls this after the step's last backward.
+        It reads the result (`stats`) after the optimizer's host sync, so the log adds no sync."""
         import torch.distributed as dist
         t = torch.cat([self.local.to(self.device), self.loss.sums.to(self.device)])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -375,13 +382,15 @@ class Trainer:
         return t
 
     def stats(self, sums: torch.Tensor) -> dict[str, float]:
-        """The step's log from reduce_log's sums: reward mean and std (population, over all
-        replies), accuracy (share of rewards >= 1), mean reply length (tokens, the end token
-        included), mean KL and clip fraction per reply token over the step's μ updates; `positions`:
-        the token positions the step trained on (its rows, padded, over all dp ranks, times μ;
-        train.py's tokens/s and MFU count these, not --batch-size × --seq-len); `row_len`: the rows'
-        length, weighted by their positions (a dp rank pads to its own longest). Attention's FLOPs
-        per token grow linearly with it, so cli.flops_per_token(cfg, row_len) is the step's exact mean."""
+        """The step's log from reduce_log's sums.
+        - reward mean and std (population, over all replies); accuracy, the share of rewards >= 1;
+        - mean reply length in tokens, the end token included;
+        - mean KL and clip fraction per reply token, over the step's μ updates;
+        - `positions`: the token positions trained on (padded rows, all dp ranks, times μ).
+          train.py's tokens/s and MFU count these, not --batch-size × --seq-len;
+        - `row_len`: the rows' length, weighted by their positions (each dp rank pads to its own
+          longest). Attention's FLOPs per token grow linearly with it.
+          So cli.flops_per_token(cfg, row_len) is the step's exact mean."""
         s, s2, n, right, tokens, positions, by_len, clipped, kl = sums.tolist()
         mean, mu = s / n, self.args.grpo_updates  # the loss ran μ times over the step's reply tokens
         return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,

@@ -1,35 +1,37 @@
 """Supervised fine-tuning data: chat JSONL → tokens with an assistant-only loss mask → FFD-packed rows.
 
 What it does
-    1. `load_jsonl` reads conversations, one JSON object per line, in the `messages` format
-       ({"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}) or the ShareGPT
-       variant ({"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}). A malformed
-       line raises ValueError naming the file and line number, or is skipped and counted (skip_bad).
-    2. chat.py renders each chat (the tokenizer's chat template, or the built-in one) and finds the
-       assistant replies by character spans: the ids and their loss mask. `prepare_sft` does this ONCE
-       per data set: one process (train.py: rank 0, while the others wait) tokenizes with a progress
-       bar (conversations/s, tokens/s) into a memmap cache next to the data, keyed by the data's bytes,
-       the tokenizer and the template (a change to any of them re-makes it); `read_cache` maps it.
-    3. `ffd` packs samples into rows of seq_len tokens, first-fit-decreasing (Johnson 1973:
-       rows <= 11/9·OPT + 6/9, Dósa 2007, tight). `SFTDataset` serves each row as input_ids,
-       position_ids and labels; `report()` prints fill efficiency against the lower bound
-       ceil(tokens / seq_len) and against padding (one conversation per row, `packing="none"`).
-    4. `arithmetic_chats` is the embedded default set (deterministic multi-turn arithmetic chats, held-out
-       questions disjoint from training ones); feed.evaluate answers the held-out questions with
-       model.generate, greedy or sampled, and returns exact-match accuracy (it lives where the model is).
+    1. `load_jsonl` reads conversations, one JSON object per line. It takes the `messages` format
+       ({"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}) or ShareGPT's
+       ({"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}). A malformed
+       line raises ValueError naming the file and line. With skip_bad it is skipped and counted.
+    2. chat.py renders each chat, with the tokenizer's chat template or the built-in one. It finds
+       the assistant replies by character spans, which gives the ids and their loss mask.
+       `prepare_sft` does this ONCE per data set, in one process (train.py: rank 0, the others
+       wait). A progress bar shows conversations/s and tokens/s. The result is a memmap cache next
+       to the data. Its key is the data's bytes, the tokenizer and the template: a change to any
+       of them re-makes it. `read_cache` maps it.
+    3. `ffd` packs samples into rows of seq_len tokens, first-fit-decreasing. Johnson 1973 bounds
+       the rows by 11/9·OPT + 6/9, tight by Dósa 2007. `SFTDataset` serves each row as input_ids,
+       position_ids and labels. `report()` compares the fill with the lower bound ceil(tokens /
+       seq_len), and with padding (one conversation per row, `packing="none"`).
+    4. `arithmetic_chats` is the embedded default set: deterministic multi-turn arithmetic chats.
+       Its held-out questions are disjoint from the training ones. feed.evaluate answers them with
+       model.generate, greedy or sampled, and returns exact-match accuracy.
 
 Shifted labels and packing (the invariants)
-    A conversation (a sample) renders to ids[0..L-1]; the model consumes ids[:-1] (L-1 positions) and
-    labels[t] = ids[t+1] if ids[t+1] is a target else -100, aligned with the logits (model.py's
-    convention). A conversation costs L-1 positions in a row; its last input position predicts its own
-    final end token, so no label ever refers to the next conversation's tokens.
-    position_ids restart at 0 per conversation; feed.get_batch turns them into document boundaries
+    A conversation (a sample) renders to ids[0..L-1]. The model consumes ids[:-1], L-1 positions.
+    labels[t] = ids[t+1] if ids[t+1] is a target, else -100: aligned with the logits, as in model.py.
+    A conversation costs L-1 positions in a row. Its last input position predicts its own final
+    end token, so no label ever refers to the next conversation's tokens.
+    position_ids restart at 0 per conversation. feed.get_batch turns them into document boundaries
     (attention.Documents), so attention stays inside each conversation without an S×S mask.
-    The padded tail gets pad_id, label -100 and positions restarting at 0: it is one more "document"
-    that sees only itself (never a real conversation), and real tokens never see it (it comes later).
-    `real_tokens` marks it False: a mixture of experts' load-balancing loss counts only real tokens.
-    Over-long conversations (L-1 > seq_len) are truncated (kept: the first seq_len inputs; dropped when
-    no target survives) or dropped (overlong="drop"); both are counted in the report, never silent.
+    The padded tail gets pad_id, label -100 and positions restarting at 0. It is one more
+    "document" that sees only itself, and real tokens never see it (it comes later).
+    `real_tokens` marks it False, for statistics that must count the data's tokens only.
+    Over-long conversations (L-1 > seq_len) are truncated or dropped (overlong="drop").
+    Truncation keeps the first seq_len inputs, and drops the sample when no target survives.
+    The report counts both, never silent.
 
 Run
     torchrun --nproc_per_node 1 train.py --sft --packing ffd --eval-every 50
@@ -57,8 +59,8 @@ from chat import (ChatTemplate, Conversation, builtin_template, chat_template,  
                   tokenize_conversation, tokenize_samples)
 
 IGNORE_INDEX = -100
-# the default set packs to 99.3% fill at 1024 (99.2% at 512; 96.6% at the built-in demo's 256: its
-# chats are 30 to ~320 tokens long)
+# The default set packs to 99.3% fill at 1024, and 99.2% at 512. At the built-in demo's 256 it
+# packs to 96.6%: its chats are 30 to ~320 tokens long.
 DEFAULT_SEQ_LEN = 1024
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -90,9 +92,9 @@ def parse_conversation(obj: Any) -> Conversation:
 
 
 def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Conversation], int]:
-    """Conversations of a JSONL file and the number of skipped bad lines (blank lines are ignored).
-    A bad line (not UTF-8, not JSON, not a chat) raises ValueError('file:line: reason') unless
-    skip_bad; a file without any conversation raises ValueError saying why."""
+    """Conversations of a JSONL file, and the number of skipped bad lines. Blank lines are ignored.
+    A bad line (not UTF-8, not JSON, not a chat) raises ValueError('file:line: reason').
+    With skip_bad it is skipped. A file without any conversation raises ValueError saying why."""
     convs, bad = [], 0
     with open(path, "rb") as f:  # decoded per line, so an encoding error names its line
         for lineno, raw in enumerate(f, 1):
@@ -123,8 +125,9 @@ ARRAYS = {"inputs": np.int32, "labels": np.int32, "lengths": np.int64, "targets"
 
 @dataclass
 class Tokenized:
-    """Every sample of a chat set, tokenized once, back to back: numpy arrays, memory-mapped when read
-    from the cache. A sample is a conversation, or one assistant turn of a per-turn chat."""
+    """Every sample of a chat set, tokenized once, back to back in numpy arrays.
+    They are memory-mapped when read from the cache. A sample is a conversation, or one assistant
+    turn of a per-turn chat."""
     inputs: np.ndarray  # (N,) int32: each sample's first L-1 rendered ids (the model's inputs)
     labels: np.ndarray  # (N,) int32: their shifted labels (-100 where not a target)
     lengths: np.ndarray  # (n,) int64: L-1 per sample
@@ -162,8 +165,8 @@ def tokenize_all(convs: list[Conversation], tpl: ChatTemplate, progress: bool = 
 
 
 def file_digest(path: str | Path) -> str:
-    """sha256 of a file's bytes, the cache key of a chat file: the whole file, not a sample, so an
-    edit anywhere re-makes the cache; it hashes at ~1.5 GB/s here, far faster than tokenizing."""
+    """sha256 of a file's bytes, the cache key of a chat file. It hashes the whole file, not a
+    sample, so an edit anywhere re-makes the cache. At ~1.5 GB/s here it is far faster than tokenizing."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 23):
@@ -192,8 +195,8 @@ def read_cache(out: str | Path, key: str | None = None) -> Tokenized | None:
 
 
 def _write_cache(t: Tokenized, out: Path, key: str) -> None:
-    """Arrays under temporary names, each renamed into place, meta.json last (removed first): a crash
-    leaves no meta.json, so an unfinished cache never passes for a finished one."""
+    """Arrays under temporary names, each renamed into place, and meta.json last (removed first).
+    A crash leaves no meta.json, so an unfinished cache never passes for a finished one."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     for name in ARRAYS:
@@ -209,10 +212,11 @@ def _write_cache(t: Tokenized, out: Path, key: str) -> None:
 
 def prepare_sft(out: str | Path, source_key: Callable[[], str],
                 load: Callable[[], tuple[list[Conversation], int]], tpl: ChatTemplate) -> Tokenized:
-    """Tokenize a chat set ONCE into the memmap cache `out`, keyed by source_key() (the data), the
-    tokenizer and the template (tpl.fingerprint): a cache whose key matches is reused, else load() →
-    (conversations, skipped lines) is tokenized with a progress bar and written. One process does
-    this (train.py: rank 0, the others waiting); everyone then maps the cache with `read_cache`."""
+    """Tokenize a chat set ONCE into the memmap cache `out`.
+    Its key is source_key() (the data), the tokenizer and the template (tpl.fingerprint). A cache
+    whose key matches is reused. Else load() gives (conversations, skipped lines), which are
+    tokenized with a progress bar and written. One process does this (train.py: rank 0, the
+    others waiting). Everyone then maps the cache with `read_cache`."""
     out = Path(out)
     key = hashlib.sha256(json.dumps([CACHE_VERSION, source_key(), tpl.fingerprint]).encode()).hexdigest()
     t = read_cache(out, key)
@@ -233,10 +237,10 @@ def prepare_sft(out: str | Path, source_key: Callable[[], str],
 
 # ----------------------------------------------------------------------------------------- packing
 def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit-decreasing: item indices grouped into rows of at most `capacity` tokens. Items are
-    taken longest first (ties by index) and go into the first (lowest-index) row with room. A max
-    segment tree over the rows' free space finds that row in O(log n): never-opened rows have full
-    capacity and lie to the right of the opened ones, so 'leftmost fitting leaf' is exactly first-fit."""
+    """First-fit-decreasing: item indices grouped into rows of at most `capacity` tokens.
+    Items are taken longest first (ties by index). Each goes into the first (lowest-index) row with
+    room. A max segment tree over the rows' free space finds that row in O(log n). Never-opened rows
+    have full capacity and lie right of the opened ones. So 'leftmost fitting leaf' is first-fit."""
     if not lengths:
         return []
     if any(not 0 < n <= capacity for n in lengths):
@@ -296,10 +300,11 @@ class PackStats:
 
 
 class SFTDataset:
-    """Packed rows: `ds[i]` → {"input_ids", "labels", "real_tokens"} and, packed (ffd), "position_ids",
-    each a (seq_len,) tensor (int64; real_tokens bool: False on the padding tail). Samples stay where tokenizing put them (flat int32 arrays, memory-mapped
-    from prepare_sft's cache); `spans[i]` is kept sample i's [start, end) in them and rows are built on
-    access, so a dataset costs ~8 bytes per token of disk and almost no memory."""
+    """Packed rows: `ds[i]` → {"input_ids", "labels", "real_tokens"}, and "position_ids" when packed.
+    Each is a (seq_len,) tensor: int64, or bool for real_tokens (False on the padding tail).
+    Samples stay where tokenizing put them, in flat int32 arrays memory-mapped from the cache.
+    `spans[i]` is kept sample i's [start, end) in them. Rows are built on access.
+    So a dataset costs ~8 bytes per token of disk and almost no memory."""
 
     def __init__(self, data: list[Conversation] | Tokenized, tokenizer: Any, seq_len: int,
                  packing: str = "ffd", overlong: str = "truncate", template: ChatTemplate | None = None):
@@ -343,7 +348,7 @@ class SFTDataset:
         tail = lambda value: [torch.full((pad,), value, dtype=torch.int32)]  # noqa: E731
         ids = torch.cat([self.tokens[a:b] for a, b in spans] + tail(self.pad_id))
         labels = torch.cat([self.labels[a:b] for a, b in spans] + tail(IGNORE_INDEX))
-        # real_tokens: the padding tail is no token of the data (model.py keeps it out of the routers' statistics)
+        # real_tokens: the padding tail is no token of the data, so token statistics skip it
         row = {"input_ids": ids.long(), "labels": labels.long(),  # (S,) each
                "real_tokens": torch.arange(self.seq_len) < self.seq_len - pad}
         if self.packing == "ffd":  # one conversation per row needs no document boundaries: plain causal
@@ -383,16 +388,16 @@ def _question_keys(max_operands: tuple[int, int], ops: tuple[str, ...],
 def arithmetic_chats(n_train: int = 20000, n_eval: int = 100, max_operands: tuple[int, int] = (99, 9),
                      ops: tuple[str, ...] = ("+",), p_follow_up: float = 0.3,
                      seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
-    """Deterministic synthetic chats: optional system prompt, "What is 37 + 5?" → "42" in varied
-    phrasing, sometimes follow-ups ("Now add 4." → "46", c <= max_operands[1]). Results never go
-    negative. The first question (a, op, b) of every eval chat never occurs in training, neither as
-    a first question (disjoint sets) nor as a follow-up (a training chat ends before one that would
-    restate it).
-    The defaults (a number below 100 plus a digit: 1000 questions, 100 held out) are what the tiny
-    model learns in a short CPU run as a rule, not a table: held-out questions are answered about
-    as well as training ones. Single-digit sums (max_operands=(9, 9)) it learns as a table of 100
-    facts; two-digit sums and differences (max_operands=(99, 99), ops=("+", "-")) not at all
-    (docs/post-training.md: measured)."""
+    """Deterministic synthetic chats: an optional system prompt, then "What is 37 + 5?" → "42".
+    The phrasing varies. Some chats have follow-ups ("Now add 4." → "46", c <= max_operands[1]).
+    Results never go negative. The first question (a, op, b) of an eval chat never occurs in
+    training. It is no training chat's first question: the sets are disjoint. Nor is it a follow-up:
+    a training chat ends before a follow-up that would restate it.
+    The defaults (a number below 100 plus a digit) give 1000 questions, 100 held out. The tiny model
+    learns them in a short CPU run as a rule, not a table. It answers held-out questions about as
+    well as training ones. Single-digit sums (max_operands=(9, 9)) it learns as a table of 100 facts.
+    Two-digit sums and differences (max_operands=(99, 99), ops=("+", "-")) it does not learn at all.
+    docs/post-training.md has the measurements."""
     rng = random.Random(seed)
     keys = _question_keys(max_operands, ops, rng)
     if n_eval >= len(keys):
@@ -422,9 +427,9 @@ def arithmetic_chats(n_train: int = 20000, n_eval: int = 100, max_operands: tupl
 
 def held_out_phrasings(n_eval: int = 100, max_operands: tuple[int, int] = (99, 9),
                        ops: tuple[str, ...] = ("+",), seed: int = 0) -> list[Conversation]:
-    """Each held-out first question of arithmetic_chats (the same arguments) in every phrasing and
-    under every system prompt: single-turn chats, 15 per question. A steadier eval than one chat per
-    question: one model's answers to a question's phrasings differ."""
+    """Each held-out first question of arithmetic_chats (same arguments), in every phrasing and
+    under every system prompt. These are single-turn chats, 15 per question. They make a steadier
+    eval than one chat per question: one model's answers to a question's phrasings differ."""
     out = []
     for a, op, b in _question_keys(max_operands, ops, random.Random(seed))[:n_eval]:
         value = a + b if op == "+" else a - b

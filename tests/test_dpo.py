@@ -1,6 +1,7 @@
 """dpo.py against the formula, transformers and the single process.
 
 References
+- dpo.textbook_dpo_loss (full logits, a reply per row) against DPOLoss on packed rows: fp32 rounding.
 - The formula, by hand in float64 on fixed log-probs; policy = reference gives exactly ln 2 (fp32:
   every margin is exactly 0, the reference sums being the same forward's).
 - transformers' LlamaForCausalLM: log_softmax of its logits, each document alone (unpacked), summed
@@ -12,6 +13,7 @@ References
   norm matters: AdamW's update is scale free, so a gradient off by a constant factor (cp's
   all-reduce without its backward: exactly 1/2 at cp2) leaves the loss curve within 2e-6.
 """
+import copy
 import json
 import math
 
@@ -92,6 +94,44 @@ def test_formula_and_ln2():
     want = {"reward_chosen": r_hat[:, 0].mean().item(), "reward_rejected": r_hat[:, 1].mean().item(),
             "reward_margin": (r_hat[:, 0] - r_hat[:, 1]).mean().item(), "reward_accuracy": right}
     assert loss.stats(loss.reduce_log(torch.device("cpu"))) == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_textbook_equals_production():
+    """dpo.textbook_dpo_loss (full logits, a reply per row) against DPOLoss on packed rows (no logits,
+    the reference's sums precomputed): the loss and the policy's gradients within fp32 rounding."""
+    def padded(docs: list) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) ids, (N, L-1) labels
+        L = max(len(ids) for ids, _ in docs)
+        return (torch.tensor([ids + [TPL.pad_id] * (L - len(ids)) for ids, _ in docs]),
+                torch.tensor([lab + [-100] * (L - 1 - len(lab)) for _, lab in docs]))
+
+    policy = W.materialize(M.build(CFG), "cpu", seed=1)
+    reference = copy.deepcopy(policy)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)  # the policy has moved: margins are not 0
+    ds = dpo.PairDataset(pairs(8), TPL, 256)
+    assert len(ds) < len(ds.docs)  # packed: rows hold several pairs
+    want = dpo.textbook_dpo_loss(policy, reference, padded([d[0] for d in ds.docs]),
+                                 padded([d[1] for d in ds.docs]), beta=0.5)
+    want.backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    record = dpo.apply_dpo([reference], beta=0.5, cp_group=None)
+    record.record = []
+    b = rows(ds)
+    with torch.no_grad():
+        reference(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
+                  dpo_ref=b["dpo_ref"])
+    ds.set_reference(list(range(len(ds))), record.record[0])
+    dpo.apply_dpo([policy], beta=0.5, cp_group=None)
+    b = rows(ds)
+    got = policy(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
+                 dpo_ref=b["dpo_ref"])
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6) and want.item() > 0.1
+    for p, w in zip(policy.parameters(), grads):
+        assert (p.grad - w).abs().max() <= 1e-5 * w.abs().max()
 
 
 def test_sequence_logps_match_transformers(tmp_path):
