@@ -34,8 +34,8 @@ Invariants (tests/test_cp.py unless named)
     - A model's `token_sum_fn` sums over all tokens of the rows, forward and backward (`_token_sum`).
 
 Reading order
-    The core is the ring: `ring_attention`, `_ring_forward` and its `_merge`.
-    Then `_ring_backward`, and one block's math: `_math_block`, `_math_block_backward`.
+    The forward: `ring_attention`, `_ring_forward`, its `_merge`, one block's `_math_block`.
+    The backward: `_ring_backward` and `_math_block_backward`.
     Refinements follow, each after a `# --- refinement:` banner.
     Zigzag shards come first, then `apply_cp`, which puts the ring into a model.
 """
@@ -89,7 +89,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
         # the next block is in flight meanwhile
         ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)  # (B, nh, c, d) each
         for i, j, causal in _pairs(step, rank, cp):
-            o, l = _block(qs[i], ks[j], vs[j], causal, scale)  # one block: _math_block, fused
+            o, l = _block(qs[i], ks[j], vs[j], causal, scale)  # _math_block, by a fused kernel
             out[i], lse[i] = (o.float(), l) if out[i] is None else _merge(out[i], lse[i], o, l)
         _wait(works)
         kv = nxt if nxt is not None else kv
@@ -109,6 +109,18 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
     o1 (B, h, n, d) and l1, l2 (B, h, n) are fp32. logaddexp never overflows."""
     l = torch.logaddexp(l1, l2)
     return o1 * (l1 - l).exp()[..., None] + o2.float() * (l2 - l).exp()[..., None], l
+
+
+def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, h, n, d) over one key block k, v (B, h, m, d).
+
+    Returns (out, l), with l = log Σ exp(s). The plain math, for any device and dtype."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, n, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)  # (B, h, n)
+    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,18 +165,6 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     _wait(hop[0])  # the last hop took each block's dK/dV home to its owner
     dkv = hop[1]  # (2, B, nkv, s, d): this rank's own dK, dV, summed over all queries
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, h, n, d) over one key block k, v (B, h, m, d).
-
-    Returns (out, l), with l = log Σ exp(s). The plain math, for any device and dtype."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, n, m)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    lse = s.logsumexp(-1)  # (B, h, n)
-    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _math_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
