@@ -510,8 +510,8 @@ def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, ra
                          "plain causal attention only")
     x = kwargs.get("input_ids", args[0] if args else None)
     x = kwargs.get("inputs_embeds") if x is None else x
-    s = x.shape[1]
-    kwargs["position_ids"] = shard_sequence(torch.arange(s * cp, device=x.device)[None], cp, rank)  # (1, s)
+    S = x.shape[1] * cp  # x holds this rank's s = S/cp tokens
+    kwargs["position_ids"] = shard_sequence(torch.arange(S, device=x.device)[None], cp, rank)  # (1, s)
     return args, kwargs
 
 
@@ -538,8 +538,7 @@ def _apply_described(model: nn.Module, cp_group: Group, cp: int, rank: int, laye
     if cp > 1:
         for where, module in targets:
             _swap_sdpa(module, cp_group, where)
-        hook = partial(_global_positions, cp=cp, rank=rank, check=True)
-        position_module.register_forward_pre_hook(hook)
+        position_module.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank, check=True))
 
 
 def _ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
