@@ -23,6 +23,7 @@ Run
     torchrun --nproc_per_node 4 train.py --cp 2 --tp 2 --seq-len 512
 
 Invariants (tests/test_cp.py unless named)
+    - `_merge` of two key blocks equals one block over both keys (test_merge_of_two_key_blocks_...).
     - cp = 1 is plain causal SDPA, bit for bit (test_ring_attention_equals_sdpa_cp2_cp4_gqa).
     - The ring's output and gradients equal one-process SDPA, fp32 ≤ 1e-5 (the same test).
     - Every ring step costs every rank the same work (test_zigzag_blocks_cover_...).
