@@ -348,7 +348,7 @@ def _token_sum(sums: torch.Tensor, *, inner: Callable[[torch.Tensor], torch.Tens
     Backward is a sum too. Rank r's loss reads the total, and the cp ranks' losses add up.
     (Their gradients are summed, as dp replicas' are.) So each rank's sums get every rank's gradient.
     moe.py's load-balancing loss is the user: its router statistics pool every token.
-    tests/test_moe_layouts.py -k cp checks it against one process."""
+    tests/test_moe_layouts.py checks it against one process, at cp2 and ep2·cp2."""
     return _SumOverRanks.apply(inner(sums), group)
 
 
