@@ -1,14 +1,14 @@
 """Checkpoints: the layout-independent format and its atomic save (safetensors + JSON, nothing pickled).
 
 What it does
-    `save_checkpoint` writes the training state of every rank: the fp32 master weights, AdamW's
-    moments and step, this rank's RNG state, and the caller's JSON `extra` (step, sampler position,
-    args...). `checkpoint_load.load_checkpoint` puts it back into an optimizer built under ANY
-    layout (tp, pp, dp, ZeRO stage): everything is stored by HF parameter name, each piece with the
-    place it holds in the global tensor, so a checkpoint saved under tp2·pp2·dp2·ZeRO-2 resumes under
-    dp4·ZeRO-3 or in a single process. The compute parameters are not stored: they are the masters
-    (fp32) or their cast (`opt._publish()` redoes it after loading). This file also finds complete
-    checkpoints (`latest_checkpoint`) and prunes old ones; checkpoint_load.py reads and verifies.
+    `save_checkpoint` writes the training state of every rank.
+    That is the fp32 master weights, AdamW's moments and step, the RNG state, and a JSON `extra`.
+    `checkpoint_load.load_checkpoint` puts it back into an optimizer built under ANY layout.
+    Everything is stored by HF parameter name, each piece with its place in the global tensor.
+    So a checkpoint saved under tp2·pp2·dp2·ZeRO-2 resumes under dp4·ZeRO-3, or in one process.
+    The compute parameters are not stored: they are the masters, or their cast.
+    (`opt._publish()` redoes the cast after loading.) checkpoint_load.py reads and verifies.
+    This file also finds complete checkpoints (`latest_checkpoint`) and prunes old ones.
 
         <dir>/step_00000100/
             meta.json              step, layout, global shapes, extra, every file: bytes, crc32
@@ -16,41 +16,35 @@ What it does
             rank00000.safetensors  those pieces: "<hf name>/master", "/exp_avg", "/exp_avg_sq"
             rank00001.json ...     (a rank that owns nothing writes only its .json)
 
-    An index entry says where its 1-D pieces sit: the tp `shard` (dim, start, size) of the local
-    parameter (None: replicated over tp), the local shape, and the flat range [start, start+n) of
-    the local parameter (a ZeRO rank's piece; the whole parameter in stage 0).
+    An index entry says where its 1-D pieces sit in the local parameter:
+    the tp `shard` (dim, start, size), or None when replicated over tp;
+    the local shape; and the flat range [start, start+n) that this rank holds (ZeRO's piece).
 
 Reference
-    Megatron-LM's distributed checkpointing and PyTorch DCP (torch.distributed.checkpoint) keep the
-    same idea: shards stored with their global offsets and resharded on load.
+    Megatron-LM's distributed checkpointing and PyTorch DCP (torch.distributed.checkpoint).
+    Both store shards with their global offsets and reshard on load.
 
 Run
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --save ckpt --save-every 100 --keep 3
     torchrun --nproc_per_node 4 train.py --zero 3 --save ckpt --resume auto   # same run, other layout
 
-Invariants
-    - Every element is written once, by its owner: stage 0 (masters are whole local parameters,
-      replicated over dp): dp rank 0 only; ZeRO 1-3: every dp rank its own piece; a parameter
-      replicated over tp: tp rank 0 only; under expert parallelism an expert tensor is a box of
-      the global (E, ...) tensor (its ep shard, like a tp slice), written at stage 0 by rank 0
-      of its replica group, under ZeRO as pieces of that group, so an ep = 2 checkpoint resumes
-      at ep = 1 or 4 (tests/test_moe_ep.py); the last pipeline stage's copy of a tied embedding
-      (`lm_head.weight`): never (the first stage's embedding is the truth, and the copy is loaded
-      from it). tp vocab padding rows (at/after the true vocab) are never stored and load as zero.
-    - Atomic: all ranks write into `step_XXXXXXXX.tmp/` and fsync; the ranks then exchange what
-      they wrote (`exchange`: file names, bytes, crc32 — never a directory listing, which can be
-      stale on a network filesystem), and the lead rank checks it sees those files (all ranks must
-      share one filesystem), writes meta.json last, renames the folder and fsyncs the parent. A
-      crash leaves at most a `.tmp` folder that `latest_checkpoint` ignores and `prune` removes;
-      older checkpoints are never touched by a save (saving the same step again moves the old
-      folder to `.old` until the new one is in place). A rank's failure (a full disk) is exchanged
-      too: every rank raises the same OSError and the lead removes the `.tmp` folder.
-    - Coordination: save and load wait for each other only in `exchange` over the caller's group;
-      train.py passes a gloo group with a long timeout of its own, so a slow writer trips no NCCL
-      watchdog, and the lead prunes (`keep`) while the others wait there.
-    - Every file is listed in meta.json with its bytes and crc32, so a load checks each file it
-      reads before copying anything (checkpoint_load.py's invariants: no pickle, no gathered model,
-      the RNG only under the same layout).
+Invariants (tests/test_checkpoint.py)
+    - Every element is written once, by its owner.
+      ZeRO 0: dp rank 0 writes. ZeRO 1-3: each dp rank writes its own piece.
+      A parameter replicated over tp: tp rank 0 writes. tp's vocab padding rows are never stored.
+      The last stage's copy of a tied embedding is never stored: it loads from the embedding.
+      An expert tensor's ep shard is a box of the global (E, ...) tensor, as a tp slice is.
+      Rank 0 of its replica group writes it. So ep = 2 resumes at ep = 1 or 4 (tests/test_moe_ep.py).
+    - Atomic. All ranks write into `step_XXXXXXXX.tmp/` and fsync.
+      They exchange what they wrote: names, bytes, crc32 (`exchange`, never a directory listing).
+      The lead checks it sees those files: all ranks must share one filesystem.
+      It writes meta.json last, renames the folder and fsyncs the parent.
+      A crash leaves at most a `.tmp` folder. `latest_checkpoint` ignores it and `prune` removes it.
+      A save never touches older checkpoints. The same step saved again waits in `.old`.
+    - A rank's failure (a full disk) is exchanged too. Every rank raises the same OSError.
+    - Ranks wait for each other only in `exchange`, over the caller's group.
+      train.py passes a gloo group with a long timeout, so a slow writer trips no NCCL watchdog.
+    - meta.json lists each file's bytes and crc32. A load checks each file before copying anything.
 
 Builds on: model.py, weights.py
 """
@@ -98,8 +92,9 @@ class Layout:
 
 # ------------------------------------------------------------------------------------- geometry
 def _tied_copy(name: str, cfg: LlamaConfig) -> bool:
-    """A last pipeline stage's own copy of the tied embedding (on a single stage it IS the
-    embedding and named_parameters() lists it only as model.embed_tokens.weight)."""
+    """A last pipeline stage's own copy of the tied embedding.
+
+    On a single stage it IS the embedding: named_parameters() lists only model.embed_tokens.weight."""
     return name == "lm_head.weight" and cfg.tie_word_embeddings
 
 
@@ -116,8 +111,9 @@ def _size(box: Box) -> list[int]:
 
 
 def _check_local(name: str, local: tuple[int, ...], full: tuple[int, ...], shard: Shard | None) -> int:
-    """Validate a local shape against its global shape; return how many of its flat elements are
-    real (not padding). Padding rows come last along dim 0, so the real ones are a flat prefix."""
+    """Check a local shape against its global shape. Return how many flat elements are real.
+
+    Padding rows come last along dim 0, so the real elements are a flat prefix."""
     want = list(full)
     if shard is not None:
         want[shard.dim] = shard.size
@@ -138,10 +134,11 @@ def _write_json(path: Path, obj: Any) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------- coordination
 def exchange(report: dict, group: dist.ProcessGroup | None = None) -> list[dict]:
-    """Every rank's JSON-able `report`, in group rank order, on every rank: the files a rank wrote,
-    its error. JSON bytes in uint8 tensors, nothing pickled. It is also the barrier of checkpoint
-    I/O: `group` should be a gloo group with a long timeout (train.py's io group), so ranks waiting
-    for a slow writer neither hold a GPU collective nor trip the NCCL watchdog."""
+    """Every rank's JSON-able `report` (its files, its error), in group rank order, on every rank.
+
+    The JSON travels as bytes in uint8 tensors: nothing is pickled.
+    It is also the barrier of checkpoint I/O. Pass a gloo group with a long timeout (train.py's io group).
+    Then ranks that wait for a slow writer hold no GPU collective and trip no NCCL watchdog."""
     if not dist.is_initialized():
         return [report]
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
@@ -156,9 +153,10 @@ def exchange(report: dict, group: dist.ProcessGroup | None = None) -> list[dict]
 
 
 def raise_errors(reports: list[dict], what: str) -> None:
-    """Raise the same OSError on every rank when any report carries an error (each rank calls it
-    with the same exchanged reports, so either all go on or all stop: nobody waits for a peer that
-    gave up)."""
+    """Raise the same OSError on every rank when any report carries an error.
+
+    Each rank calls it with the same exchanged reports. So all go on, or all stop.
+    Nobody waits for a peer that gave up."""
     bad = [f"rank {r.get('rank', i)}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
     if bad:
         more = f"; ... ({len(bad) - 4} more)" if len(bad) > 4 else ""
@@ -185,8 +183,9 @@ def _check_layout(layout: Layout, group: dist.ProcessGroup | None) -> None:
 
 def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
            layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The pieces this rank writes (flat views of its masters and moments, not copies) and their
-    index entries (see the invariants)."""
+    """The pieces this rank writes, and their index entries (see the invariants).
+
+    The pieces are flat views of its masters and moments, not copies."""
     shapes = global_shapes(cfg)
     pieces = getattr(opt, "pieces", None)  # ZeRO 1-3: master i = flat piece of local param i
     replica_rank = getattr(opt, "replica_rank", lambda i: None)  # EP: an expert's rank among its holders
@@ -220,15 +219,19 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
                     shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
                     group: dist.ProcessGroup | None = None, keep: int | None = None,
                     guard: Callable[[], None] | None = None) -> Path:
-    """Write `<ckpt_dir>/step_<step>` atomically; every rank of `group` (default: all) calls it.
-    opt: precision.MixedPrecisionOptimizer or a zero.py/zero3.py optimizer (any stage); shards: apply_tp's
-    map; extra: JSON-able (step, sampler state, args...), stored once by the lead rank; group: the
-    ranks' coordination (see `exchange`: give it a long timeout); keep: the lead then prunes to the
-    newest `keep` checkpoints up to this step, while the others wait in `group`, not in a compute
-    collective. guard: run by the lead before it writes anything (train.py: "this run still holds
-    the folder's lock"); its OSError stops every rank like a full disk. Each tensor streams from
-    the device to its file on its own (no copy of the rank's share). Any rank's failure (a full disk...) raises the same OSError on every rank, after the
-    partial `.tmp` folder is removed. Returns the final path."""
+    """Write `<ckpt_dir>/step_<step>` atomically. Every rank of `group` (default: all) calls it.
+
+      - opt: precision.MixedPrecisionOptimizer, or a zero.py/zero3.py optimizer (any stage).
+      - shards: apply_tp's map. extra: JSON-able (step, sampler state, args...), stored once.
+      - group: the ranks' coordination (see `exchange`). Give it a long timeout.
+      - keep: the lead then prunes to the newest `keep` checkpoints up to this step.
+        The others wait in `group` meanwhile, not in a compute collective.
+      - guard: the lead runs it before it writes anything.
+        train.py checks that this run still holds the folder's lock.
+        Its OSError stops every rank, like a full disk.
+    Each tensor streams from the device to its file on its own: no copy of the rank's share.
+    Any rank's failure raises the same OSError on every rank, once the `.tmp` folder is removed.
+    Returns the final path."""
     _check_layout(layout, group)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -271,8 +274,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
     done = {"rank": layout.rank, "error": None}
     if lead:
         try:
-            # meta.json lists what the ranks report they wrote, not a directory listing (which can
-            # be stale on a network filesystem); a file rank 0 cannot see means no shared filesystem
+            # meta.json lists what the ranks report they wrote, not a directory listing.
+            # A listing can be stale on a network filesystem.
+            # A file that rank 0 cannot see means the ranks share no filesystem.
             meta["files"] = {f: info for r in reports for f, info in r["files"].items()}
             for f, info in meta["files"].items():
                 if not (tmp / f).is_file() or (tmp / f).stat().st_size != info["bytes"]:
@@ -311,11 +315,12 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 
 
 def prune(ckpt_dir: str | os.PathLike, keep: int, upto: int | None = None) -> list[Path]:
-    """Remove all but the newest `keep` complete checkpoints at or before step `upto` (default: all
-    of them), and the debris of crashed saves (.tmp/.old folders). Checkpoints after `upto` are
-    never touched: a run passes the step it just saved (only finite steps save), so it can neither
-    remove that checkpoint nor count checkpoints of another run's later steps against it. Call it
-    on one rank, between saves. Returns what was removed."""
+    """Remove all but the newest `keep` complete checkpoints at or before step `upto`.
+
+    `upto` None means all of them. It removes the debris of crashed saves too (.tmp/.old folders).
+    Checkpoints after `upto` are never touched. A run passes the step it just saved.
+    So it cannot remove that checkpoint, nor count another run's later steps against it.
+    Call it on one rank, between saves. Returns what was removed."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     debris = [p for p in Path(ckpt_dir).glob("step_*") if re.fullmatch(r"step_\d{8}\.(tmp|old)", p.name)]

@@ -1,33 +1,34 @@
 """Loading checkpoints into any layout: verify every file, then read only the slices a rank needs.
 
 What it does
-    `load_checkpoint` puts a checkpoint written by checkpoint.py's `save_checkpoint` back into an
-    optimizer built under ANY layout (tp, pp, dp, ZeRO stage): the pieces are stored by HF
-    parameter name with the place they hold in the global tensor (see checkpoint.py for the
-    format), so a rank cuts the region of each global tensor that its local tensor holds out of
-    the saved tp slices overlapping it, and its ZeRO piece out of that. A checkpoint saved under
-    tp2·pp2·dp2·ZeRO-2 resumes under dp4·ZeRO-3 or in a single process. Then `opt._publish()`
-    recasts the masters to the compute parameters, and the RNG comes back when the layout is the
-    saved one.
+    `load_checkpoint` reads a checkpoint that checkpoint.py's `save_checkpoint` wrote.
+    It fills an optimizer built under ANY layout: tp, pp, dp, any ZeRO stage.
+    The pieces are stored by HF parameter name, with their place in the global tensor.
+    (checkpoint.py describes the format.)
+    So a rank takes the region that its local tensor holds from the saved tp slices overlapping it.
+    Then it cuts its ZeRO piece out of that region.
+    A checkpoint saved under tp2·pp2·dp2·ZeRO-2 resumes under dp4·ZeRO-3, or in one process.
+    Then `opt._publish()` casts the masters to the compute parameters.
+    The RNG comes back when the layout is the saved one.
 
 Reference
-    PyTorch DCP (torch.distributed.checkpoint) and Megatron-LM's distributed checkpointing reshard
-    on load the same way: each saved shard carries its global offsets.
+    PyTorch DCP (torch.distributed.checkpoint) and Megatron-LM's distributed checkpointing.
+    They reshard on load the same way: each saved shard carries its global offsets.
 
 Run
     torchrun --nproc_per_node 4 train.py --zero 3 --save ckpt --resume auto   # any saved layout
 
-Invariants
-    - No rank gathers the model. On load a rank reads, one name at a time, only the saved tp slices
-      that overlap its own (all ZeRO pieces of such a slice: at most one full tensor in memory),
-      then cuts out its local tensor and its piece.
-    - Loading parses JSON and safetensors only (no pickle: a foreign checkpoint cannot run code).
-      A missing, truncated, corrupt (crc32) or mismatched file raises naming the file, before any
-      tensor is copied; when one rank finds it, all raise.
-    - The crc32 of each file meta.json lists is checked against the file a rank reads (`verify`):
-      every rank reads all the small .json indexes, and only the .safetensors its slices come from.
-    - RNG states come back only under the very same layout (same tp, dp, pp: every rank finds its
-      own); otherwise they are left alone and `Restored.rng_restored` is False.
+Invariants (tests/test_checkpoint.py)
+    - No rank gathers the model. A rank reads one name at a time.
+      It reads only the saved tp slices that overlap its own, with all their ZeRO pieces.
+      So at most one full tensor is in memory. Then it cuts out its local tensor and its piece.
+    - Loading parses JSON and safetensors only. No pickle: a foreign checkpoint cannot run code.
+      A missing, truncated, corrupt (crc32) or mismatched file raises, naming the file.
+      That happens before any tensor is copied. When one rank finds it, all raise.
+    - `verify` checks each file a rank reads against the crc32 that meta.json lists.
+      Every rank reads all the small .json indexes, and only the .safetensors it needs.
+    - RNG states come back only under the very same layout: same tp, dp and pp.
+      Then every rank finds its own. Otherwise they are left alone: `Restored.rng_restored` is False.
 
 Builds on: checkpoint.py (the format, Layout, the box geometry, `exchange`), model.py, weights.py
 """
@@ -124,9 +125,11 @@ class _Index:
         return f.get_tensor(key) if read else None
 
     def check(self, key: str) -> dict:
-        """Before anything is copied: the saved slices of `key` tile the global tensor, each slice's
-        pieces tile it, and every piece is in its file with its length. Returns the first entry
-        (all agree on the stored kinds; its step is the parameter's)."""
+        """Check `key` before anything is copied.
+
+        The saved slices of `key` must tile the global tensor, and each slice's pieces the slice.
+        Every piece must be in its file, with its length.
+        Returns the first entry: all agree on the stored kinds, and its step is the parameter's."""
         full, by_shard = self.shapes[key], self.slices[key]
         first = next(iter(by_shard.values()))[0][1]
         boxes = []
@@ -184,8 +187,9 @@ class _Index:
         return out
 
     def piece(self, key: str, kind: str, box: Box, start: int, n: int) -> torch.Tensor:
-        """Flat elements [start, start+n) of this rank's local tensor, whose real elements (`box`)
-        are a flat prefix: padding rows come last, and are zero."""
+        """Flat elements [start, start+n) of this rank's local tensor.
+
+        Its real elements (`box`) are a flat prefix. Padding rows come last, and are zero."""
         if n == 0:
             return torch.empty(0)  # a ZeRO rank owning nothing of this parameter reads nothing
         real = self.region(key, kind, box).reshape(-1)[start:start + n]
@@ -193,7 +197,7 @@ class _Index:
 
 
 def _describe_mismatch(saved: dict[str, list], now: dict[str, list]) -> str | None:
-    """A few differing tensors and their count (a whole model's list would be kilobytes on one line)."""
+    """A few differing tensors, and their count. A whole model's list would be kilobytes long."""
     bad = [f"{k}: saved {saved.get(k)}, config {now.get(k)}"
            for k in sorted(set(now) | set(saved)) if saved.get(k) != now.get(k)]
     if not bad:
@@ -205,11 +209,13 @@ def _describe_mismatch(saved: dict[str, list], now: dict[str, list]) -> str | No
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
                     layout: Layout, group: dist.ProcessGroup | None = None, verify: bool = True) -> Restored:
-    """Fill `opt`'s masters and AdamW state (any layout, any ZeRO stage) from a checkpoint folder,
-    publish them to the compute parameters (a collective for ZeRO: all ranks call this), and
-    restore this rank's RNG when the layout is the saved one. Every check (files, sizes, crc32 of
-    each file this rank reads when `verify`, shapes, tiling) runs before anything is copied, and
-    the ranks agree over `group` (see `exchange`): when one fails, all raise."""
+    """Fill `opt`'s masters and AdamW state from a checkpoint folder. Any layout, any ZeRO stage.
+
+    Then it publishes them to the compute parameters. For ZeRO that is a collective: all ranks call it.
+    It restores this rank's RNG when the layout is the saved one.
+    Every check runs before anything is copied: files, sizes, shapes, tiling.
+    With `verify` it checks the crc32 of each file this rank reads too.
+    The ranks agree over `group` (see `exchange`): when one fails, all raise."""
     _check_layout(layout, None)
     path = Path(path)
     pieces = getattr(opt, "pieces", None)

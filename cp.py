@@ -10,21 +10,20 @@ The core idea
     The K/V blocks travel around the ring of cp ranks, point to point.
     Each rank attends its queries to the block it holds, then passes the block on.
     The next block is in flight while the current one is computed.
-    Partial results merge by log-sum-exp: l = log Σ_j exp(l_j), o = Σ_j exp(l_j − l)·o_j.
+    Partial results merge by their log-sum-exp (`_merge`): exact, not an approximation.
     Backward runs a second ring. Each block's dK/dV travel with it, back to their owner.
     Zigzag shards balance the causal triangle: rank r holds chunks r and 2cp−1−r of 2cp.
-    docs/cp.md derives the blocks, the merge and the backward.
 
 Reference
     Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context".
-    Zigzag load balance: Megatron-LM's context parallelism, zhuzilin/ring-flash-attention.
-    Striped attention (Brandon et al. 2023) balances the same triangle another way.
     Dao 2023 (FlashAttention-2): the log-sum-exp bookkeeping of the backward.
+    Zigzag load balance: Megatron-LM's context parallelism, zhuzilin/ring-flash-attention.
 
 Run
     torchrun --nproc_per_node 4 train.py --cp 2 --tp 2 --seq-len 512
 
 Invariants (tests/test_cp.py unless named)
+    - `_merge` of two key blocks equals one block over both keys (test_merge_of_two_key_blocks_...).
     - cp = 1 is plain causal SDPA, bit for bit (test_ring_attention_equals_sdpa_cp2_cp4_gqa).
     - The ring's output and gradients equal one-process SDPA, fp32 ≤ 1e-5 (the same test).
     - Every ring step costs every rank the same work (test_zigzag_blocks_cover_...).
@@ -33,13 +32,13 @@ Invariants (tests/test_cp.py unless named)
       So does a Llama layer's short window, model.Attention.window (test_families.py).
     - `group=None` is the default group, as in torch.distributed (the same test).
     - Packed documents raise: the blocks are causal only. The CLI refuses --cp --sft.
-    - A mixture of experts' load-balancing loss pools every token of the rows: its router
-      statistics are summed over cp, forward and backward (tests/test_moe_layouts.py: cp2, ep2·cp2).
+    - A model's `token_sum_fn` sums over all tokens of the rows, forward and backward (`_token_sum`).
 
 Reading order
-    The public functions come first: `shard_sequence`, `ring_attention`, `apply_cp`.
-    Then the ring itself: `_pairs`, `_ring_forward`, `_ring_backward`.
+    The forward: `ring_attention`, `_ring_forward`, its `_merge`, one block's `_math_block`.
+    The backward: `_ring_backward` and `_math_block_backward`.
     Refinements follow, each after a `# --- refinement:` banner.
+    Zigzag shards come first, then `apply_cp`, which puts the ring into a model.
 """
 from __future__ import annotations
 
@@ -56,43 +55,7 @@ import torch.nn.functional as F
 Group = dist.ProcessGroup | None
 
 
-# ------------------------------------------------------------------------ the public functions
-def _cp_size_rank(group: Group) -> tuple[int, int]:
-    """(size, rank) in `group`. None is the default group, as in torch.distributed."""
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunks, of 2·cp, that rank `rank` holds. One is early, one is late."""
-    return rank, 2 * cp - 1 - rank
-
-
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of a full sequence along `dim`: (.., S, ..) → (.., S/cp, ..).
-
-    They are chunk r, then chunk 2cp−1−r. S must be a multiple of 2·cp."""
-    if cp == 1:
-        return x
-    S = x.shape[dim]
-    if S % (2 * cp):
-        raise ValueError(f"context parallelism: sequence length {S} is not a multiple of 2·cp = {2 * cp}")
-    chunks = x.chunk(2 * cp, dim=dim)
-    a, b = zigzag_chunks(cp, rank)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
-
-
-def unshard_sequence(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The full sequence from every rank's shard, in rank order. It inverts shard_sequence."""
-    cp = len(pieces)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, piece in enumerate(pieces):
-        a, b = zigzag_chunks(cp, r)
-        chunks[a], chunks[b] = piece.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
-
-
+# ------------------------------------------------------------------------------------ the ring
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None,
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence, for zigzag shards of q, k and v.
@@ -105,144 +68,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                                               enable_gqa=q.shape[1] != k.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = dist.group.WORLD if group is None else group
-    return _ring_op(q, k, v, group.group_name, scale)[0]  # the ring below, as one custom op
-
-
-def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
-             attention: str | None = None, positions: str | None = None) -> None:
-    """Context parallelism from outside: every attention becomes the ring over cp_group.
-
-    cp_group None is the default group. It finds the attention by itself in two layouts:
-      - attotron's Llama, meta or materialized: each `attn_fn`, and RoPE's table;
-      - transformers' layout: its attention interface, and position_ids.
-    Any other model names its parts, as dotted paths:
-      - `layers`: its layer list;
-      - `attention`: the module in each layer that calls F.scaled_dot_product_attention;
-      - `positions`: the module called with the positions 0..s-1 (a learned embedding).
-    The caller feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`).
-    It passes no position_ids. It sums the target count and the gradients over the cp ranks.
-    (The cp ranks hold the same parameters, as dp replicas do.)
-    An attotron MoE model's router statistics (its `router_stats_fn`) are summed over cp_group.
-    A model whose attention cannot be swapped raises. cp = 1: checked, then nothing changes."""
-    cp, rank = _cp_size_rank(cp_group)
-    if layers is not None:
-        _apply_described(model, cp_group, cp, rank, layers, attention, positions)
-    elif _transformers_layout(model):
-        if cp > 1:
-            _apply_transformers(model, cp_group, cp, rank)
-    elif any(hasattr(m, "attn_fn") for m in model.modules()) and \
-            hasattr(getattr(model, "model", None), "rotary_emb"):
-        if cp > 1:
-            for module in model.modules():
-                if hasattr(module, "attn_fn"):
-                    module.attn_fn = partial(_ring_attn_fn, group=cp_group,
-                                             window=getattr(module, "window", None))
-            model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
-            if hasattr(model, "router_stats_fn"):  # a mixture of experts: its aux loss pools every token
-                model.router_stats_fn = partial(_all_tokens_stats, inner=model.router_stats_fn, group=cp_group)
-    else:
-        raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
-                         "attotron's Llama nor transformers' layout): pass layers=, attention= and "
-                         "positions= (dotted paths, e.g. layers='transformer.h', attention='attn', "
-                         "positions='transformer.wpe')")
-
-
-def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
-                  group: Group, window: int | None = None) -> torch.Tensor:
-    """model.Attention.attn_fn under cp: this rank's zigzag tokens in, (B, s, nh, hd) out.
-
-    q is (B, s, nh, hd); k and v are (B, s, nkv, hd).
-    `window` is the layer's sliding window. Shorter than the whole sequence, it is refused.
-    Longer, it masks nothing."""
-    if docs is not None:
-        raise ValueError("context parallelism does not support packed documents (position ids that "
-                         "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
-    if window is not None and window < q.shape[1] * dist.get_world_size(group):
-        raise ValueError(f"context parallelism does not support a sliding window (sliding_window={window}) "
-                         f"shorter than the sequence ({q.shape[1] * dist.get_world_size(group)} tokens): "
-                         f"the ring's blocks are causal only; use --cp 1 or a shorter sequence")
-    y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
-    return y.transpose(1, 2)  # (B, s, nh, hd)
-
-
-def _all_tokens_stats(stats: torch.Tensor, *, inner: Callable[[torch.Tensor], torch.Tensor],
-                      group: Group) -> torch.Tensor:
-    """model.router_stats_fn under cp: an MoE forward's router statistics, whole-row sums.
-
-    moe.router_stats sums over rows, so this rank's (2E + 2,) covers only its zigzag tokens.
-    Summed over cp they are the whole rows' (after `inner`: tp's sum under sp, else nothing).
-    Backward is a sum too: rank r's loss is its targets · aux(all stats), and the cp ranks'
-    losses add up (their gradients are summed as dp replicas'), so every rank's statistics get
-    every rank's gradient (`_SumOverRanks`)."""
-    return _SumOverRanks.apply(inner(stats), group)
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """y = Σ_ranks x, forward and backward. torch.distributed.nn.functional.all_reduce does the same
-    but warns on every call (deprecated in torch 2.13)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()  # contiguous: NCCL's rule; a copy: autograd owns `grad`
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:
-    """Pre-hook of the module that reads the positions (RoPE's table, a position embedding).
-
-    The model numbers the s local tokens 0..s-1. They need their places in the whole sequence.
-    Let c = s/2. Local index p < c is in chunk r: it becomes r·c + p.
-    Local index p ≥ c is in chunk 2cp−1−r: it becomes (2cp−1−r)·c + p − c."""
-    position_ids, *rest = args  # (B, s) or (s,)
-    c = position_ids.shape[-1] // 2
-    local = torch.arange(2 * c, device=position_ids.device).expand_as(position_ids)  # 0..s-1
-    if check and not torch.equal(position_ids, local):
-        raise ValueError(f"apply_cp: {type(module).__name__} got positions other than 0..s-1; the "
-                         "ring maps the local 0..s-1 to global positions itself (no packed documents)")
-    late = position_ids + (2 * cp - 2 - rank) * c
-    return (torch.where(position_ids < c, position_ids + rank * c, late), *rest)
-
-
-# ------------------------------------------------------------------------------------ the ring
-def _pairs(step: int, rank: int, cp: int) -> list[tuple[int, int, bool]]:
-    """The blocks (query half, key half, causal) computed at ring step `step`.
-
-    Half 0 is the early chunk and half 1 the late one. That holds for this rank's queries.
-    It holds for the K/V block in hand too. docs/cp.md tabulates the cases."""
-    if step == 0:
-        return [(0, 0, True), (1, 0, False), (1, 1, True)]
-    if step <= rank:  # the block came from an earlier rank: t < r
-        return [(0, 0, False), (1, 0, False)]
-    return [(1, 0, False), (1, 1, False)]  # t > r
-
-
-def _exchange(send: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> tuple:
-    """Post a send of `send` to the next rank, and a receive from the previous one.
-
-    Returns (works, received buffer). Wait on the works before reading the buffer.
-    Wait on them before freeing `send`, too."""
-    recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % cp),
-           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % cp)]
-    return dist.batch_isend_irecv(ops), recv
-
-
-def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+    # _ring_forward, with _ring_backward as its gradient: one custom op (a refinement below)
+    return _ring_op(q, k, v, group.group_name, scale)[0]
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's queries over every rank's K/V: out (B, nh, s, d), l (B, nh, s) in fp32."""
+    """This rank's queries over every rank's K/V: out (B, nh, s, d), l (B, nh, s) in fp32.
+
+    A rank holds two query chunks, and at each step a K/V block of two chunks.
+    `_pairs` lists the (query chunk, key chunk) pairs the causal mask leaves at that step.
+    A pair on the diagonal is causal; any other is full."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     heads, c = q.shape[1], q.shape[2] // 2
     qs = q.split(c, dim=2)  # early and late query chunk, (B, nh, c, d) each
@@ -254,22 +90,53 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
         # the next block is in flight meanwhile
         ks, vs = (_expand(t, heads).split(c, dim=2) for t in kv)  # (B, nh, c, d) each
         for i, j, causal in _pairs(step, rank, cp):
-            o, l = _block(qs[i], ks[j], vs[j], causal, scale)
-            if out[i] is None:
-                out[i], lse[i] = o.float(), l
-            else:  # l = log(e^l_acc + e^l_new). Rescale each part to the common normalizer.
-                new = torch.logaddexp(lse[i], l)
-                out[i] = out[i] * (lse[i] - new).exp()[..., None] + o.float() * (l - new).exp()[..., None]
-                lse[i] = new
+            o, l = _block(qs[i], ks[j], vs[j], causal, scale)  # _math_block, by a fused kernel
+            out[i], lse[i] = (o.float(), l) if out[i] is None else _merge(out[i], lse[i], o, l)
         _wait(works)
         kv = nxt if nxt is not None else kv
     return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)  # (B, nh, s, d), (B, nh, s)
 
 
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
+           l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key blocks, from each block's own result.
+
+    Take one query row and s = q·k·scale. Block j returned two things:
+        o_j = Σ_k exp(s_k − l_j)·v_k  and  l_j = log Σ_k exp(s_k), its keys only.
+    So block j's softmax divided by exp(l_j). Over both blocks the divisor is exp(l):
+        l = log(exp(l_1) + exp(l_2)),   o = exp(l_1 − l)·o_1 + exp(l_2 − l)·o_2.
+    Each part is rescaled to the common divisor; then they add up.
+    That is exact, and it holds for any number of blocks, one at a time.
+    o1 (B, h, n, d) and l1, l2 (B, h, n) are fp32. logaddexp never overflows."""
+    l = torch.logaddexp(l1, l2)
+    return o1 * (l1 - l).exp()[..., None] + o2.float() * (l2 - l).exp()[..., None], l
+
+
+def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, h, n, d) over one key block k, v (B, h, m, d).
+
+    Returns (out, l), with l = log Σ exp(s). The plain math, for any device and dtype."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, n, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)  # (B, h, n)
+    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    o: torch.Tensor, l: torch.Tensor, group: dist.ProcessGroup,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of this rank's shard, by a second ring. docs/cp.md derives it."""
+    """dq, dk, dv of this rank's shard, by a second ring.
+
+    The derivation. Let P = exp(s − l) with the FINAL l: the softmax over all blocks.
+    O is the final output, dO its gradient, and D = rowsum(dO ∘ O). Then
+        dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dQ = dS K·scale,  dK = dSᵀ Q·scale.
+    Restricted to one key block, each term needs only that block's K and V.
+    The rest is per query row: the final l and D.
+    So a block's backward, fed the final O and l, returns exactly its share of dQ, dK, dV.
+    dQ sums here over the ring steps. dK/dV travel with their block: each holder adds its share.
+    One last hop brings them home. Saved for backward: q, k, v, O, l of S/cp tokens, nothing S²."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // 2
     # early and late chunks: (B, nh, c, d) each; l's are (B, nh, c)
@@ -289,7 +156,6 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             dks[j] += dk_ij
             dvs[j] += dv_ij
         # This block's dK/dV from earlier ranks arrived while we computed. Add ours, pass them on.
-        # The last hop takes them home to their owner.
         _wait(hop[0])
         dkv = hop[1] if hop[1] is not None else torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         dkv[0] += _fold(torch.cat(dks, dim=2), kv_heads)
@@ -297,27 +163,15 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         hop = _exchange(dkv, group, cp, rank)  # `dkv` stays referenced until the hop is waited on
         _wait(works)
         kv = nxt if nxt is not None else kv
-    _wait(hop[0])
+    _wait(hop[0])  # the last hop took each block's dK/dV home to its owner
     dkv = hop[1]  # (2, B, nkv, s, d): this rank's own dK, dV, summed over all queries
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, h, n, d) over one key block k, v (B, h, m, d).
-
-    Returns (out, l), with l = log Σ exp(s). The plain math, for any device and dtype."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, n, m)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    lse = s.logsumexp(-1)  # (B, h, n)
-    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _math_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, causal: bool,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of dq, dk, dv. It takes the FINAL out and l (docs/cp.md)."""
+    """This block's share of dq, dk, dv: `_ring_backward`'s formulas, given the FINAL out and l."""
     qf, kf, vf, do = q.float(), k.float(), v.float(), dout.float()
     s = (qf @ kf.transpose(-1, -2)) * scale  # (B, h, n, m)
     if causal:
@@ -326,6 +180,22 @@ def _math_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     D = (do * out.float()).sum(-1, keepdim=True)  # (B, h, n, 1)
     ds = p * (do @ vf.transpose(-1, -2) - D)  # (B, h, n, m)
     return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ do
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> tuple:
+    """Post a send of `send` to the next rank, and a receive from the previous one.
+
+    Returns (works, received buffer). Wait on the works before reading the buffer.
+    Wait on them before freeing `send`, too."""
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % cp),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % cp)]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -339,6 +209,169 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(B, kv_heads, h // kv_heads, m, d).sum(2)  # (B, n_kv, m, d)
 
 
+def _cp_size_rank(group: Group) -> tuple[int, int]:
+    """(size, rank) in `group`. None is the default group, as in torch.distributed."""
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+# --- refinement: zigzag shards balance the causal triangle
+# Causal attention is a triangle. With contiguous shards the last rank would do cp times the first's work.
+# So S is cut into 2·cp chunks. Rank r holds chunk r and chunk 2cp−1−r: an early one and a late one.
+# At ring step t, rank r holds the K/V of rank (r − t) mod cp.
+# Query chunk a attends to key chunk b fully if b < a, causally if b = a, and not at all if b > a.
+# That leaves three cases, in chunk numbers:
+#     step 0, its own K/V:   (r, r) causal, (2cp−1−r, r) full, (2cp−1−r, 2cp−1−r) causal
+#     from an earlier rank:  both query chunks against the early key chunk, full
+#     from a later rank:     the late query chunk against both key chunks, full
+# After step 0, every rank computes two full chunk × chunk blocks a step: balanced.
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks, of 2·cp, that rank `rank` holds. One is early, one is late."""
+    return rank, 2 * cp - 1 - rank
+
+
+def _pairs(step: int, rank: int, cp: int) -> list[tuple[int, int, bool]]:
+    """The blocks (query half, key half, causal) computed at ring step `step`: the table above.
+
+    Half 0 is the early chunk and half 1 the late one, for the queries and the K/V alike."""
+    if step == 0:
+        return [(0, 0, True), (1, 0, False), (1, 1, True)]
+    if step <= rank:  # the block came from an earlier rank
+        return [(0, 0, False), (1, 0, False)]
+    return [(1, 0, False), (1, 1, False)]  # from a later rank
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a full sequence along `dim`: (.., S, ..) → (.., S/cp, ..).
+
+    They are chunk r, then chunk 2cp−1−r. S must be a multiple of 2·cp."""
+    if cp == 1:
+        return x
+    S = x.shape[dim]
+    if S % (2 * cp):
+        raise ValueError(f"context parallelism: sequence length {S} is not a multiple of 2·cp = {2 * cp}")
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(cp, rank)], dim=dim)
+
+
+def unshard_sequence(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard, in rank order. It inverts shard_sequence."""
+    cp = len(pieces)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, piece in enumerate(pieces):
+        a, b = zigzag_chunks(cp, r)
+        chunks[a], chunks[b] = piece.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+# --- refinement: apply_cp puts the ring into a model, from outside
+def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
+             attention: str | None = None, positions: str | None = None) -> None:
+    """Context parallelism from outside: every attention becomes the ring over cp_group.
+
+    cp_group None is the default group. It finds the attention by itself in two layouts:
+      - attotron's Llama, meta or materialized: each `attn_fn`, and RoPE's table;
+      - transformers' layout: its attention interface, and position_ids.
+    Any other model names its parts, as dotted paths:
+      - `layers`: its layer list;
+      - `attention`: the module in each layer that calls F.scaled_dot_product_attention;
+      - `positions`: the module called with the positions 0..s-1 (a learned embedding).
+    The caller feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`).
+    It passes no position_ids. It sums the target count and the gradients over the cp ranks.
+    (The cp ranks hold the same parameters, as dp replicas do.)
+    A model's `token_sum_fn` then sums over cp_group too (`_token_sum`).
+    A model whose attention cannot be swapped raises. cp = 1: checked, then nothing changes."""
+    cp, rank = _cp_size_rank(cp_group)
+    if layers is not None:
+        _apply_described(model, cp_group, cp, rank, layers, attention, positions)
+    elif _transformers_layout(model):
+        if cp > 1:
+            _apply_transformers(model, cp_group, cp, rank)
+    elif any(hasattr(m, "attn_fn") for m in model.modules()) and \
+            hasattr(getattr(model, "model", None), "rotary_emb"):
+        if cp > 1:
+            for module in model.modules():
+                if hasattr(module, "attn_fn"):
+                    window = getattr(module, "window", None)
+                    module.attn_fn = partial(_ring_attn_fn, group=cp_group, window=window)
+            model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
+    else:
+        raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
+                         "attotron's Llama nor transformers' layout): pass layers=, attention= and "
+                         "positions= (dotted paths, e.g. layers='transformer.h', attention='attn', "
+                         "positions='transformer.wpe')")
+    if cp > 1 and hasattr(model, "token_sum_fn"):
+        model.token_sum_fn = partial(_token_sum, inner=model.token_sum_fn, group=cp_group)
+
+
+def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: object, *,
+                  group: Group, window: int | None = None) -> torch.Tensor:
+    """model.Attention.attn_fn under cp: this rank's zigzag tokens in, (B, s, nh, hd) out.
+
+    q is (B, s, nh, hd); k and v are (B, s, nkv, hd).
+    `window` is the layer's sliding window. Shorter than the whole sequence, it is refused.
+    Longer, it masks nothing."""
+    if docs is not None:
+        raise ValueError("context parallelism does not support packed documents (position ids that "
+                         "restart inside a row): the ring's blocks are causal only; use --cp 1 for them")
+    S = q.shape[1] * dist.get_world_size(group)
+    if window is not None and window < S:
+        raise ValueError(f"context parallelism does not support a sliding window (sliding_window={window}) "
+                         f"shorter than the sequence ({S} tokens): "
+                         f"the ring's blocks are causal only; use --cp 1 or a shorter sequence")
+    y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)  # (B, nh, s, hd)
+    return y.transpose(1, 2)  # (B, s, nh, hd)
+
+
+def _global_positions(module: nn.Module, args: tuple, *, cp: int, rank: int, check: bool = False) -> tuple:
+    """Pre-hook of the module that reads the positions (RoPE's table, a position embedding).
+
+    The model numbers the s local tokens 0..s-1. They need their places in the whole sequence.
+    Let c = s/2. Local index p < c is in chunk r: it becomes r·c + p.
+    Local index p ≥ c is in chunk 2cp−1−r: it becomes (2cp−1−r)·c + p − c."""
+    position_ids, *rest = args  # (B, s) or (s,)
+    c = position_ids.shape[-1] // 2
+    local = torch.arange(2 * c, device=position_ids.device).expand_as(position_ids)  # 0..s-1
+    if check and not torch.equal(position_ids, local):
+        raise ValueError(f"apply_cp: {type(module).__name__} got positions other than 0..s-1; the "
+                         "ring maps the local 0..s-1 to global positions itself (no packed documents)")
+    late = position_ids + (2 * cp - 2 - rank) * c
+    return (torch.where(position_ids < c, position_ids + rank * c, late), *rest)
+
+
+def _token_sum(sums: torch.Tensor, *, inner: Callable[[torch.Tensor], torch.Tensor],
+               group: Group) -> torch.Tensor:
+    """model.token_sum_fn under cp: a sum over this rank's tokens → the sum over the whole rows.
+
+    `inner` is the model's seam before cp: tp's sum under sequence parallelism, or the identity.
+    Backward is a sum too. Rank r's loss reads the total, and the cp ranks' losses add up.
+    (Their gradients are summed, as dp replicas' are.) So each rank's sums get every rank's gradient.
+    moe.py's load-balancing loss is the user: its router statistics pool every token.
+    tests/test_moe_layouts.py checks it against one process, at cp2 and ep2·cp2."""
+    return _SumOverRanks.apply(inner(sums), group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """y = Σ_ranks x, forward and backward.
+
+    torch.distributed.nn.functional.all_reduce does the same, but warns on every call.
+    (It is deprecated in torch 2.13.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()  # contiguous: NCCL's rule; a copy: autograd owns `grad`
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 # --- refinement: fused kernels for each block
 # A fused kernel returns l too, and its backward takes the final out and l.
 # CPU: the CPU flash kernel. CUDA in bf16/fp16: the flash kernel. Anything else: _math_block.
@@ -350,21 +383,12 @@ def use_flash(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fused(q: torch.Tensor) -> str | None:
-    if q.device.type == "cpu":
-        return "cpu"
-    if use_flash(q):
-        return "cuda"
-    return None
-
-
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q over one key block: out (B, h, n, d), l (B, h, n) fp32. Heads are already expanded."""
-    kind = _fused(q)
-    if kind == "cpu":
+    if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if kind == "cuda":
+    if use_flash(q):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     return _math_block(q, k, v, causal, scale)
@@ -373,13 +397,13 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kind = _fused(q)
-    if kind == "cpu":
+    if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if kind == "cuda":
+    if use_flash(q):
         # cum_seq None, not empty tensors: a defined one selects the kernel's varlen branch.
-        # lse is read through its data pointer as (B, h, n) contiguous. A chunk of the merged l is a view.
+        # The kernel reads lse through its data pointer, as (B, h, n) contiguous.
+        # A chunk of the merged l is a strided view, so it is copied.
         seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: unused
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
@@ -450,20 +474,17 @@ def _hf_ring(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     q is (B, nh, s, hd); k and v are (B, nkv, s, hd). It returns ((B, s, nh, hd), no weights).
     It refuses what the ring does not compute."""
-    cp, _ = _cp_size_rank(group)
-    S = q.shape[2] * cp
+    S, window = q.shape[2] * _cp_size_rank(group)[0], sliding_window
+    causal = kwargs.get("is_causal", True) is not False and getattr(module, "is_causal", True) is not False
+    refused = {  # what the ring does not compute → whether this call asks for it
+        "non-causal attention": not causal,
+        "an attention mask": attention_mask is not None,
+        f"attention dropout {dropout}": bool(dropout),
+        f"sliding_window={window} < sequence length {S}": window is not None and window < S,
+        f"{k.shape[2]} keys for {q.shape[2]} queries (a KV cache)": k.shape[2] != q.shape[2]}
     bad = [f"{name}={value!r}" for name, value in kwargs.items()
            if name not in _HF_IGNORED and value is not None and value is not False]
-    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
-        bad.append("non-causal attention")
-    if attention_mask is not None:
-        bad.append("an attention mask")
-    if dropout:
-        bad.append(f"attention dropout {dropout}")
-    if sliding_window is not None and sliding_window < S:
-        bad.append(f"sliding_window={sliding_window} < sequence length {S}")
-    if k.shape[2] != q.shape[2]:
-        bad.append(f"{k.shape[2]} keys for {q.shape[2]} queries (a KV cache)")
+    bad += [what for what, asked in refused.items() if asked]
     if bad:
         raise ValueError(f"apply_cp: {type(module).__name__} asks for {', '.join(bad)}; the ring computes "
                          "plain causal attention over the whole sequence only")
@@ -490,8 +511,8 @@ def _hf_positions(backbone: nn.Module, args: tuple, kwargs: dict, *, cp: int, ra
                          "plain causal attention only")
     x = kwargs.get("input_ids", args[0] if args else None)
     x = kwargs.get("inputs_embeds") if x is None else x
-    s = x.shape[1]
-    kwargs["position_ids"] = shard_sequence(torch.arange(s * cp, device=x.device)[None], cp, rank)  # (1, s)
+    S = x.shape[1] * cp  # x holds this rank's s = S/cp tokens
+    kwargs["position_ids"] = shard_sequence(torch.arange(S, device=x.device)[None], cp, rank)  # (1, s)
     return args, kwargs
 
 
@@ -518,8 +539,7 @@ def _apply_described(model: nn.Module, cp_group: Group, cp: int, rank: int, laye
     if cp > 1:
         for where, module in targets:
             _swap_sdpa(module, cp_group, where)
-        hook = partial(_global_positions, cp=cp, rank=rank, check=True)
-        position_module.register_forward_pre_hook(hook)
+        position_module.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank, check=True))
 
 
 def _ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

@@ -1,31 +1,34 @@
 """Streaming HF export from any layout: each pipeline stage's writer streams its own shard.
 
 What it does
-    `export_hf` writes the compute parameters of a model trained under any tp/pp/dp/ZeRO layout as
-    an HF folder `AutoModelForCausalLM.from_pretrained` loads, without ever assembling the model:
-    the (dp 0, tp 0) rank of each pipeline stage writes its stage's tensors to its own safetensors
-    file(s), one full tensor at a time (a tp-sharded one all-gathered over tp, an expert tensor
-    over the ep group; under ZeRO-3 one unit gathered at a time over dp); rank 0 writes the index
-    from what the writers report, then config.json, generation_config.json and the tokenizer
-    (weights.finish_hf), and swaps the folder in. Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
+    `export_hf` writes a model trained under any tp/pp/dp/ZeRO layout as an HF folder.
+    `AutoModelForCausalLM.from_pretrained` loads that folder.
+    The model is never assembled. Each pipeline stage has one writer, its (dp 0, tp 0) rank.
+    The writer streams its stage's tensors into its own safetensors files, one full tensor at a time.
+    A tp-sharded tensor is all-gathered over tp first. ZeRO-3 gathers one unit at a time over dp.
+    Rank 0 writes the index from the writers' reports.
+    Then it writes config.json, generation_config.json and the tokenizer (weights.finish_hf).
+    Last, it swaps the folder in.
+    Peak memory per rank: one ZeRO-3 unit plus one full tensor (and its CPU copy on a GPU).
 
 Reference
-    transformers' sharded checkpoints (`model-0000i-of-0000n.safetensors` + `weight_map`); as in
-    checkpoint.py, every piece is written by its owner and one rank writes the index.
+    transformers' sharded checkpoints: `model-0000i-of-0000n.safetensors` and a `weight_map`.
+    As in checkpoint.py, each piece is written by its owner, and one rank writes the index.
 
 Run
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 3 --export-hf out/pretrained
 
-Invariants
-    - Nothing is pickled and nothing goes through rank 0 but file names: the writers' reports are
-      JSON exchanged over `group` (checkpoint.exchange), which is also where ranks wait for slow
-      writers (give it a long timeout: train.py's io group).
-    - Every rank of a stage runs the same gathers to the end, whatever happened on its writer (a
-      full disk is reported, not raised alone), so no rank is left waiting in a collective; a
-      failure anywhere raises the same OSError on every rank, and no partial export is left.
-    - A tied embedding is exported once, from the first stage (the last stage's copy is skipped).
-    - The export owns its folder (weights.begin_export / commit_export): no file of an older
-      export survives, and a crash leaves the older one whole.
+Invariants (tests/test_export.py)
+    - Nothing is pickled. Only file names go through rank 0.
+      The writers' reports are JSON, exchanged over `group` (checkpoint.exchange).
+      Ranks wait there for slow writers: give `group` a long timeout (train.py's io group).
+    - Every rank of a stage runs the same gathers to the end, whatever its writer met.
+      A full disk is reported, not raised alone. So no rank is left waiting in a collective.
+      A failure anywhere raises the same OSError on every rank, and leaves no partial export.
+    - A tied embedding is exported once, from the first stage. The last stage's copy is skipped.
+    - The export owns its folder (weights.begin_export / commit_export).
+      No file of an older export survives, and a crash leaves the older one whole.
+    - Expert tensors (moe.py) are gathered over the ep group, as tp-sharded ones over tp.
 
 Builds on: model.py, checkpoint.py, tp.py, weights.py (and zero3.Zero3Optimizer's `each_unit_gathered`)
 """
@@ -47,10 +50,12 @@ from tp import gather_tensor
 def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig, at: Layout,
                    tp_group: dist.ProcessGroup | None, order: list[str],
                    ep_group: dist.ProcessGroup | None = None) -> Iterator[torch.Tensor]:
-    """This stage's full tensors, in `order`, one at a time. Every rank of the stage runs it to the
-    end, so the collectives match: ZeRO-3 gathers one unit at a time over dp; dp rank 0's tp ranks
-    gather each tp-sharded tensor, and its ep group each expert tensor (its ep peers are dp ranks
-    [0, ep): they join that gather only); the ranks of other dp ranks yield nothing."""
+    """This stage's full tensors, in `order`, one at a time.
+
+    Every rank of the stage runs it to the end, so the collectives match.
+    ZeRO-3 gathers one unit at a time over dp. dp rank 0's tp ranks gather each tp-sharded tensor.
+    Its ep group gathers each expert tensor. Those ep peers are dp ranks [0, ep).
+    They join that gather only. The ranks of other dp ranks yield nothing."""
     shapes = global_shapes(cfg)
     params = dict(model.named_parameters())
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
@@ -82,12 +87,15 @@ def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig
               tp_group: dist.ProcessGroup | None = None, group: dist.ProcessGroup | None = None,
               tokenizer: object | None = None, max_shard_bytes: int = 4 << 30,
               ep_group: dist.ProcessGroup | None = None) -> None:
-    """Export the compute parameters (fp32 in fp32 mode, else the bf16 copy of the masters) to
-    `out`; every rank calls it. at: this rank's layout (checkpoint.Layout); tp_group: its tp group;
-    group: all ranks, for the reports (long timeout); tokenizer: a data.py tokenizer, exported with
-    its ids in the configs. Shards hold at most max_shard_bytes each (a stage has at least one).
-    ep_group: expert parallelism's token-exchange group (grid.ep_group), over which the expert
-    tensors that `shards` marks are gathered; `shards` holds the tp and the ep shards."""
+    """Export the compute parameters to `out`. Every rank calls it.
+
+    The compute parameters are fp32 in fp32 mode, else the bf16 copy of the masters.
+      - at: this rank's layout (checkpoint.Layout). tp_group: its tp group.
+      - group: all ranks, for the reports. Give it a long timeout.
+      - tokenizer: a data.py tokenizer. It is exported, with its ids in the configs.
+      - max_shard_bytes: the most bytes in one file. A stage writes at least one file.
+      - ep_group: expert parallelism's group (grid.ep_group). It gathers the expert tensors.
+      - shards: which slice each tensor holds, for tp and for ep."""
     shapes = global_shapes(cfg)
     params = dict(model.named_parameters())
     order = [n for n in params if n in shapes]

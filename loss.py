@@ -1,56 +1,52 @@
 """The loss without (T, V) logits: lm_head and the token cross-entropy, vocabulary block by block.
 
 What it does
-    `linear_cross_entropy(hidden, weight, labels, reduction)` is lm_head (hidden @ weight.T) and the
-    fp32 token cross-entropy (-100 ignored) in one autograd node that never makes the (T, V) logits:
-    the vocabulary is cut into blocks of `chunk` rows (default: the hidden size). Forward merges the
-    blocks per token as flash attention merges keys (`chunk_stats`: running max, sum of exps rescaled
-    to it, the target's logit), one (T, chunk) block of fp32 logits at a time; backward
-    (`chunk_grads`) recomputes each block and turns it at once into dL/dlogits = (softmax − one-hot)·g,
-    then into that block's share of dL/dh and its rows of dL/dW. It is model.py's default `loss_fn`.
-    Vocab-parallel (tp.py's loss_fn): a rank holding rows [start, start + n) of the padded head runs
-    the same blocks over its rows (padding rows, ids >= vocab_size, get -inf: no mass), then
-    `VocabParallelLinearCrossEntropy` merges the ranks as the blocks were merged, with three
-    all-reduces of (T,) on the group passed in: max, sum of exps rescaled to it, target logit. Its
-    backward recomputes the rank's blocks with no communication; the partial dL/dh it returns is
-    summed over tp by tp.py (copy_to_region, or sequence parallelism's reduce-scatter).
-    `cross_entropy` and `vocab_parallel_cross_entropy` are the same losses for callers that already
-    hold logits (HF comparisons, benches, tests).
+    `linear_cross_entropy(hidden, weight, labels, reduction)` is model.py's default `loss_fn`.
+    It is hidden @ weight.T and the fp32 cross-entropy (-100 ignored), in one autograd node.
+    That node never makes the (T, V) logits. It cuts the vocabulary into blocks of `chunk` rows.
+    Forward merges the blocks per token, as flash attention merges keys (`chunk_stats`).
+    It keeps a running max, the sum of exps rescaled to it, and the target's logit.
+    Only one (T, chunk) block of fp32 logits lives at a time.
+    Backward (`chunk_grads`) recomputes each block: dL/dlogits = (softmax − one-hot)·g.
+    It turns that at once into the block's share of dL/dh and its rows of dL/dW.
+
+Vocab-parallel (tp.py's loss_fn)
+    A rank holds rows [start, start + n) of the padded head and runs the same blocks over them.
+    Padding rows (ids >= vocab_size) get -inf: they carry no mass.
+    `VocabParallelLinearCrossEntropy` then merges the ranks as the blocks were merged.
+    That takes three all-reduces of (T,): the max, the rescaled sum of exps, the target logit.
+    Backward recomputes the rank's blocks with no communication.
+    tp.py sums the partial dL/dh over tp (copy_to_region, or sp's reduce-scatter).
+    `cross_entropy` and `vocab_parallel_cross_entropy` take logits that a caller already holds.
 
 Why
-    (T, V) fp32 logits are the largest activation of a Llama step: 4·V bytes per token, 501 KiB at
-    V = 128256 (the `1b` preset) where its fp32 hidden state (H = 2048) is 8 KiB, and the plain
-    loss holds them and their gradient at once. Here the peak is the fp32 (T, H) gradient of
-    the hidden states, the (V, H) weight gradient and three (T, chunk) fp32 blocks, a block being as
-    large as the fp32 hidden states by default (tests/test_loss.py measures it under that bound, the
-    plain loss above 2·4·T·V bytes); zero.py's peak bound counts one block among the activations,
-    never (T, V). The price: backward recomputes the blocks, one more head matmul per pass.
+    (T, V) fp32 logits are the largest activation of a Llama step: 4·V bytes per token.
+    At V = 128256 (the `1b` preset) that is 501 KiB; the fp32 hidden state (H = 2048) is 8 KiB.
+    The plain loss holds the logits and their gradient at once.
+    Here the peak is the fp32 (T, H) gradient of the hidden states, the (V, H) weight gradient,
+    and three (T, chunk) fp32 blocks. By default a block is as large as the fp32 hidden states.
+    tests/test_loss.py measures the peak under that bound, and the plain loss above 2·4·T·V bytes.
+    The price: backward recomputes the blocks, one more head matmul per pass.
 
 Reference
-    Milakov & Gimelshein 2018, "Online normalizer calculation for softmax" (the merge); Wijmans et
-    al. 2024, "Cut Your Losses in Large-Vocabulary Language Models" (the loss without logits);
+    Milakov & Gimelshein 2018, "Online normalizer calculation for softmax" (the merge).
+    Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models".
     Shoeybi et al. 2019, "Megatron-LM" (the vocab-parallel cross-entropy).
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
     torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20   # vocab-parallel
 
-Builds on: ops.py (wanted_grads)
-
-Invariants
-    - Labels are aligned with hidden (already shifted: labels[t] is the token after input[t]);
-      IGNORE_INDEX (-100) tokens get loss 0 and no gradient. Reductions: 'sum' (training: the step
-      divides by its target count, precision.normalized_loss), 'mean' over the targets, 'none'.
-    - Rounding as the unchunked loss where it can be: each block's logits are the compute-dtype
-      matmul upcast to fp32 (as HF); dL/dh is summed over the blocks in fp32 and rounded once; each
-      block's rows of dL/dW are one matmul over all tokens. fp32 equals F.linear + F.cross_entropy
-      within 1e-6 (tests/test_loss.py).
-    - Only the gradients a pass asks for: backward asks `ops.wanted_grads` which of (hidden, weight)
-      the engine will use. A zero-bubble pipeline (pp.py) splits the backward into B (dL/dh: the
-      previous stage waits for it) and W (dL/dW, later, filling the bubble): each pass recomputes
-      the blocks and computes only its own gradient, so the last stage pays one more head matmul per
-      micro-batch and holds no (T, V) gradient — nor any block — from B to W. Under torch.compile
-      and inside torch.autograd.grad every input that needs a gradient gets it.
+Invariants (tests/test_loss.py)
+    - Labels are already shifted: labels[t] is the token after input[t].
+    - IGNORE_INDEX (-100) tokens get loss 0 and no gradient.
+    - Reductions: 'sum' (training; precision.normalized_loss divides), 'mean' over targets, 'none'.
+    - Rounding follows the unchunked loss. A block's logits are the matmul upcast to fp32 (as HF).
+      dL/dh is summed in fp32 and rounded once. dL/dW's rows are one matmul over all tokens.
+      So fp32 equals F.linear + F.cross_entropy within 1e-6.
+    - Backward computes only what `ops.wanted_grads` says the engine will use.
+      pp.py's zero-bubble split runs B (dL/dh) now and W (dL/dW) later; each pass recomputes.
+      The last stage then holds no (T, V) gradient, and no block, from B to W.
 """
 from __future__ import annotations
 
@@ -65,8 +61,9 @@ Group = dist.ProcessGroup | None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Token cross-entropy of given logits in fp32, ignoring -100 (for callers that have logits;
-    the model's own loss is `linear_cross_entropy`, which never makes them)."""
+    """Token cross-entropy of given logits in fp32, ignoring -100.
+
+    It is for callers that hold logits. The model's own loss, `linear_cross_entropy`, never makes them."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
 
@@ -74,7 +71,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
 def block_logits(h: torch.Tensor, weight: torch.Tensor, v0: int, chunk: int, start: int = 0,
                  vocab_size: int | None = None) -> torch.Tensor:
     """fp32 logits of vocabulary rows [v0, v0 + chunk) of `weight` for tokens h (T, H): (T, c).
-    The rows hold global ids start + v0...; ids >= vocab_size are padding (tp.py): -inf, no mass."""
+
+    The rows hold global ids start + v0 onward. Ids >= vocab_size are tp.py's padding: -inf."""
     z = F.linear(h, weight[v0:v0 + chunk]).float()  # (T, c) in the compute dtype, then fp32 (as HF)
     if vocab_size is not None and start + v0 + z.shape[1] > vocab_size:
         z[:, max(vocab_size - start - v0, 0):] = float("-inf")
@@ -83,9 +81,11 @@ def block_logits(h: torch.Tensor, weight: torch.Tensor, v0: int, chunk: int, sta
 
 def chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, start: int = 0,
                 vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Over this weight's vocabulary, block by block (online log-sum-exp, as flash attention): per
-    token the max logit m, the sum of exp(logit - m) s, and the target's logit (0 where the target
-    is not in this weight's rows). All fp32 (T,); one (T, chunk) block of logits lives at a time."""
+    """Per token, over this weight's vocabulary: (m, s, target logit), each fp32 (T,).
+
+    m is the max logit and s the sum of exp(logit − m): an online log-sum-exp, block by block.
+    The target's logit is 0 where the target is not in this weight's rows.
+    One (T, chunk) block of logits lives at a time."""
     T, c0 = h.shape[0], min(chunk, weight.shape[0])
     m = torch.full((T,), float("-inf"), device=h.device)
     s = torch.zeros(T, device=h.device)
@@ -105,10 +105,12 @@ def chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
 def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                 g: torch.Tensor, chunk: int, start: int = 0, vocab_size: int | None = None,
                 want: tuple[bool, bool] = (True, True)) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward of loss_t = lse_t - logit_t(target) scaled by g (T,): per block the logits are
-    recomputed and dL/dlogits = (softmax - one-hot)·g. Returns dL/dh (T, H) summed in fp32 over the
-    blocks and dL/dweight (n, H), each block's rows one matmul over all tokens (rounded once) — each
-    only if `want`ed (ops.wanted_grads: a pipeline's B pass asks for dL/dh, its W pass for dL/dW)."""
+    """Backward of loss_t = lse_t − logit_t(target), scaled by g (T,).
+
+    Each block's logits are recomputed, and dL/dlogits = (softmax − one-hot)·g.
+    Returns dL/dh (T, H), summed in fp32 over the blocks, and dL/dweight (n, H).
+    Each block's rows of dL/dweight are one matmul over all tokens, rounded once.
+    Each is computed only if `want`ed. A pipeline's B pass wants dL/dh; its W pass wants dL/dW."""
     c0 = min(chunk, weight.shape[0])
     gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if want[0] else None  # (T, H)
     gw = torch.empty_like(weight) if want[1] else None  # (n, H)
@@ -127,9 +129,10 @@ def chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of h @ weight.T over the whole vocabulary, (T, H) → (T,), with
-    (T, chunk) blocks of fp32 logits only; backward recomputes each block (one more head matmul,
-    once per pass: a zero-bubble pipeline's B and W each recompute it)."""
+    """Per-token cross-entropy of h @ weight.T over the whole vocabulary: (T, H) → (T,).
+
+    It holds (T, chunk) blocks of fp32 logits only. Backward recomputes each block.
+    That costs one more head matmul per pass. A zero-bubble pipeline's B and W each pay it."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -148,8 +151,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def reduce_loss(loss: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Per-token losses (T,) → 'none' (T,), 'sum' (training: the step divides by its target count,
-    precision.normalized_loss) or 'mean' over the targets."""
+    """Per-token losses (T,) → 'none' (T,), 'sum', or 'mean' over the targets.
+
+    Training uses 'sum': precision.normalized_loss divides by the step's target count."""
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
     if reduction == "none":
@@ -159,11 +163,13 @@ def reduce_loss(loss: torch.Tensor, labels: torch.Tensor, reduction: str) -> tor
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
-    """lm_head and the token cross-entropy in fp32 (-100 ignored) without (T, V) logits: hidden
-    (..., H), weight (V, H), labels (...) aligned with hidden. The vocabulary is cut into blocks of
-    `chunk` rows (default: the hidden size, so a block of fp32 logits is as large as the fp32 hidden
-    states). Each block's weight gradient is one matmul over all tokens, rounded once as in the
-    unchunked loss; cutting the tokens instead would add up bf16 weight gradients chunk by chunk."""
+    """lm_head and the token cross-entropy in fp32 (-100 ignored), without (T, V) logits.
+
+    hidden is (..., H), weight (V, H), and labels (...) are aligned with hidden.
+    The vocabulary is cut into blocks of `chunk` rows. The default is the hidden size.
+    Then a block of fp32 logits is as large as the fp32 hidden states.
+    Why cut the vocabulary, not the tokens? Each block's weight gradient is then one matmul.
+    It is rounded once, as in the unchunked loss. Token chunks would add up bf16 gradients."""
     H = hidden.shape[-1]
     loss = LinearCrossEntropy.apply(hidden.reshape(-1, H), weight, labels.reshape(-1), chunk or H)
     return reduce_loss(loss, labels, reduction)
@@ -171,9 +177,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 # --------------------------------------------------------------------------------- vocab-parallel
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocab-sharded logits (T, n) → (T,). Forward all-reduces three
-    per-token numbers (row max, target logit, sum of exps); backward is softmax − one-hot on this
-    rank's slice, with no communication."""
+    """Per-token cross-entropy of vocab-sharded logits: (T, n) → (T,).
+
+    Forward all-reduces three numbers per token: the row max, the target logit, the sum of exps.
+    Backward is softmax − one-hot on this rank's slice, with no communication."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: Group,
@@ -211,9 +218,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
                                  *, group: Group, vocab_size: int) -> torch.Tensor:
-    """`cross_entropy` for logits (..., n) split over the vocab, for callers that have them
-    (the model's own loss never makes them: tp.vocab_parallel_linear_cross_entropy): fp32, -100
-    ignored, reduction 'sum' (training: divide by the step's target count), 'mean' or 'none'."""
+    """`cross_entropy` for logits (..., n) split over the vocab, for callers that hold them.
+
+    The model's own loss never makes them (tp.vocab_parallel_linear_cross_entropy).
+    fp32, -100 ignored. reduction: 'sum' (training), 'mean' or 'none'."""
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
     loss = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), group, vocab_size)
@@ -221,10 +229,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, red
 
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of h @ W_r.T, this rank's vocab rows W_r (n, H) of the padded head:
-    (T, H) → (T,). Each rank merges its blocks (chunk_stats), then three all-reduces of (T,)
-    merge the ranks: max, sum of exps rescaled to it, target logit. Backward recomputes this rank's
-    blocks (chunk_grads): its dL/dW_r and a partial dL/dh that the caller sums over tp."""
+    """Per-token cross-entropy of h @ W_r.T: (T, H) → (T,).
+
+    W_r (n, H) is this rank's rows of the padded head. Each rank merges its blocks (chunk_stats).
+    Then three all-reduces of (T,) merge the ranks: the max, the rescaled sum of exps, the target logit.
+    Backward recomputes this rank's blocks (chunk_grads). It returns dL/dW_r and a partial dL/dh.
+    The caller sums that dL/dh over tp."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Group,

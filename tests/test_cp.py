@@ -69,6 +69,19 @@ def test_math_block_equals_fused_block():
         assert all(rel(m, f) <= 1e-5 for m, f in zip(math_, fused))
 
 
+def test_merge_of_two_key_blocks_is_attention_over_both():
+    """cp.py's `_merge` docstring, checked: two blocks' (out, l), merged by log-sum-exp, equal one
+    block over all keys (fp32, <= 1e-6), whichever block comes first."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(3))
+    whole, l_whole = C._math_block(q, k, v, False, 0.25)
+    (o1, l1), (o2, l2) = (C._math_block(q, k[:, :, part], v[:, :, part], False, 0.25)
+                          for part in (slice(0, 5), slice(5, 8)))
+    for (oa, la), (ob, lb) in (((o1, l1), (o2, l2)), ((o2, l2), (o1, l1))):
+        o, l = C._merge(oa.float(), la, ob, lb)
+        assert rel(o, whole) <= 1e-6 and rel(l, l_whole) <= 1e-6
+
+
 # ------------------------------------------------------------------------------------ the ring
 def _groups(rank: int, world: int) -> dict[int, dist.ProcessGroup]:
     """This rank's group of each size 1, 2, 4 (consecutive ranks; every rank makes every group)."""
