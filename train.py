@@ -4,54 +4,48 @@ Run
     python train.py                                   # tiny Llama on the default corpus, 1 process
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --ac --micro-batches 4
 
-Builds on: every feature file (this is the composer); its parts: cli.py (flags, checked before any
-heavy work), grid.py (process grid, failure reporting), feed.py (data, batches, validation loss).
+Builds on every feature file: this is the composer. Its parts: cli.py (flags), grid.py (process
+grid, failure reports), feed.py (data, batches, validation loss).
+`run` is the table of contents: configure, load_data, build, choose_loss, announce, train, finish.
 
-Composition order (each step an exact no-op at degree 1, so one code path serves every layout)
-    1. validate every flag against the config and world size, all at once — before heavy work (cli.py)
-    2. process grid: tp innermost, then cp, then dp, then pp (tp peers are neighbours: fastest links;
-       grid.py)
-    3. build the model on the meta device (no memory)
-    4. pp.split_stage: drop the layers/embedding/head this stage does not own
-    5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
-       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions;
-       moe.shard_experts (--ep): each rank keeps its 1/ep of every MoE layer's experts, whole on
-       every tp rank, and adds their rows of the global (E, ...) tensors to the shard map — the
-       transforms of a layer go tp, ep, (pp's cut, made above), ac
-    6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
-       weights never depend on the layout); the parameters stay on the meta device, only the RoPE
-       buffers are allocated (weights.materialize_buffers)
-    7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
-       a checkpointed layer whose attention runs eagerly (packed rows, --cp) or that holds an MoE block
-       stays eager, and an MoE block runs eagerly between two graphs of its layer, as the log says
-    8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
-       built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
-       ever holds the whole model; the experts (--ep) reduce and shard over the ranks holding the
-       same experts (grid.replica_group), everything else over dp·cp
-    9. checkpoint_load.load_checkpoint (--resume): masters, moments and sampler position, any layout
+Composition order. Each step is an exact no-op at degree 1, so one code path serves every layout.
+    1. `cli.validate` checks every flag against the config and world size, all at once.
+    2. `grid.make_grid`: tp innermost, then cp, dp, pp. A tp group takes neighbouring ranks: the fastest links.
+    3. `model.build` builds on the meta device: no memory yet.
+    4. `pp.split_stage` drops the layers, embedding and head this stage does not own.
+    5. `tp.apply_tp` swaps in column-, row- and vocab-parallel layers and returns the shard map.
+       `cp.apply_cp` puts ring attention over the cp ranks, RoPE at global (zigzag) positions.
+    6. `weights.param_reader` gives this rank's values, from --init-from or the --seed init.
+       The full weights never depend on the layout. Only the RoPE buffers are allocated now.
+    7. `ac.apply_ac` checkpoints decoder layers and keeps parameter names.
+       With --compile, `model.compile_layers` compiles each layer's forward at its first call.
+    8. `zero3.apply_zero` builds fp32 masters and AdamW, with dp gradient sync or ZeRO-1/2/3.
+       It goes parameter by parameter through the reader. ZeRO-3 reads only its own shard.
+    9. `checkpoint_load.load_checkpoint` (--resume) loads masters, moments, sampler position.
+
+Extensions, each at its step
+    5. `moe.shard_experts` (--ep): each rank keeps its 1/ep of every MoE layer's experts.
+       They stay whole on every tp rank. Their rows of the global (E, ...) tensors join the shard map.
+    7. With --compile, a layer stays eager where a graph break would fall inside its checkpoint.
+       The log names them: packed rows, the cp ring, MoE blocks.
+    8. The experts reduce and shard over the ranks holding the same experts (grid.replica_group).
+    `--ep N` equals one process: losses, grad norms, resume, export (tests/test_moe_ep.py).
 
 Invariants
-    - --ep N equals one process: the same losses and grad norms within 1e-5, checkpoints that
-      resume at another ep, an export transformers loads (tests/test_moe_ep.py).
-    - The order of training sequences is a function of (seed, data) only: the sampler shards the same
-      global batch over dp ranks, so every layout trains on the same global batches; the cp ranks of
-      a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
+    - The order of training sequences is a function of (seed, data) only. The sampler shards each
+      global batch over the dp ranks, so every layout trains on the same batches. The cp ranks of
+      a dp rank read the same rows, each its zigzag share (cp.shard_sequence).
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
-    - The device is chosen once, here (grid.setup): CUDA + NCCL when available, else CPU + gloo.
-    - A step that does not log waits for the device once: precision.step reads the grad norm (its
-      non-finite check decides the update). The target count stays on the device (the loss is
-      divided there), the loss is copied to host memory in stream order and read after that sync,
-      the batch is made by a thread one step ahead (pinned: feed.Prefetcher) and copied with
-      non_blocking, and the pipeline's peer check runs on the host over gloo. No collective runs on
-      a group of one rank: a single process runs none in its step (tests/test_step_comm.py counts both).
-    - SIGTERM / SIGUSR1 stop every rank at the same step, one after the signal's (preempt.py: an
-      async MAX all-reduce on the gloo io group, no host sync), which is saved to --save before the
-      exit with status 128 + signal; one run at a time writes a --save folder (its LOCK.json); see
-      docs/cluster.md (tests/test_preempt.py).
-    - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
-      by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
-      peaks the last line lists per phase.
+    - grid.setup chooses the device once: CUDA and NCCL when available, else CPU and gloo.
+    - A step that does not log waits for the device once: precision.step reads the grad norm,
+      whose finite check decides the update. The target count stays on the device, which divides
+      the loss by it. The host reads the loss after that sync. A thread makes each batch a step
+      ahead, pinned (feed.Prefetcher). The pipeline's peer check runs on the host, over gloo.
+      No collective runs on a group of one rank. tests/test_step_comm.py counts both.
+    - SIGTERM and SIGUSR1 stop every rank at the same step (preempt.py). That step is saved, then
+      the run exits with 128 + signal. One run at a time writes a --save folder (docs/cluster.md).
+    - "peak mem" in the log is rank 0's training peak: forward, backward, step (memory.PeakMeter).
+      The last line lists the other phases' peaks: setup, data, save, export.
 """
 from __future__ import annotations
 
@@ -171,8 +165,8 @@ def configure(argv: list[str] | None, cleanup: contextlib.ExitStack) -> Run:
 
 
 def load_data(r: Run) -> None:
-    """The training set of the mode, its validation split or eval set, the process grid and the
-    sampler. The grid comes after the data: rank 0 may prepare the data while the others wait."""
+    """The mode's training set, its validation split or eval set, the process grid, the sampler.
+    The grid comes after the data: rank 0 may prepare the data while the others wait."""
     args, grid = r.args, r.grid
     chats = args.sft or args.dpo or args.grpo
     try:
@@ -211,8 +205,8 @@ def build(r: Run) -> None:
 
 def choose_loss(r: Run) -> None:
     """The loss, chosen once, through pp.run_pipeline's loss_fn seam. Pretraining and SFT count
-    target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo samples
-    each step's batch from the policy itself; the sampler gives prompt indices."""
+    target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo
+    samples each step's batch from the policy itself. Its sampler gives prompt indices."""
     args = r.args
     r.count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
     if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
@@ -242,8 +236,8 @@ def announce(r: Run) -> None:
 
 
 def train(r: Run) -> int:
-    """The steps from r.start to --steps: each one step, its log line and record, evaluation,
-    saving and the stop check. Returns the signal that stopped the run (0: it ran to the end)."""
+    """The steps from r.start to --steps. Each runs one step, logs it, evaluates, saves and checks
+    for a stop. Returns the signal that stopped the run (0: it ran to the end)."""
     args, grid = r.args, r.grid
     load = (lambda rows: [{"rows": rows}]) if r.rl else (  # GRPO: the prompt rows stay on the host
         lambda rows: feed.host_batch(r.ds, rows, args.micro_batches, grid))
@@ -330,8 +324,8 @@ def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float,
 
 
 def evaluate(r: Run, step: int, record: dict) -> None:
-    """At every --eval-every steps and the last: the held-out exact match (chat modes) and the
-    validation loss (pretraining), added to the step's record."""
+    """Evaluation at every --eval-every steps and the last, added to the step's record. Chat modes
+    measure held-out exact match. Pretraining measures the validation loss."""
     args, grid = r.args, r.grid
     if not (step == args.steps or args.eval_every and step % args.eval_every == 0):
         return
@@ -353,7 +347,7 @@ def save_or_stop(r: Run, step: int, sampler_state: dict) -> int:
     if saving:
         with r.meter.during("save"):
             save(args, step, r.opt, r.cfg, r.shards, sampler_state, r.grid, r.metrics, r.lock)
-    # the same answer on every rank: a signal some rank had by the previous step (none after the last)
+    # Every rank gets the same answer: a signal some rank had by the previous step. None after the last.
     stopped = r.stopper.poll(r.grid.io_group) if step < args.steps else 0
     if stopped:
         if args.save and not saving:
@@ -451,8 +445,8 @@ def held_out_eval(r: Run, step: int) -> dict[str, float]:
 
 
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
-    """One line: the schedule, the split, and its simulated bubble with each virtual stage's cost
-    (layers + the head's layer-equivalents; F=1, B=2 per layer, zb: B=W=1)."""
+    """One line: the schedule, the split, and its simulated bubble. A virtual stage costs its
+    layers plus the head's layer-equivalents. F=1 and B=2 per layer (zb: B=W=1)."""
     ranges, p, v, m = cli.layer_ranges(args, cfg), args.pp, args.virtual_stages, args.micro_batches
     cost = [len(r) + PP.head_cost(cfg, args.seq_len) * (k == p * v - 1) for k, r in enumerate(ranges)]
     sim = PP.simulate([PP.SCHEDULES[args.schedule](m, s, p, v) for s in range(p)], 1,
@@ -471,11 +465,10 @@ def peak_text(peak: MEM.Peak | None) -> str:
 
 
 def open_metrics(path: str, start: int) -> TextIO:
-    """A resumed run keeps the records up to its checkpoint and drops those of steps it will redo
-    (a fresh run starts empty). The kept lines are rewritten atomically — a temporary file, fsynced,
-    renamed over the old one — so a crash at any moment leaves the old or the new file, never a
-    truncated one; the file is then appended to, one flushed line per step. A torn last line (a
-    kill mid-write) is dropped."""
+    """A resumed run keeps the records up to its checkpoint. It drops those of steps it will redo;
+    a fresh run starts empty. The kept lines are written to a temporary file, fsynced, and renamed
+    over the old one. So a crash leaves the old or the new file, never a truncated one. The file is
+    then appended to, one flushed line per step. A torn last line (a kill mid-write) is dropped."""
     kept, torn = [], 0
     if start and os.path.exists(path):
         for line in open(path):
@@ -497,8 +490,8 @@ def open_metrics(path: str, start: int) -> TextIO:
 
 # ------------------------------------------------------------------------------------------ build
 def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> tuple[M.Llama, dict, Z.Init]:
-    """Steps 3-7 of the composition order (module docstring): the parameters stay on the meta
-    device; the returned reader gives their values to make_optimizer."""
+    """Steps 3-7 of the composition order (module docstring). The parameters stay on the meta
+    device. The returned reader gives their values to make_optimizer."""
     model = M.build(cfg)
     PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
@@ -515,15 +508,15 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
 
 def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
                    grid: G.Grid) -> Z.DataParallelOptimizer:
-    """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
-    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only. The
-    experts (--ep) reduce over grid.replica_group; their norm is zero.py's (each expert once).
-    With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
+    """Step 8. The grad norm sums tp shards over tp and stages over pp; ZeRO adds dp. A
+    tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    With pp > 1, a tied embedding's two copies sum their gradients over grid.embed_group.
+    The experts (--ep) reduce over grid.replica_group. zero.py counts each expert once."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
     pp_counted = PP.norm_counted(model)
-    # an expert's shard is ep's, not tp's: it is whole on every tp rank (counted on tp rank 0)
+    # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
     tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
     counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
     return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
@@ -542,8 +535,8 @@ def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDa
 
 # ------------------------------------------------------------------------------------------ save and resume
 def take_lock(args: argparse.Namespace, grid: G.Grid) -> PR.SaveLock | None:
-    """The --save folder's lock (preempt.SaveLock), taken by rank 0 for the whole run; rank 0's
-    outcome reaches every rank, so a refusal stops them all (one message: the holder). None
+    """The --save folder's lock (preempt.SaveLock), held by rank 0 for the whole run. Rank 0's
+    outcome reaches every rank, so a refusal stops them all with one message: the holder. None
     without --save, and on ranks other than 0. Reading a --resume folder needs no lock."""
     if not args.save:
         return None
@@ -574,9 +567,9 @@ SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
 def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
-    """The checkpoint --resume names (the newest complete one for 'auto'), found before any heavy
-    work: its meta.json only. Flags that differ from its saved args are printed; those that cannot
-    work (a --steps below its step, another data order) stop the run."""
+    """The checkpoint --resume names, or the newest complete one for 'auto'. Only its meta.json is
+    read, before any heavy work. Flags that differ from its saved args are printed. Those that
+    cannot work stop the run: a --steps below its step, another data order."""
     if not args.resume:
         return None
     path = CK.latest_checkpoint(args.save) if args.resume == "auto" else Path(args.resume)
@@ -623,9 +616,9 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
 
 def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig,
            shards: dict, sampler: dp.DPSampler, grid: G.Grid) -> int:
-    """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler; return
-    the step to continue from (0 when there is nothing to resume). The ranks agree over the io
-    group: a file only one rank reads (and finds corrupt) stops them all."""
+    """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler.
+    Returns the step to continue from, 0 when there is nothing to resume. The ranks agree over
+    the io group: a corrupt file that only one rank reads stops them all."""
     if path is None:
         return 0
     try:
@@ -642,9 +635,9 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptim
 
 def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig, shards: dict,
          sampler_state: dict, grid: G.Grid, metrics: TextIO | None, lock: PR.SaveLock | None = None) -> None:
-    """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
-    durable, so a kill between the two loses no record. The ranks wait for each other in the io
-    group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only.
+    """Checkpoint `step` once its metrics record is durable: a kill between the two loses no
+    record. A skipped, non-finite step never saves. The ranks wait for each other in the io group
+    (long timeout). Rank 0 prunes to --keep inside the save, up to this step only.
     sampler_state: the sampler after this step's batch (feed.Prefetcher.next)."""
     if metrics:
         os.fsync(metrics.fileno())
@@ -661,7 +654,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
 # Expert parallelism and compiled layers, as the composition's steps 5 and 7 call them.
 def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
     """Step 5's expert parallelism (--ep). Each rank keeps its 1/ep of every MoE layer's experts,
-    still on the meta device, and exchanges tokens over grid.ep_group. Returns the experts' shards
+    still on the meta device. Tokens travel over grid.ep_group. Returns the experts' shards
     (rows of the global (E, ...) tensors) for the reader, checkpoints and export. At ep = 1 there
     are none: the experts stay whole, and moe.shard_experts changes nothing."""
     if not MOE.moe_blocks(model):  # a dense model, or a pipeline stage without a sparse layer
