@@ -10,7 +10,7 @@ grid, failure reports), feed.py (data, batches, validation loss).
 
 Composition order. Each step is an exact no-op at degree 1, so one code path serves every layout.
     1. `cli.validate` checks every flag against the config and world size, all at once.
-    2. `grid.make_grid`: tp innermost, then cp, dp, pp. A tp group takes neighbouring ranks: the fastest links.
+    2. `grid.make_grid` puts tp innermost, then cp, dp, pp: tp peers get the fastest links.
     3. `model.build` builds on the meta device: no memory yet.
     4. `pp.split_stage` drops the layers, embedding and head this stage does not own.
     5. `tp.apply_tp` swaps in column-, row- and vocab-parallel layers and returns the shard map.
