@@ -134,7 +134,6 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     any exit. A stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + signal."""
     r = configure(argv, cleanup)  # flags, device, config, lock, the checkpoint to resume
     load_data(r)  # the data set, validation split, process grid and sampler
-    r.meter.phase("setup")
     build(r)  # model, transforms, optimizer, resume, pipeline chunks
     choose_loss(r)  # tokens, preference pairs (--dpo) or rollouts (--grpo)
     announce(r)  # the run's first log lines and its metrics file
@@ -186,6 +185,7 @@ def build(r: Run) -> None:
     """The model and its optimizer (steps 3-8), the resumed state (step 9), the pipeline chunks and
     schedule. The export's tokenizer is read now, so a missing one fails before training."""
     args, grid = r.args, r.grid
+    r.meter.phase("setup")  # the memory peak meter's phase, until the first step's data
     try:
         with G.stage("building the model and the optimizer state", grid, collectives=False):
             r.model, r.shards, init = build_model(args, r.cfg, grid)
