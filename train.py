@@ -511,7 +511,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     """Step 8. The grad norm sums tp shards over tp and stages over pp; ZeRO adds dp. A
     tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
     With pp > 1, a tied embedding's two copies sum their gradients over grid.embed_group.
-    The experts (--ep) reduce over grid.replica_group. zero.py counts each expert once."""
+    The experts' own groups come from `expert_reduction` (extensions, at the end)."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
@@ -523,8 +523,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device,
-                         expert=W.expert_tensor, replica_group=grid.replica_group, ep_group=grid.ep_group)
+                         init=init, device=grid.device, **expert_reduction(grid))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
@@ -651,7 +650,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
         G.fail(str(e), grid)
 
 # ------------------------------------------------------------------------------------------ extensions
-# Expert parallelism and compiled layers, as the composition's steps 5 and 7 call them.
+# Expert parallelism and compiled layers, as the composition's steps 5, 7 and 8 call them.
 def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
     """Step 5's expert parallelism (--ep). Each rank keeps its 1/ep of every MoE layer's experts,
     still on the meta device. Tokens travel over grid.ep_group. Returns the experts' shards
@@ -665,6 +664,12 @@ def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str,
     local = cfg.num_experts // grid.ep
     ours = {id(p) for p in MOE.expert_parameters(model)}
     return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
+
+
+def expert_reduction(grid: G.Grid) -> dict:
+    """Step 8's expert parallelism (--ep): zero3.apply_zero's arguments for the experts. They reduce
+    over grid.replica_group, the ranks holding the same experts. zero.py counts each expert once."""
+    return {"expert": W.expert_tensor, "replica_group": grid.replica_group, "ep_group": grid.ep_group}
 
 
 def active_text(cfg: M.LlamaConfig) -> str:
