@@ -1,6 +1,6 @@
 """The trainer's process grid and failure reporting. setup makes the default process group and
 picks the device. make_grid makes every group of the layout: tp innermost, then cp, dp, pp.
-When a run stops, every rank prints one readable message and exits non-zero. It never hangs.
+When a run fails, rank 0 prints one readable message and every rank exits non-zero. None hangs.
 
 What it does
     setup        the default group: torchrun's (RANK / WORLD_SIZE), or a 1-rank group for a plain
@@ -37,7 +37,7 @@ Invariants
     - Every rank makes the same new_group calls in the same order; only `solo` is members-only.
       No group of one rank uses the default backend. Under eager init every rank runs the same
       splits of the world communicator (tests/test_pp.py::test_grid_groups_and_neighbour_pairs).
-    - Expert parallelism adds its groups at the end (refinement: `expert_groups`).
+    - Expert parallelism's groups come from `expert_groups`, a refinement at the end of the file.
 
 Builds on: checkpoint.py (Layout: the coordinates checkpoints record), pp.py (the tied-embedding ranks)
 """
