@@ -203,6 +203,49 @@ def build(r: Run) -> None:
         r.meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
 
 
+def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> tuple[M.Llama, dict, Z.Init]:
+    """Steps 3-7 of the composition order (module docstring). The parameters stay on the meta
+    device. The returned reader gives their values to make_optimizer."""
+    model = M.build(cfg)
+    PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
+    shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
+    CP.apply_cp(model, grid.cp_group)
+    shards |= shard_experts(model, cfg, grid)
+    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    W.materialize_buffers(model, grid.device)
+    if args.ac or args.ac_mode:
+        AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
+    if args.compile:  # the layers left eager: named in the log line
+        args.eager_layers = M.compile_layers(model, packed=(args.sft or args.dpo) and args.packing == "ffd")
+    return model, shards, init
+
+
+def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
+                   grid: G.Grid) -> Z.DataParallelOptimizer:
+    """Step 8. The grad norm sums tp shards over tp and stages over pp; ZeRO adds dp. A
+    tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    With pp > 1, a tied embedding's two copies sum their gradients over grid.embed_group.
+    The experts' own groups come from `expert_reduction` (extensions, at the end)."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
+    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
+    pp_counted = PP.norm_counted(model)
+    # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
+    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
+    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
+    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                         init=init, device=grid.device, **expert_reduction(grid))
+
+
+def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
+    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
+    path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
+    return data.load_tokenizer(path)
+
+
 def choose_loss(r: Run) -> None:
     """The loss, chosen once, through pp.run_pipeline's loss_fn seam. Pretraining and SFT count
     target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo
@@ -486,50 +529,6 @@ def open_metrics(path: str, start: int) -> TextIO:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return open(path, "a")
-
-
-# ------------------------------------------------------------------------------------------ build
-def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> tuple[M.Llama, dict, Z.Init]:
-    """Steps 3-7 of the composition order (module docstring). The parameters stay on the meta
-    device. The returned reader gives their values to make_optimizer."""
-    model = M.build(cfg)
-    PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
-    shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
-    CP.apply_cp(model, grid.cp_group)
-    shards |= shard_experts(model, cfg, grid)
-    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
-    W.materialize_buffers(model, grid.device)
-    if args.ac or args.ac_mode:
-        AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    if args.compile:  # the layers left eager: named in the log line
-        args.eager_layers = M.compile_layers(model, packed=(args.sft or args.dpo) and args.packing == "ffd")
-    return model, shards, init
-
-
-def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
-                   grid: G.Grid) -> Z.DataParallelOptimizer:
-    """Step 8. The grad norm sums tp shards over tp and stages over pp; ZeRO adds dp. A
-    tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
-    With pp > 1, a tied embedding's two copies sum their gradients over grid.embed_group.
-    The experts' own groups come from `expert_reduction` (extensions, at the end)."""
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
-    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
-    pp_counted = PP.norm_counted(model)
-    # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
-    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
-    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
-    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
-                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device, **expert_reduction(grid))
-
-
-def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
-    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
-    path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
-    return data.load_tokenizer(path)
 
 
 # ------------------------------------------------------------------------------------------ save and resume
