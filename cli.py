@@ -1,39 +1,42 @@
-"""attotron's trainer flags: parsed, given their layout-dependent defaults, and checked against the
-config and the world size before any heavy work; and the numbers the flags imply.
+"""attotron's trainer flags, and the numbers they imply. Each flag is parsed and given its
+layout-dependent default. Then all are checked against the config and world size, before heavy work.
 
 What it does
-    parse_args       every flag of train.py; defaults that depend on another flag (--seq-len, --lr
-                     with --sft) are filled in with `is None`, so a user's 0 reaches validate
-    validate         every check that needs no heavy work (no data, no model, no group but the
-                     default one), all reported at once as a list of messages — the layout against
-                     the world size (tp, cp, pp, ep, micro-batches), tp/cp/pipeline/ep rules, flag ranges,
-                     NaNs, and every output path (a run must not train for hours, then fail to write)
+    parse_args       every flag of train.py. Defaults that depend on another flag (--seq-len, --lr
+                     with --sft) are filled in with `is None`, so a user's 0 reaches validate.
+    validate         every check that needs no heavy work, all reported at once as a list of
+                     messages. It reads no data, builds no model and uses only the default group.
+                     It checks the layout against the world size (tp, cp, pp, ep, micro-batches).
+                     It checks each feature's rules, flag ranges and NaNs, and every output path.
+                     A run must not train for hours, then fail to write.
     virtual_stages, micro_batches, layer_ranges
-                     the pipeline's shape as the flags give it (defaults: pp.default_microbatches,
-                     pp.partition with the head's cost)
-    lr_at            the schedule: linear warm-up to --lr, cosine decay to --min-lr
-    device_defaults  --dtype auto per device (bf16 on CUDA, fp32 on CPU; TF32 for fp32 on CUDA)
+                     the pipeline's shape as the flags give it. The defaults come from
+                     pp.default_microbatches and pp.partition (with the head's cost).
+    lr_at            the schedule: linear warm-up to --lr, cosine decay to --min-lr.
+    device_defaults  --dtype auto per device: bf16 on CUDA, fp32 on CPU (TF32 matmuls on CUDA).
     flops_per_token, active_params, peak_flops, GPU_PEAK_TFLOPS
-                     the logged MFU's FLOPs per token (PaLM's convention; an MoE counts the k of E
-                     experts a token reads) and the device's dense peak
+                     the logged MFU's FLOPs per token (PaLM's convention) and the device's dense
+                     peak. A mixture of experts counts the k of E experts a token reads.
 
 How train.py uses it
-    main: parse_args, grid.setup (validate needs the world size), device_defaults, validate — its
-    messages go to grid.fail together — then virtual_stages and micro_batches are stored back into
-    args; layer_ranges splits the model (pp.split_stage, pp.stage_chunks); lr_at gives each step's
-    lr and lets plan_resume compare a checkpoint's schedule with this run's.
+    train.configure calls parse_args, then grid.setup: validate needs the world size. Then come
+    device_defaults and validate, whose messages go to grid.fail together. virtual_stages and
+    micro_batches are stored back into args. layer_ranges splits the model (pp.split_stage,
+    pp.stage_chunks). lr_at gives each step's lr. plan_resume uses it to compare a checkpoint's
+    schedule with this run's.
 
 Run
     python train.py --help                              # every flag, with its default
     torchrun --nproc_per_node 4 train.py --pp 3         # refused at once: 4 is not divisible by 3
 
 Invariants
-    - Nothing here reads data, builds a model or runs a collective: every rank runs the same cheap
-      checks first, and a bad command line costs seconds, not a data preparation.
-    - validate returns messages and raises nothing: the user sees every problem of a command at once.
+    - Nothing here reads data, builds a model or runs a collective. Every rank runs the same
+      cheap checks first, so a bad command line costs seconds, not a data preparation.
+    - validate returns messages and raises nothing: the user sees every problem at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
 
-Builds on: grid.py (a Grid's world size), grpo.py (its verifier), model.py, pp.py, sft.py, tp.py, weights.py
+Builds on: grid.py (a Grid's world size), grpo.py (its verifier), model.py, pp.py, sft.py, tp.py,
+weights.py.
 """
 from __future__ import annotations
 
@@ -270,8 +273,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
 
 
 def validate_more(args: argparse.Namespace) -> list[str]:
-    """The flags whose 0, negative or NaN value would otherwise be taken silently or crash late,
-    and every output path (a run must not train for hours, then fail to write its result)."""
+    """The flags whose 0, negative or NaN value would otherwise pass silently or crash late. Also
+    every output path: a run must not train for hours, then fail to write its result."""
     errors = []
     floats = ("lr", "min_lr", "weight_decay", "clip", "bucket_mb", "timeout", "io_timeout", "val_fraction")
     nan = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in floats
@@ -296,11 +299,9 @@ def validate_more(args: argparse.Namespace) -> list[str]:
 
 
 def validate_moe(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
-    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, tp (+ sp: the experts
-    whole on every tp rank), pp (every schedule: the routers' statistics travel with the
-    activations), cp (the statistics summed over the cp ranks), AC, --compile and --sft (the padding
-    counts in no router statistic: sft.py's real_tokens); the layouts not built yet for it are
-    refused by name (docs/moe.md)."""
+    """A mixture of experts (model.MOE_FAMILIES) trains at dp with ZeRO-0..3, tp and sp, every pp
+    schedule, cp, AC, --compile and --sft. Under tp each rank holds every expert whole. The layouts
+    not built yet are refused by name (docs/moe.md)."""
     if not cfg.num_experts:
         return []
     what = f"with an MoE model ({cfg.model_type}, {cfg.num_experts} experts): not yet"
@@ -332,8 +333,8 @@ def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -
 
 
 def check_outputs(args: argparse.Namespace) -> list[str]:
-    """--save and --export-hf are folders (created as needed), --metrics a file in an existing
-    folder: each must be creatable and writable, and no two may be the same."""
+    """--save and --export-hf are folders, created as needed. --metrics is a file in an existing
+    folder. Each must be creatable and writable, and no two may be the same."""
     errors, seen = [], {}
     for flag, path, folder in (("--save", args.save, True), ("--export-hf", args.export_hf, True),
                                ("--metrics", args.metrics, False)):
@@ -405,8 +406,8 @@ GRPO_DEFAULTS = {"grpo_group": 8, "grpo_clip": 0.2, "grpo_kl": 0.0, "grpo_temper
 
 
 def validate_grpo(args: argparse.Namespace) -> list[str]:
-    """--grpo's flags (grpo.py): generation runs in the training process, on whole parameters and
-    whole sequences, so the layouts where a rank lacks either are refused."""
+    """--grpo's flags (grpo.py). Generation runs in the training process, on whole parameters and
+    whole sequences. Layouts where a rank lacks either are refused."""
     errors = []
     given = [f"--{f.replace('_', '-')}" for f in GRPO_DEFAULTS if getattr(args, f) is not None]
     if given and not args.grpo:
@@ -503,18 +504,18 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 # ------------------------------------------------------------------------------------------ device
 def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan):
-    6N for the matmuls of forward + backward, N = the parameters a token's matmuls read
-    (`active_params`), plus 12·L·H·Q·T for attention's two matmuls (H heads of Q dims over T tokens),
-    counted over the full T×T (the causally masked half too), as those references do, so MFUs compare."""
+    """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan).
+    Forward and backward matmuls cost 6N, N the parameters a token's matmuls read (`active_params`).
+    Attention's two matmuls add 12·L·H·Q·T: H heads of Q dims over T tokens. They count the full
+    T×T, the causally masked half too, as those references do. So MFUs compare."""
     return 6 * active_params(cfg) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
 def active_params(cfg: M.LlamaConfig) -> int:
-    """The parameters one token's matmuls read: every parameter but the input embedding when untied
-    (a lookup, no FLOPs; tied, the shared matrix counts once, as lm_head), and of a sparse layer's
-    experts only the k of E its router picks (k·3·H·I of E·3·H·I). The router's (E, H) reads whole.
-    A dense model: every parameter, the same integer as before MoE."""
+    """The parameters one token's matmuls read. That is every parameter but an untied input
+    embedding, a lookup with no FLOPs. A tied matrix counts once, as lm_head. Of a sparse layer's
+    experts, only the k of E its router picks count: k·3·H·I of E·3·H·I. The router's (E, H)
+    reads whole. A dense model counts every parameter."""
     n = 0
     for name, shape in M.global_shapes(cfg).items():
         size = math.prod(shape)
@@ -522,10 +523,10 @@ def active_params(cfg: M.LlamaConfig) -> int:
     return n - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
 
 
-# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it
-# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GB200"). A key matches whole words of the
-# name (so "L4" is not "NVIDIA L40", nor "B200" "NVIDIA GB200"); the longest matching key wins (so
-# "H100 PCIe" over "H100"): `gpu_peak`.
+# Dense (no sparsity) peak TFLOP/s (bf16, tf32) by GPU name, as torch.cuda.get_device_name reports it.
+# Names look like "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GB200". A key matches
+# whole words of the name: "L4" is not "NVIDIA L40", nor "B200" "NVIDIA GB200". The longest matching
+# key wins, so "H100 PCIe" beats "H100" (`gpu_peak`).
 GPU_PEAK_TFLOPS = {
     "A100": (312, 156), "A800": (312, 156), "H100 PCIe": (756, 378), "H100 NVL": (835, 418),
     "H100": (989, 495), "H800 PCIe": (756, 378), "H800": (989, 495), "GH200": (989, 495),
@@ -543,7 +544,7 @@ def gpu_peak(name: str) -> tuple[float, float] | None:
 
 
 def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
-    """--peak-tflops, or the GPU's dense peak for the compute dtype (bf16, or tf32 for fp32 on CUDA);
+    """--peak-tflops, or the GPU's dense peak for the compute dtype (bf16, or tf32 for fp32 on CUDA).
     None where unknown (CPU, a GPU not in GPU_PEAK_TFLOPS): the log then shows no MFU."""
     if args.peak_tflops is not None:
         return args.peak_tflops * 1e12
@@ -554,16 +555,16 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
 
 
 def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
-    """--dtype auto becomes bf16 on CUDA, fp32 on CPU; fp32 on CUDA turns TF32 matmuls on (10-bit
-    mantissa inputs, fp32 accumulation: ~8x the fp32 rate). Returns what to say in the log."""
+    """--dtype auto becomes bf16 on CUDA, fp32 on CPU. fp32 on CUDA turns TF32 matmuls on: 10-bit
+    mantissa inputs, fp32 accumulation, ~8x the fp32 rate. Returns what to say in the log."""
     if args.dtype == "auto":
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     if device.type == "cuda" and args.dtype == "fp32":
-        # one API that every reader agrees with: the legacy setter sets the new per-backend state
-        # too (cuda.matmul.fp32_precision reads "tf32"), while setting only the new one makes every
-        # legacy reader — torch.get_float32_matmul_precision, torch._C._get_cublas_allow_tf32 (read
-        # by torch._dynamo) — raise "mix of the legacy and new APIs". cuDNN (convolutions only)
-        # keeps its default, TF32 on.
+        # The legacy setter is the one API every reader agrees with. It sets the new per-backend
+        # state too: cuda.matmul.fp32_precision reads "tf32". Setting only the new one makes each
+        # legacy reader raise "mix of the legacy and new APIs". Those readers include
+        # torch.get_float32_matmul_precision and torch._C._get_cublas_allow_tf32 (torch._dynamo's).
+        # cuDNN (convolutions only) keeps its default, TF32 on.
         torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype

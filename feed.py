@@ -1,16 +1,16 @@
-"""The trainer's data path: the corpus prepared once, this rank's rows as micro-batches made a step
-ahead and copied to the device without blocking the host, and the validation loss over the held-out
-split.
+"""The trainer's data path. The corpus is prepared once. This rank's rows become micro-batches,
+made a step ahead and copied to the device without blocking the host. Also here: the validation
+loss over the held-out split.
 
 What it does
-    load_data, prepared_data   the pretraining rows (data.py): --data used as is when prepared,
-                               else prepared next to the corpus (again when stale), or the default
-                               corpus
-    load_val, val_loss         the held-out split and its loss, forward only through the same
-                               pipeline, tp and ZeRO code as training, normalized like its loss
+    load_data, prepared_data   the pretraining rows (data.py). A prepared --data is used as is.
+                               Otherwise it is prepared next to the corpus, again when stale.
+                               Without --data: the default corpus.
+    load_val, val_loss         the held-out split and its loss. The forward runs through the same
+                               pipeline, tp and ZeRO code as training, normalized like its loss.
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
-    evaluate                   exact-match accuracy of greedy answers (model.generate) on sft chats
-    prepared_once              the pattern both use: rank 0 prepares, the others wait
+    evaluate                   exact-match accuracy of generated answers on sft chats
+    prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
                                tokens, packed rows' document boundaries, pinned memory on CUDA
     to_device, get_batch       the copies to the device, non_blocking
@@ -18,22 +18,22 @@ What it does
     host_copy                  a device value (the loss) copied to host memory in stream order
 
 How train.py uses it
-    main: load_sft, or load_data and load_val, before make_grid; a Prefetcher over host_batch feeds
-    the loop (its next() marks each step); host_copy takes the step's loss, read after the step's
-    one sync; val_loss at each evaluation.
+    load_data (the phase) calls load_sft, or load_data and load_val, before make_grid. In the
+    step loop, a Prefetcher over host_batch gives each step its batch. host_copy takes the loss,
+    read after the step's one sync. evaluate calls val_loss.
 
 Run
     torchrun --nproc_per_node 4 train.py --data corpus.jsonl --eval-every 50   # rank 0 prepares
     torchrun --nproc_per_node 1 train.py --sft --packing ffd
 
 Invariants
-    - Only rank 0 prepares; the others wait on a gloo group with a DATA_WAIT timeout, never in a
-      barrier of the default group (whose NCCL watchdog would kill them), and every rank checks that
-      it reads the meta.json rank 0 wrote.
-    - The rows of a step come from the sampler, sharded by dp rank only: tp and pp peers read the
-      same rows; the cp ranks of a replica the same rows, each its zigzag share of their tokens.
-    - Nothing here makes the training step wait for the device: batches are made on the host by a
-      thread, pinned on CUDA and copied non_blocking; the loss comes back the same way.
+    - Only rank 0 prepares. The others wait on a gloo group with a DATA_WAIT timeout. A barrier
+      of the default group would not do: its NCCL watchdog would kill them. Every rank then
+      checks that it reads the meta.json rank 0 wrote.
+    - The sampler gives a step's rows, sharded by dp rank only. So tp and pp peers read the same
+      rows. The cp ranks of a replica read the same rows too, each its zigzag share.
+    - Nothing here makes the training step wait for the device. A thread makes the batches on the
+      host, pinned on CUDA and copied non_blocking. The loss comes back the same way.
 
 Builds on: grid.py, cp.py, data.py, dp.py, model.py, pp.py, precision.py, sft.py
 """
@@ -67,8 +67,8 @@ DATA_WAIT = datetime.timedelta(hours=24)
 
 
 def prepared_data(args: argparse.Namespace) -> Path:
-    """Rank 0: the prepared folder of --data, preparing it when missing or stale (another corpus
-    content, tokenizer or --val-fraction: data.is_prepared)."""
+    """Rank 0: the prepared folder of --data, prepared when missing or stale. Stale means another
+    corpus content, tokenizer or --val-fraction (data.is_prepared)."""
     if args.data is None:
         return data.default_corpus(val_fraction=args.val_fraction)
     want = str(Path(args.tokenizer).resolve()) if args.tokenizer not in (None, "bytes") else None
@@ -91,11 +91,11 @@ def prepared_data(args: argparse.Namespace) -> Path:
 
 
 def prepared_once(prepare: Callable[[], Path], grid: G.Grid) -> Path:
-    """Rank 0 runs `prepare()` (find or make a prepared folder) while the others wait on a gloo group
-    with a DATA_WAIT timeout — not in a barrier of the default group, whose NCCL watchdog would kill
-    them after --timeout. Rank 0's outcome (the folder, or its error) reaches every rank; then every
-    rank checks that it reads the very meta.json rank 0 wrote: a multi-node run needs the data on a
-    shared filesystem."""
+    """Rank 0 runs `prepare()`, which finds or makes a prepared folder. The others wait on a gloo
+    group with a DATA_WAIT timeout. A barrier of the default group would not do: its NCCL watchdog
+    kills them after --timeout. Rank 0's outcome, the folder or its error, reaches every rank. Then
+    every rank checks that it reads the very meta.json rank 0 wrote. So a multi-node run needs the
+    data on a shared filesystem."""
     group = dist.new_group(backend="gloo", timeout=DATA_WAIT) if grid.world > 1 else None
     outcome = [None]
     if grid.rank == 0:
@@ -134,8 +134,8 @@ def load_data(args: argparse.Namespace, grid: G.Grid) -> data.TokenDataset:
 
 def load_val(args: argparse.Namespace, ds: data.TokenDataset,
              grid: G.Grid) -> tuple[data.TokenDataset | None, int]:
-    """The held-out split of the prepared data and the global batches of it each evaluation reads;
-    (None, 0) when there is none — an error if --eval-every asked for it."""
+    """The held-out split of the prepared data, and how many global batches each evaluation reads.
+    (None, 0) when there is none. That is an error if --eval-every asked for it."""
     want = 10 if args.eval_batches is None else args.eval_batches
     n_docs = ds.meta.get("num_val_documents", 0)
     try:
@@ -164,10 +164,10 @@ def load_val(args: argparse.Namespace, ds: data.TokenDataset,
 @torch.no_grad()
 def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: argparse.Namespace,
              grid: G.Grid) -> float:
-    """Mean token loss over the first `batches` global batches of the held-out split (the same rows
-    at every evaluation), forward only through the same pipeline, tp and ZeRO code as training and
-    normalized like its loss (sum of token losses / all target tokens): the single-process value in
-    every layout."""
+    """Mean token loss over the first `batches` global batches of the held-out split. Every
+    evaluation reads the same rows. The forward runs through the same pipeline, tp and ZeRO code as
+    training. It is normalized like the training loss: sum of token losses / all target tokens.
+    So every layout gets the single-process value."""
     fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
                                                       args.virtual_stages))
     dp_rank, dp_size = grid.data
@@ -186,9 +186,10 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
 
 
 def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
-    """Chats from --data (no eval set) or the built-in arithmetic set (train + held-out eval), tokenized
-    once by rank 0 into a cache every rank maps (sft.prepare_sft: next to --data, in ~/.cache/attotron
-    for the built-in set), re-made when the data, the tokenizer or the chat template changes."""
+    """Chats from --data (no eval set), or the built-in arithmetic set (train + held-out eval).
+    Rank 0 tokenizes them once into a cache every rank maps (sft.prepare_sft). The cache sits next
+    to --data, or in ~/.cache/attotron for the built-in set. A new data file, tokenizer or chat
+    template remakes it."""
     tok = data.load_tokenizer(args.tokenizer)
     tpl = sft.chat_template(tok, args.reply_end)
     if args.data:
@@ -219,12 +220,12 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
 def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversation],
              max_new_tokens: int = 8, batch_size: int = 64, template: sft.ChatTemplate | None = None,
              temperature: float = 0.0, samples: int = 1, seed: int = 0) -> float:
-    """Exact-match accuracy over every assistant turn of eval_set, the earlier turns given as the
-    reference chat. Greedy answers (model.generate) at temperature 0. Above it, `samples` sampled
-    answers per turn (answer j of turn i draws with the seed of (seed, i, j)) and the mean of their
-    exact matches: pass@1 estimated from `samples` draws, the RL literature's sampled accuracy.
-    Prompts are batched shortest first, right-padded (generate's lengths); an answer must end with
-    end_id within max_new_tokens."""
+    """Exact-match accuracy over every assistant turn of eval_set, given the earlier turns as the
+    chat so far. At temperature 0 the answers are greedy (model.generate). Above it, each turn gets
+    `samples` sampled answers; answer j of turn i draws with the seed of (seed, i, j). The mean of
+    their exact matches estimates pass@1: the RL literature's sampled accuracy. Prompts are batched
+    shortest first, right-padded (generate's lengths). An answer must end with end_id within
+    max_new_tokens."""
     if temperature == 0 and samples != 1:
         raise ValueError(f"greedy evaluation draws one answer per turn, not samples={samples}")
     if samples < 1:
@@ -256,11 +257,11 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
 
 def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_batches: int,
                grid: G.Grid) -> list[dict]:
-    """This rank's rows as micro-batches of (b, S) host tensors: input_ids, labels (already shifted)
-    and, for packed SFT rows, position_ids (restarting per conversation) and `docs`, their document
-    boundaries (attention.Documents: derived here, on the host, once per micro-batch, so no layer
-    builds a mask and the step never waits for a device→host copy). Pinned on CUDA, so that
-    `to_device` copies them without blocking the host."""
+    """This rank's rows as micro-batches of (b, S) host tensors: input_ids and labels, already
+    shifted. Packed SFT rows add position_ids, restarting per conversation, and `docs`. `docs` are
+    their document boundaries (attention.Documents), derived here on the host once per micro-batch.
+    So no layer builds a mask, and the step never waits for a device→host copy. The tensors are
+    pinned on CUDA, so `to_device` copies them without blocking the host."""
     items = [ds[i] for i in rows]
     if isinstance(items[0], dict):  # an item is a row (S,) or rows that stay together (n, S): a DPO pair
         batch = {k: torch.cat([it[k].view(-1, it[k].shape[-1]) for it in items]) for k in items[0]}
@@ -273,8 +274,8 @@ def host_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_ba
     for mb in micro:
         if "position_ids" in mb:
             mb["docs"] = M.Documents.from_position_ids(mb["position_ids"], "cpu")
-    if pin_batches(grid.device):  # contiguous first: pin_memory keeps strides, and a strided
-        # pinned tensor's non_blocking copy goes through a pageable temporary (the host waits)
+    if pin_batches(grid.device):  # contiguous first, since pin_memory keeps strides:
+        # a strided pinned tensor's non_blocking copy goes through a pageable temporary (the host waits)
         micro = [{k: _pinned(v) for k, v in mb.items()} for mb in micro]
     return micro
 
@@ -290,9 +291,9 @@ def pin_batches(device: torch.device) -> bool:
 
 
 def to_device(micro: list[dict], device: torch.device) -> list[dict]:
-    """Start each micro-batch's copy to the device and return at once (non_blocking: from pinned
-    memory the copy runs in stream order while the host goes on; on CPU the tensors themselves).
-    Tensors and attention.Documents move; a plain list (GRPO's prompt rows, read on the host) stays."""
+    """Start each micro-batch's copy to the device and return at once. From pinned memory a
+    non_blocking copy runs in stream order while the host goes on. On CPU the tensors stay as they
+    are. Tensors and attention.Documents move. A plain list (GRPO's prompt rows) stays on the host."""
     return [{k: v if isinstance(v, list) else v.to(device, non_blocking=True) for k, v in mb.items()}
             for mb in micro]
 
@@ -304,12 +305,12 @@ def get_batch(ds: data.TokenDataset | sft.SFTDataset, rows: list[int], micro_bat
 
 
 class Prefetcher:
-    """The next steps' batches, made in a background thread while this step computes: the sampler's
-    rows, the memmap reads, the micro-batch split, pinned host memory on CUDA (`host_batch`).
-    `next()` hands the oldest one over with the sampler state after it — what a checkpoint of that
-    step records, the thread being ahead — and starts its copies to the device (`to_device`). At
-    most two batches wait (one queued, one made); an error in the thread is raised by next(). The
-    thread owns the sampler from start to end (its state is loaded before: resume)."""
+    """The next steps' batches, made in a background thread while this step computes. The thread
+    draws the sampler's rows, reads the memmap, splits micro-batches, pins on CUDA (`host_batch`).
+    `next()` hands the oldest batch over with the sampler state after it. A checkpoint of that step
+    records this state, since the thread runs ahead. `next()` also starts the copies to the device
+    (`to_device`). At most two batches wait: one queued, one made. next() raises the thread's
+    error. The thread owns the sampler from start to end; resume loads its state before."""
 
     def __init__(self, load: Callable[[list[int]], list[dict]], sampler: dp.DPSampler, steps: int,
                  device: torch.device):
@@ -338,6 +339,6 @@ class Prefetcher:
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A device value copied to host memory without waiting (CUDA: into pinned memory, in stream
-    order): read it after a later host sync — the step's grad norm — and the read costs nothing."""
+    """A device value copied to host memory without waiting (CUDA: pinned, in stream order). Read
+    after a later host sync, such as the step's grad norm, it costs nothing."""
     return t.detach().to("cpu", non_blocking=True)

@@ -1,40 +1,42 @@
 """Cluster-proof runs: save on a preemption signal, and one writer per save folder.
 
 What it does
-    StopSignal   records SIGTERM / SIGUSR1 (Slurm's preemption and its `--signal` warning; torchrun
-                 forwards the ones it handles) and lets every rank agree at a step boundary to stop;
-                 train.py then saves that step, flushes the metrics and exits with `exit_status`
-    SaveLock     the lock file `<save>/LOCK.json` (host, pid, start time, heartbeat, job): taken by
-                 the run that writes to the folder before any heavy work, refreshed by a thread,
-                 verified before each save, removed at the end
-    holder_note  one readable line naming a lock's holder; job_of: a launcher's job id and attempt
+    StopSignal   records SIGTERM / SIGUSR1: Slurm's preemption and its `--signal` warning.
+                 torchrun forwards the ones it handles. Every rank agrees at a step boundary to
+                 stop. train.py then saves that step, flushes the metrics and exits (`exit_status`).
+    SaveLock     the lock file `<save>/LOCK.json` (host, pid, start time, heartbeat, job). The run
+                 that writes to the folder takes it before any heavy work. A thread refreshes it.
+                 Each save verifies it. The run removes it at the end.
+    holder_note  one readable line naming a lock's holder
+    job_of       a launcher's job id and attempt
 
 Core idea
-    A signal reaches ranks at different moments: each rank only sets a flag in its handler (nothing
-    is interrupted, so a second signal during a save corrupts nothing). At each step boundary every
-    rank starts an asynchronous MAX all-reduce of its flag on a gloo group (CPU, no GPU work, no
-    host sync: it completes while the next step computes) and reads the one it started at the
-    previous boundary. So all ranks learn the same answer at the same boundary, one step after the
-    signal, and nobody waits in a collective while another rank saves (the save's own waits are on
-    the same gloo group). A group of one runs no collective; the answer lags one step there too.
+    A signal reaches ranks at different moments. So each rank only sets a flag in its handler.
+    Nothing is interrupted, so a second signal during a save corrupts nothing. At each step
+    boundary every rank starts an asynchronous MAX all-reduce of its flag, on a gloo group. It
+    runs on the CPU with no host sync, and completes while the next step computes. Each rank then
+    reads the one it started at the previous boundary. So all ranks learn the same answer at the
+    same boundary, one step after the signal. Nobody waits in a collective while another rank
+    saves; the save's own waits are on the same gloo group. A group of one runs no collective.
+    The answer lags one step there too.
 
 Reference
-    Megatron-LM's --exit-signal-handler (a flag set by the handler, an all-gather of it each step);
-    torchrun's agent (torch/distributed/elastic/agent/server/api.py: `_shutdown(e.sigval,
-    timeout=self._shutdown_timeout)`): see docs/cluster.md for the launcher and Slurm side.
+    Megatron-LM's --exit-signal-handler: a flag set by the handler, an all-gather of it each step.
+    torchrun's agent: torch/distributed/elastic/agent/server/api.py, `_shutdown(e.sigval,
+    timeout=self._shutdown_timeout)`. docs/cluster.md has the launcher and Slurm side.
 
 Run
     torchrun --nproc_per_node 2 --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         train.py --save ckpt --resume auto       # kill -TERM <torchrun pid>: saves, exits 143
 
 Invariants
-    - Every rank stops at the same step, the one after the signal's (test_preempt: the signal on
-      one rank only stops both).
+    - Every rank stops at the same step, the one after the signal's. In test_preempt, a signal
+      on one rank alone stops both.
     - The exit status is 128 + the signal number on every rank: 143 for SIGTERM, 138 for SIGUSR1
       (test_preempt).
-    - A lock whose holder is alive is never taken: the second launch is refused naming the holder;
-      a stale one (heartbeat older than STALE_S, or the holder's pid gone on this host, or an
-      earlier attempt of the same job) is taken over with a note (test_preempt).
+    - A lock whose holder is alive is never taken: the second launch is refused, naming the
+      holder. A stale lock is taken over with a note (test_preempt). Stale means a heartbeat older
+      than STALE_S, the holder's pid gone on this host, or an earlier attempt of the same job.
 """
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ class StopSignal:
         self.received = self.received or signum  # only a flag: the step or the save goes on
 
     def poll(self, group: dist.ProcessGroup | None) -> int:
-        """At a step boundary, on every rank of `group` (a gloo group): the largest signal number
-        any rank had received by the previous boundary (0: go on). The same value on every rank."""
+        """At a step boundary, on every rank of `group` (a gloo group). Returns the largest signal
+        number any rank had received by the previous boundary (0: go on). Every rank gets the same."""
         agreed = self.wait()
         flag = torch.tensor([self.received], dtype=torch.int32)  # gloo: host memory
         work = None
@@ -90,8 +92,8 @@ class StopSignal:
         return int(flag)
 
     def close(self) -> None:
-        """Restore the previous handlers (train.py: last, once the lock is released: torchrun sends
-        SIGTERM to the ranks still running when one exits first)."""
+        """Restore the previous handlers. train.py does it last, once the lock is released: torchrun
+        sends SIGTERM to the ranks still running when one exits first."""
         for s, old in self._old.items():
             signal.signal(s, old)
 
@@ -130,8 +132,8 @@ def _stale(info: dict, job: str | None, attempt: str | None) -> str | None:
 
 
 def job_of(env: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """(job, attempt) from a launcher's environment: Slurm's job id (kept by --requeue) and
-    torchrun's rendezvous id (its 'none' default names no job), with their restart counts."""
+    """(job, attempt) from a launcher's environment, with its restart count. Slurm gives its job
+    id, which --requeue keeps. torchrun gives its rendezvous id; its 'none' default names no job."""
     slurm, run = env.get("SLURM_JOB_ID"), env.get("TORCHELASTIC_RUN_ID")
     job = f"slurm:{slurm}" if slurm else f"torchrun:{run}" if run and run != "none" else None
     attempt = f"{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -139,10 +141,10 @@ def job_of(env: Mapping[str, str]) -> tuple[str | None, str | None]:
 
 
 class SaveLock:
-    """`<folder>/LOCK.json`, held by one run (its rank 0). Created by a hard link of a complete
-    temporary file (atomic, also on NFS: a reader never sees half a lock). job / attempt: the
-    scheduler's job id and restart count (train.py: Slurm's, torchrun's), so a restart of the same
-    job takes over its own lock at once, even on another host."""
+    """`<folder>/LOCK.json`, held by one run (its rank 0). It is created by a hard link of a complete
+    temporary file. That is atomic, also on NFS: a reader never sees half a lock. job / attempt are
+    the scheduler's job id and restart count (job_of). So a restart of the same job takes over its
+    own lock at once, even on another host."""
 
     def __init__(self, folder: str | os.PathLike, job: str | None = None, attempt: str | None = None):
         self.path = Path(folder) / "LOCK.json"
@@ -208,8 +210,8 @@ class SaveLock:
                           f"not writing a checkpoint into a folder another run may write")
 
     def _beat(self) -> None:
-        """A thread, not each step: a long save, evaluation or first compile must not make a live
-        run look dead, and the step never waits for a shared filesystem's metadata write."""
+        """A thread beats, not each step. A long save, evaluation or first compile must not make a
+        live run look dead. And the step never waits for a shared filesystem's metadata write."""
         while not self._stop.wait(BEAT_S):
             try:
                 self.check()

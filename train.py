@@ -4,54 +4,48 @@ Run
     python train.py                                   # tiny Llama on the default corpus, 1 process
     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --zero 2 --ac --micro-batches 4
 
-Builds on: every feature file (this is the composer); its parts: cli.py (flags, checked before any
-heavy work), grid.py (process grid, failure reporting), feed.py (data, batches, validation loss).
+Builds on every feature file: this is the composer. Its parts: cli.py (flags), grid.py (process
+grid, failure reports), feed.py (data, batches, validation loss).
+`run` is the table of contents: configure, load_data, build, choose_loss, announce, train, finish.
 
-Composition order (each step an exact no-op at degree 1, so one code path serves every layout)
-    1. validate every flag against the config and world size, all at once — before heavy work (cli.py)
-    2. process grid: tp innermost, then cp, then dp, then pp (tp peers are neighbours: fastest links;
-       grid.py)
-    3. build the model on the meta device (no memory)
-    4. pp.split_stage: drop the layers/embedding/head this stage does not own
-    5. tp.apply_tp: swap in column/row/vocab-parallel layers; returns the shard map;
-       cp.apply_cp: ring attention over the cp ranks, RoPE at global (zigzag) positions;
-       moe.shard_experts (--ep): each rank keeps its 1/ep of every MoE layer's experts, whole on
-       every tp rank, and adds their rows of the global (E, ...) tensors to the shard map — the
-       transforms of a layer go tp, ep, (pp's cut, made above), ac
-    6. weights.param_reader: this rank's values from --init-from or the --seed init (the full
-       weights never depend on the layout); the parameters stay on the meta device, only the RoPE
-       buffers are allocated (weights.materialize_buffers)
-    7. ac.apply_ac: checkpoint decoder layers (wrapping keeps parameter names); --compile:
-       model.compile_layers compiles each layer's forward (the checkpoint inside it too) at its first call;
-       a checkpointed layer whose attention runs eagerly (packed rows, --cp) or that holds an MoE block
-       stays eager, and an MoE block runs eagerly between two graphs of its layer, as the log says
-    8. zero3.apply_zero: fp32 masters + AdamW (precision.py) with dp gradient sync / ZeRO-1/2/3,
-       built parameter by parameter from the reader — ZeRO-3 reads only its own shard, so no rank
-       ever holds the whole model; the experts (--ep) reduce and shard over the ranks holding the
-       same experts (grid.replica_group), everything else over dp·cp
-    9. checkpoint_load.load_checkpoint (--resume): masters, moments and sampler position, any layout
+Composition order. Each step is an exact no-op at degree 1, so one code path serves every layout.
+    1. `cli.validate` checks every flag against the config and world size, all at once.
+    2. `grid.make_grid` puts tp innermost, then cp, dp, pp: tp peers get the fastest links.
+    3. `model.build` builds on the meta device: no memory yet.
+    4. `pp.split_stage` drops the layers, embedding and head this stage does not own.
+    5. `tp.apply_tp` swaps in column-, row- and vocab-parallel layers and returns the shard map.
+       `cp.apply_cp` puts ring attention over the cp ranks, RoPE at global (zigzag) positions.
+    6. `weights.param_reader` gives this rank's values, from --init-from or the --seed init.
+       The full weights never depend on the layout. Only the RoPE buffers are allocated now.
+    7. `ac.apply_ac` checkpoints decoder layers and keeps parameter names.
+       With --compile, `model.compile_layers` compiles each layer's forward at its first call.
+    8. `zero3.apply_zero` builds fp32 masters and AdamW, with dp gradient sync or ZeRO-1/2/3.
+       It goes parameter by parameter through the reader. ZeRO-3 reads only its own shard.
+    9. `checkpoint_load.load_checkpoint` (--resume) loads masters, moments, sampler position.
+
+Extensions, each at its step
+    5. `moe.shard_experts` (--ep): each rank keeps its 1/ep of every MoE layer's experts.
+       They stay whole on every tp rank. Their rows of the global (E, ...) tensors join the shard map.
+    7. With --compile, a layer stays eager where a graph break would fall inside its checkpoint.
+       The log names them: packed rows, the cp ring, MoE blocks.
+    8. The experts reduce and shard over the ranks holding the same experts (grid.replica_group).
+    `--ep N` equals one process: losses, grad norms, resume, export (tests/test_moe_ep.py).
 
 Invariants
-    - --ep N equals one process: the same losses and grad norms within 1e-5, checkpoints that
-      resume at another ep, an export transformers loads (tests/test_moe_ep.py).
-    - The order of training sequences is a function of (seed, data) only: the sampler shards the same
-      global batch over dp ranks, so every layout trains on the same global batches; the cp ranks of
-      a dp rank read the same rows, each its zigzag share of their tokens (cp.shard_sequence).
+    - The order of training sequences is a function of (seed, data) only. The sampler shards each
+      global batch over the dp ranks, so every layout trains on the same batches. The cp ranks of
+      a dp rank read the same rows, each its zigzag share (cp.shard_sequence).
     - Step loss = sum of token losses / target tokens of the whole step (precision.normalized_loss).
-    - The device is chosen once, here (grid.setup): CUDA + NCCL when available, else CPU + gloo.
-    - A step that does not log waits for the device once: precision.step reads the grad norm (its
-      non-finite check decides the update). The target count stays on the device (the loss is
-      divided there), the loss is copied to host memory in stream order and read after that sync,
-      the batch is made by a thread one step ahead (pinned: feed.Prefetcher) and copied with
-      non_blocking, and the pipeline's peer check runs on the host over gloo. No collective runs on
-      a group of one rank: a single process runs none in its step (tests/test_step_comm.py counts both).
-    - SIGTERM / SIGUSR1 stop every rank at the same step, one after the signal's (preempt.py: an
-      async MAX all-reduce on the gloo io group, no host sync), which is saved to --save before the
-      exit with status 128 + signal; one run at a time writes a --save folder (its LOCK.json); see
-      docs/cluster.md (tests/test_preempt.py).
-    - "peak mem" in the log line is the training peak (forward, backward, step) of rank 0, measured
-      by memory.PeakMeter at the allocator — not setup, data preparation, saving or export, whose
-      peaks the last line lists per phase.
+    - grid.setup chooses the device once: CUDA and NCCL when available, else CPU and gloo.
+    - A step that does not log waits for the device once: precision.step reads the grad norm,
+      whose finite check decides the update. The target count stays on the device, which divides
+      the loss by it. The host reads the loss after that sync. A thread makes each batch a step
+      ahead, pinned (feed.Prefetcher). The pipeline's peer check runs on the host, over gloo.
+      No collective runs on a group of one rank. tests/test_step_comm.py counts both.
+    - SIGTERM and SIGUSR1 stop every rank at the same step (preempt.py). That step is saved, then
+      the run exits with 128 + signal. One run at a time writes a --save folder (docs/cluster.md).
+    - "peak mem" in the log is rank 0's training peak: forward, backward, step (memory.PeakMeter).
+      The last line lists the other phases' peaks: setup, data, save, export.
 """
 from __future__ import annotations
 
@@ -63,8 +57,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -94,11 +89,407 @@ import zero as Z
 import zero3 as Z3
 
 
+# ------------------------------------------------------------------------------------------ the run
+@dataclass
+class Run:
+    """What the phases share. `configure` fills the first group; each later phase adds its own."""
+    args: argparse.Namespace
+    grid: G.Grid
+    cfg: M.LlamaConfig
+    numerics: str  # the compute dtype, as the log says it
+    meter: MEM.PeakMeter
+    stopper: PR.StopSignal
+    lock: PR.SaveLock | None
+    ckpt: Path | None  # the checkpoint --resume names, found but not read yet
+    # load_data
+    ds: data.TokenDataset | sft.SFTDataset | None = None
+    tpl: sft.ChatTemplate | None = None
+    eval_set: list = field(default_factory=list)  # held-out questions (chat modes)
+    val: data.TokenDataset | None = None  # the validation split (pretraining)
+    val_batches: int = 0
+    sampler: dp.DPSampler | None = None
+    # build
+    model: M.Llama | None = None
+    shards: dict = field(default_factory=dict)
+    opt: Z.DataParallelOptimizer | None = None
+    start: int = 0  # the first step to run: the checkpoint's, or 0
+    export_tok: object = None
+    chunks: list = field(default_factory=list)  # this rank's pipeline chunks (the model at pp = 1)
+    actions: list = field(default_factory=list)  # this rank's pipeline schedule
+    # choose_loss
+    count: Callable[[dict], torch.Tensor] | None = None  # a micro-batch's loss denominator
+    preference: DPO.DPOLoss | None = None
+    rl: GR.Trainer | None = None
+    # announce
+    metrics: TextIO | None = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    with contextlib.ExitStack() as cleanup:  # the --save folder's lock goes however the run ends
+        run(argv, cleanup)
+
+
+def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
+    """The whole run, phase by phase. `cleanup` releases the --save lock and the signal handlers at
+    any exit. A stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + signal."""
+    r = configure(argv, cleanup)  # flags, device, config, lock, the checkpoint to resume
+    load_data(r)  # the data set, validation split, process grid and sampler
+    build(r)  # model, transforms, optimizer, resume, pipeline chunks
+    choose_loss(r)  # tokens, preference pairs (--dpo) or rollouts (--grpo)
+    announce(r)  # the run's first log lines and its metrics file
+    stopped = train(r)  # the steps: each one step, its log, evaluation, saving
+    finish(r, stopped)  # export, peak memory, teardown
+
+
+def configure(argv: list[str] | None, cleanup: contextlib.ExitStack) -> Run:
+    """Flags, the device, the model config and the --save lock: every check before any heavy work."""
+    args = cli.parse_args(argv)
+    grid = G.setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # cli.validate reports a bad one
+    numerics = cli.device_defaults(args, grid.device)
+    meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
+    meter.phase("data")
+    try:
+        cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
+    except (OSError, ValueError) as e:
+        G.fail(str(e), grid)
+    errors = cli.validate(args, cfg, grid)
+    if errors:
+        G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
+    args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
+    stopper = PR.StopSignal()
+    cleanup.callback(stopper.close)
+    if lock := take_lock(args, grid):
+        cleanup.callback(lock.release)  # before stopper.close: the stack runs backwards
+    return Run(args, grid, cfg, numerics, meter, stopper, lock, plan_resume(args, grid))
+
+
+def load_data(r: Run) -> None:
+    """The mode's training set, its validation split or eval set, the process grid, the sampler.
+    The grid comes after the data: rank 0 may prepare the data while the others wait."""
+    args, grid = r.args, r.grid
+    chats = args.sft or args.dpo or args.grpo
+    try:
+        r.ds, r.tpl, r.eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
+                                   else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
+        r.ds.check_vocab(r.cfg.vocab_size)
+        r.val, r.val_batches = (None, 0) if chats else feed.load_val(args, r.ds, grid)
+        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
+        # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
+        r.sampler = dp.DPSampler(len(r.ds), args.batch_size, *grid.data, args.seed,
+                                 remainder="wrap" if chats else "drop")
+    except (OSError, ValueError) as e:
+        G.fail(str(e), grid)
+
+
+def build(r: Run) -> None:
+    """The model and its optimizer (steps 3-8), the resumed state (step 9), the pipeline chunks and
+    schedule. The export's tokenizer is read now, so a missing one fails before training."""
+    args, grid = r.args, r.grid
+    r.meter.phase("setup")  # the memory peak meter's phase, until the first step's data
+    try:
+        with G.stage("building the model and the optimizer state", grid, collectives=False):
+            r.model, r.shards, init = build_model(args, r.cfg, grid)
+            r.opt = make_optimizer(args, r.model, r.shards, init, grid)
+    except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
+        G.fail(str(e), grid)
+    r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
+    try:
+        r.export_tok = export_tokenizer(args, r.ds) if args.export_hf else None
+    except (OSError, ValueError) as e:
+        G.fail(f"--export-hf: the tokenizer to export: {e}", grid)
+    r.actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
+    r.chunks = PP.stage_chunks(r.model, cli.layer_ranges(args, r.cfg), grid.at.pp_rank, args.pp)
+    for chunk in r.chunks:
+        r.meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
+
+
+def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> tuple[M.Llama, dict, Z.Init]:
+    """Steps 3-7 of the composition order (module docstring). The parameters stay on the meta
+    device. The returned reader gives their values to make_optimizer."""
+    model = M.build(cfg)
+    PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
+    shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
+    CP.apply_cp(model, grid.cp_group)
+    shards |= shard_experts(model, cfg, grid)
+    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    W.materialize_buffers(model, grid.device)
+    if args.ac or args.ac_mode:
+        AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
+    if args.compile:  # the layers left eager: named in the log line
+        args.eager_layers = M.compile_layers(model, packed=(args.sft or args.dpo) and args.packing == "ffd")
+    return model, shards, init
+
+
+def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
+                   grid: G.Grid) -> Z.DataParallelOptimizer:
+    """Step 8. The grad norm sums tp shards over tp and stages over pp; ZeRO adds dp. A
+    tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only.
+    With pp > 1, a tied embedding's two copies sum their gradients over grid.embed_group.
+    The experts' own groups come from `expert_reduction` (extensions, at the end)."""
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
+    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
+    pp_counted = PP.norm_counted(model)
+    # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
+    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
+    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
+    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                         init=init, device=grid.device, **expert_reduction(grid))
+
+
+def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
+    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
+    path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
+    return data.load_tokenizer(path)
+
+
+def choose_loss(r: Run) -> None:
+    """The loss, chosen once, through pp.run_pipeline's loss_fn seam. Pretraining and SFT count
+    target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo
+    samples each step's batch from the policy itself. Its sampler gives prompt indices."""
+    args = r.args
+    r.count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
+    if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
+        with G.stage("DPO reference log-probs (one forward over every pair)", r.grid):
+            r.preference = DPO.prepare(r.chunks, r.ds, args, r.grid)
+    if args.grpo:
+        r.rl = GR.Trainer(r.model, args, r.tpl, r.grid.device)
+
+
+def announce(r: Run) -> None:
+    """Rank 0 prints the run's shape (and the pipeline's) and opens the metrics file."""
+    args, grid, cfg = r.args, r.grid, r.cfg
+    if grid.rank != 0:
+        return
+    r.metrics = open_metrics(args.metrics, r.start) if args.metrics else None
+    peak = cli.peak_flops(args, grid.device)
+    print(f"model {cfg.num_params() / 1e6:.2f}M params" + active_text(cfg)
+          + f" · data {len(r.ds)} sequences of {args.seq_len} · "
+          f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
+          + ep_text(grid)
+          + f"zero {args.zero} · {r.numerics} on {grid.device.type}"
+          + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
+          + (" · compiled layers" + eager_text(args) if args.compile else "")
+          + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
+    if args.pp > 1:
+        print(pipeline_summary(args, cfg), flush=True)
+
+
+def train(r: Run) -> int:
+    """The steps from r.start to --steps. Each runs one step, logs it, evaluates, saves and checks
+    for a stop. Returns the signal that stopped the run (0: it ran to the end)."""
+    args, grid = r.args, r.grid
+    load = (lambda rows: [{"rows": rows}]) if r.rl else (  # GRPO: the prompt rows stay on the host
+        lambda rows: feed.host_batch(r.ds, rows, args.micro_batches, grid))
+    prefetch = feed.Prefetcher(load, r.sampler, max(args.steps - r.start, 0), grid.device)
+    if r.rl and r.eval_set and r.start == 0:  # GRPO's "before": the same eval on the starting policy
+        write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)})
+    # positions a step runs: --dpo --packing none has two rows a pair (--batch-size counts pairs)
+    tokens_per_step = args.batch_size * args.seq_len * (2 if args.dpo and args.packing == "none" else 1)
+    # tokens trained so far; GRPO's steps differ in size, so a resumed GRPO run counts from its resume
+    tokens_seen = 0 if r.rl else tokens_per_step * r.start
+    t_start, bad, good, stopped = time.time(), 0, 0, 0
+    for step in range(r.start, args.steps):
+        t0 = time.time()
+        logs = grid.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1)
+        r.meter.phase("data")
+        sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
+        loss, grad_norm, lr, stats = one_step(r, step, micro)
+        if logs and grid.device.type == "cuda":
+            torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
+        dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's
+        step_tokens = stats["positions"] if r.rl else tokens_per_step  # GRPO: its rollouts' rows
+        tokens_seen += step_tokens
+        tps = step_tokens / dt
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            bad += 1
+            skip_step(r, step, loss, grad_norm, bad)
+            continue
+        bad, good = 0, good + 1
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **stats}
+        if logs:
+            # steps run by this process only: a resumed run did not do the first `start`
+            log_step(r, record, (time.time() - t_start) / (step + 1 - r.start) * (args.steps - step - 1))
+        evaluate(r, step + 1, record)
+        write_record(r.metrics, record)
+        stopped = save_or_stop(r, step + 1, sampler_state)
+        if stopped:
+            break
+    if args.steps > r.start and not good:
+        G.fail(f"every step of this run ({args.steps - r.start}) was skipped as non-finite: nothing was "
+               f"trained; lower --lr, check the data, or use --clip", grid)
+    return stopped
+
+
+def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float, dict]:
+    """One step on its batch: forward and backward through the pipeline, gradient reduction, the
+    optimizer's update. Returns the loss, grad norm, lr and the mode's log statistics."""
+    args, grid, opt, meter = r.args, r.grid, r.opt, r.meter
+    if r.rl:
+        with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
+            micro = r.rl.rollout_batch(opt, r.ds, micro[0]["rows"], step, args.micro_batches)
+    with G.stage("counting the step's target tokens (dp all-reduce)", grid):
+        # a device tensor, never read on the host: the loss is divided by it there
+        targets = dp.global_count(sum(r.count(m) for m in micro), grid.dp_group)
+    lr = cli.lr_at(step, args)
+    losses, norms, log_sums = [], [], None
+    # GRPO: μ optimizer updates on one rollout batch (--grpo-updates). The old log-probs stay the
+    # rollout policy's, so from the second update on the ratio leaves 1 and the clip acts.
+    updates = args.grpo_updates if r.rl else 1
+    for update in range(updates):
+        with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
+            loss = PP.run_pipeline(r.chunks, r.actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
+                                   seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                                   peer_groups=grid.pp_peers)
+        with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
+            opt.finish()  # dp / ZeRO reductions land
+            if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
+                dist.all_reduce(loss, group=grid.dp_group)
+            # The log's sums are complete after the last backward. Reduce them now, read them after
+            # the optimizer's sync. GRPO's go over dp: tp ranks hold the same rows. DPO's go over
+            # the world: pair losses live on the head's pp stage.
+            if update == updates - 1 and (r.rl or r.preference):
+                log_sums = feed.host_copy(r.rl.reduce_log(grid.dp_group) if r.rl else
+                                          r.preference.reduce_log(grid.device))
+        meter.settle()  # nothing in flight: the one point of an update where the meter may restart
+        losses.append(feed.host_copy(loss))  # read after the update's sync, below: free
+        meter.phase("step")
+        with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
+            norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
+    stats = r.rl.stats(log_sums) if r.rl else r.preference.stats(log_sums) if r.preference else {}
+    meter.phase(None)  # logging, eval: not training memory
+    # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
+    return sum(map(float, losses)) / len(losses), sum(norms) / len(norms), lr, stats
+
+
+def evaluate(r: Run, step: int, record: dict) -> None:
+    """Evaluation at every --eval-every steps and the last, added to the step's record. Chat modes
+    measure held-out exact match. Pretraining measures the validation loss."""
+    args, grid = r.args, r.grid
+    if not (step == args.steps or args.eval_every and step % args.eval_every == 0):
+        return
+    r.opt.finish_gathers()  # evaluation reads complete parameters
+    if r.eval_set:
+        record.update(held_out_eval(r, step))
+    if r.val is not None:
+        with G.stage("validation loss (forward over the held-out split)", grid):
+            record["val_loss"] = feed.val_loss(r.chunks, r.val, r.val_batches, args, grid)
+        if grid.rank == 0:
+            print(f"eval step {step}: val loss {record['val_loss']:.4f}", flush=True)
+
+
+def save_or_stop(r: Run, step: int, sampler_state: dict) -> int:
+    """Save at every --save-every steps and the last. Then the ranks agree on a stop signal. A
+    stopped run saves this step too. Returns the signal (0: go on)."""
+    args = r.args
+    saving = args.save and ((args.save_every and step % args.save_every == 0) or step == args.steps)
+    if saving:
+        with r.meter.during("save"):
+            save(args, step, r.opt, r.cfg, r.shards, sampler_state, r.grid, r.metrics, r.lock)
+    # Every rank gets the same answer: a signal some rank had by the previous step. None after the last.
+    stopped = r.stopper.poll(r.grid.io_group) if step < args.steps else 0
+    if stopped:
+        if args.save and not saving:
+            with r.meter.during("save"):
+                save(args, step, r.opt, r.cfg, r.shards, sampler_state, r.grid, r.metrics, r.lock)
+        if r.grid.rank == 0:
+            print(f"stopped by {signal.Signals(stopped).name} after step {step}: " + (
+                  f"saved {args.save}, --resume auto continues" if args.save else
+                  "no --save, nothing saved"), flush=True)
+    return stopped
+
+
+def finish(r: Run, stopped: int) -> None:
+    """The export (--export-hf, not after a stop), the peak memory of each phase, then teardown.
+    A stopped run exits with 128 + signal: launchers read "stopped, not done" (docs/cluster.md)."""
+    args, grid, meter = r.args, r.grid, r.meter
+    r.opt.finish_gathers()  # the run ends with complete parameters (the last step's gathers)
+    if args.export_hf and not stopped:
+        try:
+            with G.stage("HF export", grid), meter.during("export"):
+                export(r)
+        except (OSError, ValueError) as e:  # the same on every rank
+            G.fail(str(e), grid)
+        if grid.rank == 0:
+            print(f"exported HF model to {args.export_hf}", flush=True)
+    meter.close()  # the last settle: the final step's, the save's and the export's peaks
+    if grid.rank == 0 and meter.available:
+        print("peak memory by phase (rank 0): " + " · ".join(
+            f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
+    if r.metrics:
+        r.metrics.close()
+    r.stopper.wait()  # the agreement in flight, before its group goes
+    r.opt.teardown()
+    dist.destroy_process_group()
+    if stopped:
+        sys.exit(PR.exit_status(stopped))
+
+
+def export(r: Run) -> None:
+    """The trained weights as a transformers model folder (export.py), with the tokenizer."""
+    EX.export_hf(r.model, r.opt, r.shards, r.cfg, r.grid.at, r.args.export_hf, r.grid.tp_group,
+                 r.grid.io_group, r.export_tok, ep_group=r.grid.ep_group)
+
 
 # ------------------------------------------------------------------------------------------ logging
+def log_step(r: Run, record: dict, eta: float) -> None:
+    """Rank 0's line for a step: its record, MFU, peak memory and the mode's statistics."""
+    args, grid, rec = r.args, r.grid, record
+    peak = cli.peak_flops(args, grid.device)
+    # GRPO's rows are as long as its rollouts, not --seq-len: attention's FLOPs at their length
+    fpt = cli.flops_per_token(r.cfg, rec["row_len"] if r.rl else args.seq_len)
+    tps = rec["tokens_per_s"]
+    mfu = f"{100 * tps * fpt / (peak * grid.world):.1f}%" if peak else "n/a"
+    print(f"step {rec['step']}/{args.steps} · loss {rec['loss']:.4f} · lr {rec['lr']:.2e} · "
+          f"grad norm {rec['grad_norm']:.3f} · {rec['step_time_s'] * 1000:.0f} ms · {tps:,.0f} tok/s "
+          f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
+          f"peak mem {peak_text(r.meter.peak(*MEM.TRAINING))}"
+          + (f" · {GR.stats_text(rec)}" if r.rl else f" · {DPO.stats_text(rec)}" if r.preference else "")
+          + f" · ETA {eta:.0f}s", flush=True)
+
+
+def skip_step(r: Run, step: int, loss: float, grad_norm: float, bad: int) -> None:
+    """A non-finite step made no update (precision.step checks the grad norm). Rank 0 warns; the
+    run stops after --max-bad-steps such steps in a row."""
+    if r.grid.rank == 0:
+        print(f"warning: step {step + 1} skipped: loss {loss} grad norm {grad_norm} "
+              f"({bad} in a row, limit {r.args.max_bad_steps})", file=sys.stderr, flush=True)
+    if bad >= r.args.max_bad_steps:
+        G.fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", r.grid)
+
+
+def write_record(metrics: TextIO | None, record: dict) -> None:
+    """One JSON line, flushed (rank 0 with --metrics; open_metrics opened the file)."""
+    if metrics:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+
+def held_out_eval(r: Run, step: int) -> dict[str, float]:
+    """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs
+    inside), printed on rank 0. Greedy first. Under --grpo also sampled as GRPO samples: its
+    temperature, G draws a prompt. That is the accuracy GRPO optimizes; greedy shows it only once
+    the mode flips."""
+    args, tpl = r.args, r.tpl
+    with G.stage("held-out eval (generation)", r.grid), r.opt.gathered():
+        out = {"eval_exact_match": feed.evaluate(r.model, None, r.eval_set, template=tpl)}
+        if args.grpo:
+            out["eval_sampled"] = feed.evaluate(r.model, None, r.eval_set, template=tpl, samples=args.grpo_group,
+                                                temperature=args.grpo_temperature, seed=args.seed)
+    if r.grid.rank == 0:
+        print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
+              + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
+                 f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
+    return out
+
+
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
-    """One line: the schedule, the split, and its simulated bubble with each virtual stage's cost
-    (layers + the head's layer-equivalents; F=1, B=2 per layer, zb: B=W=1)."""
+    """One line: the schedule, the split, and its simulated bubble. A virtual stage costs its
+    layers plus the head's layer-equivalents. F=1 and B=2 per layer (zb: B=W=1)."""
     ranges, p, v, m = cli.layer_ranges(args, cfg), args.pp, args.virtual_stages, args.micro_batches
     cost = [len(r) + PP.head_cost(cfg, args.seq_len) * (k == p * v - 1) for k, r in enumerate(ranges)]
     sim = PP.simulate([PP.SCHEDULES[args.schedule](m, s, p, v) for s in range(p)], 1,
@@ -116,72 +507,11 @@ def peak_text(peak: MEM.Peak | None) -> str:
     return f"{peak.allocated / 2**20:,.0f} MB{reserved}"
 
 
-# ------------------------------------------------------------------------------------------ build
-def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> tuple[M.Llama, dict, Z.Init]:
-    """Steps 3-7 of the composition order (module docstring): the parameters stay on the meta
-    device; the returned reader gives their values to make_optimizer."""
-    model = M.build(cfg)
-    PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
-    shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
-    CP.apply_cp(model, grid.cp_group)
-    shards |= shard_experts(model, cfg, grid)
-    init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
-    W.materialize_buffers(model, grid.device)
-    if args.ac or args.ac_mode:
-        AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
-    if args.compile:  # the layers left eager: named in the log line
-        args.eager_layers = M.compile_layers(model, packed=(args.sft or args.dpo) and args.packing == "ffd")
-    return model, shards, init
-
-
-def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
-    """Step 5's expert parallelism: each rank keeps its 1/ep of every MoE layer's experts (still on
-    the meta device) and exchanges tokens over grid.ep_group. Returns the experts' shards (rows of
-    the global (E, ...) tensors) for the reader, checkpoints and export; none at ep = 1, where the
-    experts stay whole (moe.shard_experts changes nothing)."""
-    if not MOE.moe_blocks(model):  # a dense model, or a pipeline stage without a sparse layer
-        return {}
-    MOE.shard_experts(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
-    if grid.ep == 1:
-        return {}
-    local = cfg.num_experts // grid.ep
-    ours = {id(p) for p in MOE.expert_parameters(model)}
-    return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
-
-
-def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init,
-                   grid: G.Grid) -> Z.DataParallelOptimizer:
-    """Grad-norm bookkeeping: tp shards are summed over tp, stages over pp (and ZeRO adds dp);
-    a tp-replicated parameter counts on tp rank 0 only, a tied copy on the first stage only. The
-    experts (--ep) reduce over grid.replica_group; their norm is zero.py's (each expert once).
-    With pp > 1 a tied embedding's two copies sum their gradients over grid.embed_group in step()."""
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
-    ocfg = P.OptimConfig(lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
-    pp_counted = PP.norm_counted(model)
-    # an expert's shard is ep's, not tp's: it is whole on every tp rank (counted on tp rank 0)
-    tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
-    counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
-    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
-                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device,
-                         expert=W.expert_tensor, replica_group=grid.replica_group, ep_group=grid.ep_group)
-
-
-def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
-    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
-    path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
-    return data.load_tokenizer(path)
-
-
 def open_metrics(path: str, start: int) -> TextIO:
-    """A resumed run keeps the records up to its checkpoint and drops those of steps it will redo
-    (a fresh run starts empty). The kept lines are rewritten atomically — a temporary file, fsynced,
-    renamed over the old one — so a crash at any moment leaves the old or the new file, never a
-    truncated one; the file is then appended to, one flushed line per step. A torn last line (a
-    kill mid-write) is dropped."""
+    """A resumed run keeps the records up to its checkpoint. It drops those of steps it will redo;
+    a fresh run starts empty. The kept lines are written to a temporary file, fsynced, and renamed
+    over the old one. So a crash leaves the old or the new file, never a truncated one. The file is
+    then appended to, one flushed line per step. A torn last line (a kill mid-write) is dropped."""
     kept, torn = [], 0
     if start and os.path.exists(path):
         for line in open(path):
@@ -201,9 +531,10 @@ def open_metrics(path: str, start: int) -> TextIO:
     return open(path, "a")
 
 
+# ------------------------------------------------------------------------------------------ save and resume
 def take_lock(args: argparse.Namespace, grid: G.Grid) -> PR.SaveLock | None:
-    """The --save folder's lock (preempt.SaveLock), taken by rank 0 for the whole run; rank 0's
-    outcome reaches every rank, so a refusal stops them all (one message: the holder). None
+    """The --save folder's lock (preempt.SaveLock), held by rank 0 for the whole run. Rank 0's
+    outcome reaches every rank, so a refusal stops them all with one message: the holder. None
     without --save, and on ranks other than 0. Reading a --resume folder needs no lock."""
     if not args.save:
         return None
@@ -234,9 +565,9 @@ SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
 def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
-    """The checkpoint --resume names (the newest complete one for 'auto'), found before any heavy
-    work: its meta.json only. Flags that differ from its saved args are printed; those that cannot
-    work (a --steps below its step, another data order) stop the run."""
+    """The checkpoint --resume names, or the newest complete one for 'auto'. Only its meta.json is
+    read, before any heavy work. Flags that differ from its saved args are printed. Those that
+    cannot work stop the run: a --steps below its step, another data order."""
     if not args.resume:
         return None
     path = CK.latest_checkpoint(args.save) if args.resume == "auto" else Path(args.resume)
@@ -283,9 +614,9 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
 
 def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig,
            shards: dict, sampler: dp.DPSampler, grid: G.Grid) -> int:
-    """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler; return
-    the step to continue from (0 when there is nothing to resume). The ranks agree over the io
-    group: a file only one rank reads (and finds corrupt) stops them all."""
+    """Load the planned checkpoint (plan_resume) into the optimizer, parameters and sampler.
+    Returns the step to continue from, 0 when there is nothing to resume. The ranks agree over
+    the io group: a corrupt file that only one rank reads stops them all."""
     if path is None:
         return 0
     try:
@@ -302,9 +633,9 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptim
 
 def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg: M.LlamaConfig, shards: dict,
          sampler_state: dict, grid: G.Grid, metrics: TextIO | None, lock: PR.SaveLock | None = None) -> None:
-    """Checkpoint `step` (a finite one: a skipped step never saves) once its metrics record is
-    durable, so a kill between the two loses no record. The ranks wait for each other in the io
-    group (long timeout), and rank 0 prunes to --keep inside the save, up to this step only.
+    """Checkpoint `step` once its metrics record is durable: a kill between the two loses no
+    record. A skipped, non-finite step never saves. The ranks wait for each other in the io group
+    (long timeout). Rank 0 prunes to --keep inside the save, up to this step only.
     sampler_state: the sampler after this step's batch (feed.Prefetcher.next)."""
     if metrics:
         os.fsync(metrics.fileno())
@@ -317,245 +648,47 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
 
-
-# ------------------------------------------------------------------------------------------ main
-def held_out_eval(model: torch.nn.Module, opt: Z.DataParallelOptimizer, eval_set: list[sft.Conversation],
-                  tpl: sft.ChatTemplate, args: argparse.Namespace, grid: G.Grid, step: int) -> dict[str, float]:
-    """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs inside),
-    printed on rank 0. Greedy; under --grpo also sampled as GRPO samples (its temperature, G draws a
-    prompt): the accuracy GRPO optimizes, which greedy decoding shows only once the mode flips."""
-    with G.stage("held-out eval (generation)", grid), opt.gathered():
-        out = {"eval_exact_match": feed.evaluate(model, None, eval_set, template=tpl)}
-        if args.grpo:
-            out["eval_sampled"] = feed.evaluate(model, None, eval_set, template=tpl, samples=args.grpo_group,
-                                                temperature=args.grpo_temperature, seed=args.seed)
-    if grid.rank == 0:
-        print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
-              + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
-                 f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
-    return out
+# ------------------------------------------------------------------------------------------ extensions
+# Expert parallelism and compiled layers, as the composition's steps 5, 7 and 8 call them.
+def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str, TP.Shard]:
+    """Step 5's expert parallelism (--ep). Each rank keeps its 1/ep of every MoE layer's experts,
+    still on the meta device. Tokens travel over grid.ep_group. Returns the experts' shards
+    (rows of the global (E, ...) tensors) for the reader, checkpoints and export. At ep = 1 there
+    are none: the experts stay whole, and moe.shard_experts changes nothing."""
+    if not MOE.moe_blocks(model):  # a dense model, or a pipeline stage without a sparse layer
+        return {}
+    MOE.shard_experts(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
+    if grid.ep == 1:
+        return {}
+    local = cfg.num_experts // grid.ep
+    ours = {id(p) for p in MOE.expert_parameters(model)}
+    return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
 
 
-def main(argv: list[str] | None = None) -> None:
-    with contextlib.ExitStack() as cleanup:  # the --save folder's lock goes however the run ends
-        run(argv, cleanup)
+def expert_reduction(grid: G.Grid) -> dict:
+    """Step 8's expert parallelism (--ep): zero3.apply_zero's arguments for the experts. They reduce
+    over grid.replica_group, the ranks holding the same experts. zero.py counts each expert once."""
+    return {"expert": W.expert_tensor, "replica_group": grid.replica_group, "ep_group": grid.ep_group}
 
 
-def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
-    """The whole run; `cleanup` releases the --save lock and the signal handlers at any exit. A
-    stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + the signal."""
-    args = cli.parse_args(argv)
-    grid = G.setup(args.timeout if 0 < args.timeout < math.inf else 600.0)  # cli.validate reports a bad one
-    numerics = cli.device_defaults(args, grid.device)
-    meter = MEM.PeakMeter(grid.device)  # from here on every CPU block is counted (memory.py)
-    meter.phase("data")
-    try:
-        cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
-    except (OSError, ValueError) as e:
-        G.fail(str(e), grid)
-    errors = cli.validate(args, cfg, grid)
-    if errors:
-        G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
-    args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
-    stopper = PR.StopSignal()
-    cleanup.callback(stopper.close)
-    if lock := take_lock(args, grid):  # before any heavy work
-        cleanup.callback(lock.release)  # before stopper.close (the stack runs backwards)
-    ckpt = plan_resume(args, grid)
-    try:
-        chats = args.sft or args.dpo or args.grpo
-        ds, tpl, eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
-                             else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
-        ds.check_vocab(cfg.vocab_size)
-        val, val_batches = (None, 0) if chats else feed.load_val(args, ds, grid)
-        G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
-        # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
-        sampler = dp.DPSampler(len(ds), args.batch_size, *grid.data, args.seed,
-                               remainder="wrap" if chats else "drop")
-    except (OSError, ValueError) as e:
-        G.fail(str(e), grid)
-    meter.phase("setup")
-    try:
-        with G.stage("building the model and the optimizer state", grid, collectives=False):
-            model, shards, init = build_model(args, cfg, grid)
-            opt = make_optimizer(args, model, shards, init, grid)
-    except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
-        G.fail(str(e), grid)
-    start = resume(ckpt, args, opt, cfg, shards, sampler, grid)
-    try:
-        export_tok = export_tokenizer(args, ds) if args.export_hf else None
-    except (OSError, ValueError) as e:
-        G.fail(f"--export-hf: the tokenizer to export: {e}", grid)
-    actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
-    chunks = PP.stage_chunks(model, cli.layer_ranges(args, cfg), grid.at.pp_rank, args.pp)
-    for chunk in chunks:
-        meter.watch(chunk)  # each forward is "forward", what follows it until the step "backward"
-    # the loss, chosen once: tokens (pretraining, SFT) or preference pairs (--dpo: the loss_fn seam)
-    count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
-    preference = None  # --dpo: the DPO loss, which also sums the step's implicit rewards for the log
-    if args.dpo:
-        with G.stage("DPO reference log-probs (one forward over every pair)", grid):
-            preference = DPO.prepare(chunks, ds, args, grid)
-    # --grpo: the step's batch is made by sampling from the policy itself (grpo.Trainer.rollout_batch),
-    # the sampler giving prompt indices; the loss is grpo's through the same loss_fn seam
-    rl = GR.Trainer(model, args, tpl, grid.device) if args.grpo else None
+def active_text(cfg: M.LlamaConfig) -> str:
+    """The log's parameters a token reads, for a mixture of experts."""
+    return f" ({cli.active_params(cfg) / 1e6:.2f}M active per token)" if cfg.num_experts else ""
 
-    log = grid.rank == 0
-    metrics = open_metrics(args.metrics, start) if args.metrics and log else None
-    # positions a step runs: --dpo --packing none has two rows a pair (--batch-size counts pairs)
-    tokens_per_step = args.batch_size * args.seq_len * (2 if args.dpo and args.packing == "none" else 1)
-    fpt = cli.flops_per_token(cfg, args.seq_len)
-    peak = cli.peak_flops(args, grid.device)
-    eager = getattr(args, "eager_layers", [])  # compile_layers: whole layers, then "<layer>.mlp" blocks
+
+def ep_text(grid: G.Grid) -> str:
+    """The log's expert-parallel degree, when there is one."""
+    return f"ep {grid.ep} (experts over dp·cp) · " if grid.ep > 1 else ""
+
+
+def eager_text(args: argparse.Namespace) -> str:
+    """The layers --compile left eager (model.compile_layers): whole layers, then '<layer>.mlp' blocks."""
+    eager = getattr(args, "eager_layers", [])
     whole, blocks = [n for n in eager if "." not in n], [n for n in eager if "." in n]
-    if log:
-        print(f"model {cfg.num_params() / 1e6:.2f}M params"
-              + (f" ({cli.active_params(cfg) / 1e6:.2f}M active per token)" if cfg.num_experts else "")
-              + f" · data {len(ds)} sequences of {args.seq_len} · "
-              f"world {grid.world} = tp {grid.at.tp} × cp {grid.cp} × dp {grid.data[1]} × pp {grid.at.pp} · "
-              + (f"ep {grid.ep} (experts over dp·cp) · " if grid.ep > 1 else "")
-              + f"zero {args.zero} · {numerics} on {grid.device.type}"
-              + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
-              + (" · compiled layers" if args.compile else "")
-              + (f" ({len(whole)} checkpointed run eagerly: their attention, packed rows, the cp ring or an "
-                 f"MoE block would break the graph inside the checkpoint)" if whole else "")
-              + (f" (eager between two graphs, for their data-dependent shapes: the MoE blocks "
-                 f"{', '.join(blocks)})" if blocks else "")
-              + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
-        if args.pp > 1:
-            print(pipeline_summary(args, cfg), flush=True)
-    load = (lambda rows: [{"rows": rows}]) if rl else (  # GRPO: the prompt rows stay on the host
-        lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid))
-    prefetch = feed.Prefetcher(load, sampler, max(args.steps - start, 0), grid.device)
-    if rl and eval_set and start == 0:  # GRPO's "before": the same eval on the starting policy
-        before = {"step": 0, **held_out_eval(model, opt, eval_set, tpl, args, grid, 0)}
-        if metrics:
-            metrics.write(json.dumps(before) + "\n")
-    t_start, bad, good = time.time(), 0, 0
-    # tokens trained so far; GRPO's steps differ in size, so a resumed GRPO run counts from its resume
-    tokens_seen = 0 if rl else tokens_per_step * start
-    stopped = 0
-    for step in range(start, args.steps):
-        t0 = time.time()
-        logs = log and (step % args.log_every == 0 or step == args.steps - 1)
-        meter.phase("data")
-        sampler_state, micro = prefetch.next()  # made while the last step ran; copies start here
-        if rl:
-            with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
-                micro = rl.rollout_batch(opt, ds, micro[0]["rows"], step, args.micro_batches)
-        with G.stage("counting the step's target tokens (dp all-reduce)", grid):
-            # a device tensor, never read on the host: the loss is divided by it there
-            targets = dp.global_count(sum(count(m) for m in micro), grid.dp_group)
-        lr = cli.lr_at(step, args)
-        losses, norms, log_sums = [], [], None
-        # GRPO: μ optimizer updates on one rollout batch (--grpo-updates). The old log-probs stay the
-        # rollout policy's, so from the second update on the ratio leaves 1 and the clip acts.
-        updates = args.grpo_updates if rl else 1
-        for update in range(updates):
-            with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
-                loss = PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
-                                       seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
-                                       peer_groups=grid.pp_peers)
-            with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
-                opt.finish()  # dp / ZeRO reductions land
-                if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
-                    dist.all_reduce(loss, group=grid.dp_group)
-                # the log's sums are complete after the last backward: reduce them now, read them
-                # after the optimizer's sync. GRPO's over dp (tp ranks hold the same rows); DPO's
-                # over the world (pair losses live on the head's pp stage)
-                if update == updates - 1 and (rl or preference):
-                    log_sums = feed.host_copy(rl.reduce_log(grid.dp_group) if rl else
-                                              preference.reduce_log(grid.device))
-            meter.settle()  # nothing in flight: the one point of an update where the meter may restart
-            losses.append(feed.host_copy(loss))  # read after the update's sync, below: free
-            meter.phase("step")
-            with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
-                norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
-        step_stats = rl.stats(log_sums) if rl else preference.stats(log_sums) if preference else {}
-        meter.phase(None)  # logging, eval: not training memory
-        # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
-        loss_value, grad_norm = sum(map(float, losses)) / len(losses), sum(norms) / len(norms)
-        if logs and grid.device.type == "cuda":
-            torch.cuda.synchronize()  # the logged time includes this step's optimizer kernels
-        dt = time.time() - t0  # host time; the step's sync keeps it within a step of the device's
-        step_tokens = step_stats["positions"] if rl else tokens_per_step  # GRPO: its rollouts' rows
-        tokens_seen += step_tokens
-        tps = step_tokens / dt
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            bad += 1
-            if log:
-                print(f"warning: step {step + 1} skipped: loss {loss_value} grad norm {grad_norm} "
-                      f"({bad} in a row, limit {args.max_bad_steps})", file=sys.stderr, flush=True)
-            if bad >= args.max_bad_steps:
-                G.fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", grid)
-            continue
-        bad, good = 0, good + 1
-        if logs:
-            # steps run by this process only: a resumed run did not do the first `start`
-            eta = (time.time() - t_start) / (step + 1 - start) * (args.steps - step - 1)
-            # GRPO's rows are as long as its rollouts, not --seq-len: attention's FLOPs at their length
-            step_fpt = cli.flops_per_token(cfg, step_stats["row_len"]) if rl else fpt
-            mfu = f"{100 * tps * step_fpt / (peak * grid.world):.1f}%" if peak else "n/a"
-            print(f"step {step + 1}/{args.steps} · loss {loss_value:.4f} · lr {lr:.2e} · "
-                  f"grad norm {grad_norm:.3f} · {dt * 1000:.0f} ms · {tps:,.0f} tok/s "
-                  f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
-                  f"peak mem {peak_text(meter.peak(*MEM.TRAINING))}"
-                  + (f" · {GR.stats_text(step_stats)}" if rl else f" · {DPO.stats_text(step_stats)}"
-                     if preference else "") + f" · ETA {eta:.0f}s", flush=True)
-        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **step_stats}
-        evaluate = step + 1 == args.steps or args.eval_every and (step + 1) % args.eval_every == 0
-        if evaluate:
-            opt.finish_gathers()  # evaluation reads complete parameters
-        if eval_set and evaluate:
-            record.update(held_out_eval(model, opt, eval_set, tpl, args, grid, step + 1))
-        if val is not None and evaluate:
-            with G.stage("validation loss (forward over the held-out split)", grid):
-                record["val_loss"] = feed.val_loss(chunks, val, val_batches, args, grid)
-            if log:
-                print(f"eval step {step + 1}: val loss {record['val_loss']:.4f}", flush=True)
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        saving = args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps)
-        if saving:
-            with meter.during("save"):
-                save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics, lock)
-        # the same answer on every rank: a signal some rank had by the previous step (none after the last)
-        stopped = stopper.poll(grid.io_group) if step + 1 < args.steps else 0
-        if stopped:
-            if args.save and not saving:
-                with meter.during("save"):
-                    save(args, step + 1, opt, cfg, shards, sampler_state, grid, metrics, lock)
-            if log:
-                print(f"stopped by {signal.Signals(stopped).name} after step {step + 1}: " + (
-                      f"saved {args.save}, --resume auto continues" if args.save else
-                      "no --save, nothing saved"), flush=True)
-            break
-    if args.steps > start and not good:
-        G.fail(f"every step of this run ({args.steps - start}) was skipped as non-finite: nothing was "
-             f"trained; lower --lr, check the data, or use --clip", grid)
-    opt.finish_gathers()  # the run ends with complete parameters (the last step's gathers)
-    if args.export_hf and not stopped:
-        try:
-            with G.stage("HF export", grid), meter.during("export"):
-                EX.export_hf(model, opt, shards, cfg, grid.at, args.export_hf, grid.tp_group, grid.io_group,
-                             export_tok, ep_group=grid.ep_group)
-        except (OSError, ValueError) as e:  # the same on every rank
-            G.fail(str(e), grid)
-        if log:
-            print(f"exported HF model to {args.export_hf}", flush=True)
-    meter.close()  # the last settle: the final step's, the save's and the export's peaks
-    if log and meter.available:
-        print("peak memory by phase (rank 0): " + " · ".join(
-            f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
-    if metrics:
-        metrics.close()
-    stopper.wait()  # the agreement in flight, before its group goes
-    opt.teardown()
-    dist.destroy_process_group()
-    if stopped:
-        sys.exit(PR.exit_status(stopped))  # a status that tells launchers "stopped, not done" (docs/cluster.md)
+    return ((f" ({len(whole)} checkpointed run eagerly: their attention, packed rows, the cp ring or an "
+             f"MoE block would break the graph inside the checkpoint)" if whole else "")
+            + (f" (eager between two graphs, for their data-dependent shapes: the MoE blocks "
+               f"{', '.join(blocks)})" if blocks else ""))
 
 
 if __name__ == "__main__":

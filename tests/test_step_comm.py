@@ -49,7 +49,7 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all
                "batch_isend_irecv", "gather", "scatter")  # (isend/irecv: P2POp checks their identity)
 CONVERSIONS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 # call sites whose tensor lives in host memory on CUDA too (so reading it waits for nothing)
-HOST = {("train.py", "run", "__float__"): "feed.host_copy: the loss copied in stream order, read "
+HOST = {("train.py", "one_step", "__float__"): "feed.host_copy: the loss copied in stream order, read "
                                            "after the step's sync",
         ("pp.py", "_check_step", "tolist"): "the pp check's header: host values gathered over gloo",
         ("preempt.py", "wait", "__int__"): "the stop flag: a host tensor MAX-reduced over gloo, started "
