@@ -69,6 +69,9 @@ def _worker(fn: Callable, rank: int, world: int, port: Any, ready: Any, q: Any, 
         os._exit(0)  # skip atexit/pytest teardown inherited through fork
 
 
+GRACE = 10.0  # seconds a failed rank's peers get to finish before they are killed
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list:
     """Run fn(rank, world_size, *args, **kwargs) on world_size forked gloo ranks; return the results
     ordered by rank."""
@@ -83,16 +86,17 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     errors: dict[int, str] = {}
     try:
         for _ in range(world_size):
-            rank, ok, value = q.get(timeout=timeout)
+            # after a rank's error its peers get a short grace: a peer that fails too (rank 0 printing
+            # the run's one error message) finishes; one blocked in a collective is killed below
+            rank, ok, value = q.get(timeout=GRACE if errors else timeout)
             if ok:
                 results[rank] = pickle.loads(value)
             else:
                 errors[rank] = value
-            if errors:  # peers of a dead rank would block in a collective: stop now
-                break
     except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(results) - set(errors))
-        raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+        if not errors:
+            missing = sorted(set(range(world_size)) - set(results) - set(errors))
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
     finally:
         for p in procs:
             p.join(timeout=0 if errors or len(results) < world_size else 5)
