@@ -37,8 +37,8 @@ Invariants
       pipeline stage then maps hidden states to hidden states). Three plain attributes are the seams
       tp.py uses: `loss_fn(hidden, weight, labels, reduction)` (lm_head and the loss in one: hidden
       (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns full-vocab logits to the
-      user) for a vocab-sharded head; `router_stats_fn(stats)` turns a forward's router statistics
-      into those of all its rows (sequence and context parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
+      user) for a vocab-sharded head; `token_sum_fn(sums)` turns a sum over this rank's tokens
+      into the sum over all the forward's rows (sequence and context parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
       is the attention itself (attention.attend), for a file that swaps in another algorithm (cp.py's
       ring attention) without editing this one.
     - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
@@ -630,9 +630,9 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
-        # this forward's router statistics (moe.router_stats) → those of all its rows: tp.py's
-        # sequence parallelism and cp.py all-reduce them (each rank routes its own tokens)
-        self.router_stats_fn: Callable[[torch.Tensor], torch.Tensor] = lambda stats: stats
+        # a sum over this rank's tokens → the sum over all the forward's rows: tp.py's sequence
+        # parallelism and cp.py all-reduce it (each rank holds some of the tokens)
+        self.token_sum_fn: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums
 
     def stage_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a pipeline stage (pp.py) passes on with its hidden states, {keyword: (shape, dtype)}:
@@ -689,7 +689,7 @@ class Llama(nn.Module):
             h = cache.advance(h)  # (B, 1, H): generation reads each row's next token only
         if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
             moe_cfg = self.config.moe_config()
-            own = self.router_stats_fn(router_stats_of([t for t in router_logits if t is not None],
+            own = self.token_sum_fn(router_stats_of([t for t in router_logits if t is not None],
                                                        moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
                                                        device=h.device))
             stats = own if router_stats is None else router_stats + own
