@@ -690,8 +690,8 @@ class Llama(nn.Module):
         if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
             moe_cfg = self.config.moe_config()
             own = self.token_sum_fn(router_stats_of([t for t in router_logits if t is not None],
-                                                       moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
-                                                       device=h.device))
+                                                    moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
+                                                    device=h.device))
             stats = own if router_stats is None else router_stats + own
         if m.norm is not None:
             h = m.norm(h)
