@@ -372,6 +372,8 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
 def gather_logits(logits: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
     """Vocab-sharded logits (B, S, n) → full logits (B, S, vocab_size) on every rank, padding cut."""
     return gather_from_region(logits, group)[..., :vocab_size]
+
+
 # ------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class Fused:
@@ -453,10 +455,13 @@ def default_parts(model: nn.Module) -> Parts:
     return Parts(plan=ours)
 
 
-def _matches(layer: nn.Module, plan: dict[str, Style]) -> list[tuple[str, Style]]:
-    """(module name inside the layer, style) for every module a plan pattern names."""
+def _matches(layer: nn.Module, plan: dict[str, Style], own: list[str]) -> list[tuple[str, Style]]:
+    """(module name inside the layer, style) for every module a plan pattern names.
+    The modules named in `own` have a style of their own: they, and all inside them, are left out."""
+    inside = lambda name: any(name == o or name.startswith(o + ".") for o in own)  # noqa: E731
+    plan = {pattern: style for pattern, style in plan.items() if not inside(pattern)}
     found = [(name, style) for name, _ in layer.named_modules() for pattern, style in plan.items()
-             if name and fnmatch(name, pattern)]
+             if name and not inside(name) and fnmatch(name, pattern)]
     missing = [p for p in plan if not any(fnmatch(n, p) for n, _ in found)]
     if missing:
         raise ValueError(f"apply_tp: the plan's {missing} name no module of the layer "
@@ -528,10 +533,9 @@ def _planned(model: nn.Module, parts: Parts, tp: int, ours: bool,
     for i, layer in _get(model, parts.layers).named_children():  # i: the global index (a pipeline stage keeps it)
         styled = [n for n, m in layer.named_modules() if n and hasattr(m, "tp_style")]
         own += [(layer, layer.get_submodule(n)) for n in styled]
-        plan = {p: s for p, s in parts.plan.items() if not any(p == n or p.startswith(n + ".") for n in styled)}
         todo += [(f"{parts.layers}.{i}.{name}", _checked_style(f"{parts.layers}.{i}.{name}", style,
                                                                layer.get_submodule(name), parts))
-                 for name, style in _matches(layer, plan)]
+                 for name, style in _matches(layer, parts.plan, styled)]
         for attr in parts.heads:
             if _get(layer, attr) % tp:
                 raise ValueError(f"tp={tp} must divide {parts.layers}.{i}.{attr}={_get(layer, attr)} "
@@ -824,10 +828,10 @@ def _sequence_parallel(model: nn.Module, group: Group) -> None:
 # Its statistics then need every rank's features: the sum of squares is all-reduced.
 # Its weight is split as the heads (features), so each rank holds its heads' part.
 class ShardedRMSNorm(nn.Module):
-    """An RMSNorm over features split across tp (OLMoE's q/k norm over all heads of the projection):
-    this rank holds the weight of its heads' features. The statistics span the tp ranks: the sum of
-    squares is all-reduced before the rsqrt, and its gradient is all-reduced in backward too (every
-    rank's output depends on every rank's features). The numerics are transformers' (fp32)."""
+    """An RMSNorm over features split across tp: this rank holds the weight of its heads' features.
+    The sum of squares is all-reduced before the rsqrt (g).
+    Its gradient is all-reduced in backward too (f): every rank's output depends on every rank's features.
+    The numerics are transformers' (fp32)."""
 
     def __init__(self, norm: nn.Module, group: Group):
         super().__init__()
