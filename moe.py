@@ -522,3 +522,36 @@ def record_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor | None]
     finally:
         for h in handles:
             h.remove()
+
+
+# ---- tensor parallelism: the experts whole on every tp rank
+# tp.apply_tp asks a module for its own style (`tp_style`): MoE answers here.
+# Choice: no expert tensor parallelism. A rank holds every expert of its stage.
+# Expert parallelism (shard_experts) splits them over dp instead.
+# Attention is tp-split as in a dense layer.
+# Without sp the block's input is replicated: every tp rank routes all tokens.
+# Each rank computes the same output, so its dL/dx is complete.
+# So the block gets no f: an all-reduce would count dL/dx tp times.
+# Its parameters get the same full gradient on every rank.
+# (train.py counts a replicated parameter in the grad norm on tp rank 0 only.)
+# That costs tp× the expert FLOPs.
+# With sp each rank routes its own S/tp tokens.
+# The post-attention norm does not gather: the block maps (B, S/tp, H) to (B, S/tp, H).
+# The router's and experts' weights enter through f, by the `weight_fn` seams.
+# So autograd sums their gradients over tp, as for a sequence-parallel norm's weight.
+# The aux loss pools all tokens of the forward.
+# tp sets the model's `token_sum_fn` to all-reduce the router statistics (g).
+# g's backward passes each rank's copy of the loss gradient straight back to its own rows.
+def _tp_style(self: MoE, layer: nn.Module, group: Group, sequence_parallel: bool) -> None:
+    """tp.apply_tp's style of this block: the experts stay whole (the plan leaves them out).
+    Under sp the block runs on the S/tp tokens this rank holds.
+    Its norm then keeps them (no gather), and the router's and experts' weights enter through f."""
+    if sequence_parallel:
+        from functools import partial
+
+        from tp import ReplicatedRMSNorm, copy_to_region  # apply_tp calls this: tp.py is loaded
+        layer.post_attention_layernorm = ReplicatedRMSNorm(layer.post_attention_layernorm, group)
+        self.gate.weight_fn = self.experts.weight_fn = partial(copy_to_region, group=group)
+
+
+MoE.tp_style = _tp_style

@@ -6,9 +6,6 @@ What it does
     Together the ranks compute exactly the single-process model.
     It returns the shard map {parameter name: Shard}: `weights.materialize` reads slices with it.
     Models: attotron's Llama (on meta), transformers' decoders, any other described by `Parts`.
-    Qwen3's per-head q/k norms stay replicated (ReplicatedRMSNorm); their gradients are summed over tp.
-    A mixture of experts (moe.MoE, the layers config.is_sparse names) is not split: every tp rank
-    holds all its experts (refinement at the end).
 
 The core idea
     A block (attention, MLP) is column layers, then one row layer.
@@ -18,16 +15,22 @@ The core idea
       f  copy_to_region      forward identity     backward all-reduce   (input of column layers)
       g  reduce_from_region  forward all-reduce   backward identity     (output of row layers)
     So a block costs one all-reduce forward and one backward.
+    Read `tp_mlp` first: the textbook MLP in a few lines. Production follows it.
     The embedding and the head split the vocab rows the same way.
+
+Seams
     The layer plan is data: {path inside a layer: style} (`LLAMA_PLAN`, `Parts.plan`).
+    A module may bring its own style: apply_tp then calls its `tp_style(layer, group, sp)`.
+    Under sequence parallelism `model.token_sum_fn` sums over tp (each rank holds S/tp tokens).
     Refinements, after their banners at the end:
       one backward all-reduce per block (the block's input enters the region once);
-      sequence parallelism (between the blocks each rank keeps S/tp tokens).
+      sequence parallelism (between the blocks each rank keeps S/tp tokens);
+      a q/k norm over the whole projection, split as the heads.
 
 Reference
     Shoeybi et al. 2019, "Megatron-LM", Fig. 3 (f and g).
     Korthikanti et al. 2022, "Reducing Activation Recomputation...", §4.2.2 (sequence parallelism).
-    More: docs/tp.md (collective counts, sequence parallelism, design notes).
+    More: docs/tp.md (collective counts, sequence parallelism, the seams).
 
 Run
     torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20
@@ -41,9 +44,7 @@ Invariants
     - No rank holds a [tokens, vocab] tensor in training (test_tp.py).
     - Padded vocab rows stay zero, and users never see them (test_tp.py).
     - What cannot be split raises before the model changes (tests/test_foreign_tp_pp.py).
-    - MoE models (Qwen3-MoE with a dense layer, OLMoE's whole-projection q/k norm) under tp and
-      tp + sp equal the single process, aux loss on (tests/test_moe_layouts.py).
-    - f and g equal the textbook pair in tests/naive.py (tests/test_naive.py).
+    - `tp_mlp` equals the production layers bit for bit (tests/test_naive.py).
 
 Builds on: loss.py (the vocab-parallel loss without (T, V) logits), ops.py (rms_norm).
 """
@@ -65,37 +66,58 @@ from ops import rms_norm
 Group = dist.ProcessGroup | None
 
 
-def _size_rank(group: Group) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
+# ------------------------------------------------------------------------------------- the textbook
+# Megatron's MLP as the paper draws it: f, the column matmul, SiLU, the row matmul, g.
+# Production is below: the same numbers, bit for bit (tests/test_naive.py).
+class _f(torch.autograd.Function):
+    """Identity forward, all-reduce backward: where a replicated input enters the split region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's dL/dx is a partial sum
+        return grad, None
 
 
+class _g(torch.autograd.Function):
+    """All-reduce forward, identity backward: where the partial outputs leave the split region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None  # the full sum depends on each partial with slope 1
+
+
+def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """x (..., H) replicated; w1 (I/tp, H) this rank's rows of W1; w2 (H, I/tp) its columns of W2."""
+    h = F.silu(_f.apply(x, group) @ w1.T)  # (..., I/tp): this rank's slice of the hidden features
+    return _g.apply(h @ w2.T, group)  # (..., H): the sum over ranks is the full product
+
+
+# ------------------------------------------------------------------------------------- f and g
+# Production's pair changes three things.
+# f's forward returns a view: nothing writes to it, so a copy is waste.
+# The all-reduce is a functional collective, into a new tensor.
+# (A Function must not change its input, or a gradient autograd hands it, in place.)
+# Selective AC keeps its output (ac.SAVE_OPS), so a recompute reuses it.
+# On one rank each op returns its input object itself: no copy, no autograd node.
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """The sum over the group, in a NEW tensor.
-    A Function must not change its input, or a gradient autograd hands it, in place.
-    Selective AC keeps this functional collective's output (ac.SAVE_OPS).
-    So a recompute reuses it instead of all-reducing again."""
     name = (group or dist.group.WORLD).group_name
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", name))
 
 
-def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, x.contiguous(), group=group)
-    return torch.cat(pieces, dim=dim)  # tp * n along dim, in rank order
-
-
-def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    tp, rank = _size_rank(group)
-    if x.shape[-1] % tp:
-        raise ValueError(f"cannot split a last dim of {x.shape[-1]} into tp={tp} equal parts")
-    return x.chunk(tp, dim=-1)[rank].contiguous()  # (..., n / tp)
-
-
-# ------------------------------------------------------------------------------------- f and g
 class CopyToRegion(torch.autograd.Function):
-    """f: identity in forward, all-reduce of the gradient in backward.
-    A replicated input enters the split region here.
-    Each rank's dL/dx is a partial sum: it saw only its own weight rows."""
+    """f: identity in forward, all-reduce of the gradient in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -108,9 +130,7 @@ class CopyToRegion(torch.autograd.Function):
 
 
 class ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce (sum) in forward, identity in backward.
-    Partial outputs leave the split region here.
-    The full sum depends on each partial with slope 1: the gradient passes unchanged."""
+    """g: all-reduce (sum) in forward, identity in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -121,7 +141,6 @@ class ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-# On one rank every op is the identity: return the input object itself (no copy, no autograd node).
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else CopyToRegion.apply(x, group)
 
@@ -130,82 +149,7 @@ def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else ReduceFromRegion.apply(x, group)
 
 
-# The second pair moves split logits: gather them for users, split a full input.
-class GatherFromRegion(torch.autograd.Function):
-    """All-gather along the last dim in forward, split (keep this rank's part) in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last(grad, ctx.group), None
-
-
-class ScatterToRegion(torch.autograd.Function):
-    """Split along the last dim in forward, all-gather of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(grad, ctx.group, -1), None
-
-
-def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if dist.get_world_size(group) == 1 else GatherFromRegion.apply(x, group)
-
-
-def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if dist.get_world_size(group) == 1 else ScatterToRegion.apply(x, group)
-
-
-# ------------------------------------------------------------------------------------- layers
-@dataclass(frozen=True)
-class Shard:
-    """This rank holds rows [start, start+size) of the global tensor along `dim`.
-    Rows at or past the global size are padding (a vocab padded to a multiple of tp).
-    Padding is zero, never read or written.
-    parts: a fused weight's stacked blocks (q, k, v), in global row counts.
-    This rank then holds 1/tp of each block, stacked.
-    start and size count in that rank-major order."""
-    dim: int
-    start: int
-    size: int
-    parts: tuple[int, ...] = ()
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The vocab rounded up to a multiple of tp, so every rank holds an equal slice."""
-    return -(-vocab_size // tp) * tp
-
-
-def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
-    """(start, n) of this rank's equal slice of `size` rows."""
-    tp, rank = _size_rank(group)
-    if size % tp:
-        raise ValueError(f"{what}={size} is not divisible by tp={tp}")
-    return rank * (size // tp), size // tp
-
-
-def local_slice(full: torch.Tensor, shard: Shard, group: Group) -> torch.Tensor:
-    """This rank's slice of a full tensor, padding rows zero (apply_tp on a materialized model)."""
-    tp, rank = _size_rank(group)
-    d = shard.dim
-    if shard.parts:  # each block's rank-th 1/tp, stacked: (sum(parts) / tp, ...)
-        return torch.cat([b.chunk(tp, d)[rank] for b in full.split(list(shard.parts), d)], d)
-    have = max(0, min(shard.size, full.shape[d] - shard.start))  # real rows; the rest is padding
-    x = full.narrow(d, min(shard.start, full.shape[d]), have)
-    pad = list(x.shape)
-    pad[d] = shard.size - have
-    return torch.cat([x, x.new_zeros(pad)], d) if pad[d] else x
-
-
+# ------------------------------------------------------------------------------------- column, row
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) W_r^T + b_r. This rank holds output features [start, start+n) of W and b.
     The input x is full (replicated); the output stays split along its last dim.
@@ -251,6 +195,100 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_region(F.linear(x, self.weight), self.group)  # g: (..., out) full sum on every rank
         return y if self.bias is None else y + self.bias
+
+
+# ------------------------------------------------------------------------------------- slices
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds rows [start, start+size) of the global tensor along `dim`.
+    Rows at or past the global size are padding (a vocab padded to a multiple of tp).
+    Padding is zero, never read or written.
+    parts: a fused weight's stacked blocks (q, k, v), in global row counts.
+    This rank then holds 1/tp of each block, stacked.
+    start and size count in that rank-major order."""
+    dim: int
+    start: int
+    size: int
+    parts: tuple[int, ...] = ()
+
+
+def _size_rank(group: Group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _slice(group: Group, size: int, what: str) -> tuple[int, int]:
+    """(start, n) of this rank's equal slice of `size` rows."""
+    tp, rank = _size_rank(group)
+    if size % tp:
+        raise ValueError(f"{what}={size} is not divisible by tp={tp}")
+    return rank * (size // tp), size // tp
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocab rounded up to a multiple of tp, so every rank holds an equal slice."""
+    return -(-vocab_size // tp) * tp
+
+
+def local_slice(full: torch.Tensor, shard: Shard, group: Group) -> torch.Tensor:
+    """This rank's slice of a full tensor, padding rows zero (apply_tp on a materialized model)."""
+    tp, rank = _size_rank(group)
+    d = shard.dim
+    if shard.parts:  # each block's rank-th 1/tp, stacked: (sum(parts) / tp, ...)
+        return torch.cat([b.chunk(tp, d)[rank] for b in full.split(list(shard.parts), d)], d)
+    have = max(0, min(shard.size, full.shape[d] - shard.start))  # real rows; the rest is padding
+    x = full.narrow(d, min(shard.start, full.shape[d]), have)
+    pad = list(x.shape)
+    pad[d] = shard.size - have
+    return torch.cat([x, x.new_zeros(pad)], d) if pad[d] else x
+
+
+# ------------------------------------------------------------------------------------- the vocab
+# The second pair moves split logits: gather them for users, split a full input.
+def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)  # tp * n along dim, in rank order
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    tp, rank = _size_rank(group)
+    if x.shape[-1] % tp:
+        raise ValueError(f"cannot split a last dim of {x.shape[-1]} into tp={tp} equal parts")
+    return x.chunk(tp, dim=-1)[rank].contiguous()  # (..., n / tp)
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dim in forward, split (keep this rank's part) in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Split along the last dim in forward, all-gather of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group, -1), None
+
+
+def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else GatherFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if dist.get_world_size(group) == 1 else ScatterToRegion.apply(x, group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -417,20 +455,13 @@ def default_parts(model: nn.Module) -> Parts:
     return Parts(plan=ours)
 
 
-def _layer_plan(plan: dict[str, Style], sparse: bool) -> dict[str, Style]:
-    """The plan of one layer: a sparse layer (moe.MoE) keeps its experts whole, so no 'mlp.' entry."""
-    return {pattern: style for pattern, style in plan.items() if not (sparse and pattern.startswith("mlp."))}
-
-
-def _sparse_layers(model: nn.Module, ours: bool) -> set[str]:
-    """The names of attotron's sparse decoder layers (config.is_sparse); none for other models."""
-    return {i for i in model.model.layers.keys() if model.config.is_sparse(int(i))} if ours else set()
-
-
-def _matches(layer: nn.Module, plan: dict[str, Style]) -> list[tuple[str, Style]]:
-    """(module name inside the layer, style) for every module a plan pattern names."""
+def _matches(layer: nn.Module, plan: dict[str, Style], own: list[str]) -> list[tuple[str, Style]]:
+    """(module name inside the layer, style) for every module a plan pattern names.
+    The modules named in `own` have a style of their own: they, and all inside them, are left out."""
+    inside = lambda name: any(name == o or name.startswith(o + ".") for o in own)  # noqa: E731
+    plan = {pattern: style for pattern, style in plan.items() if not inside(pattern)}
     found = [(name, style) for name, _ in layer.named_modules() for pattern, style in plan.items()
-             if name and fnmatch(name, pattern)]
+             if name and not inside(name) and fnmatch(name, pattern)]
     missing = [p for p in plan if not any(fnmatch(n, p) for n, _ in found)]
     if missing:
         raise ValueError(f"apply_tp: the plan's {missing} name no module of the layer "
@@ -481,20 +512,35 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return new
 
 
-def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool, sparse: set[str]) -> tuple[list, bool]:
+def _planned(model: nn.Module, parts: Parts, tp: int, ours: bool,
+             sequence_parallel: bool) -> tuple[list[tuple[str, Style]], list[tuple[nn.Module, nn.Module]], bool]:
     """Every check of apply_tp, before its first change: a call that raises leaves the model as it was.
-    Returns [(layer, "layers.i.", name inside it, style)] of the plan, and whether the head is tied."""
-    layers = _get(model, parts.layers)
-    todo = [(layer, f"{parts.layers}.{i}.", name, _checked_style(f"{parts.layers}.{i}.{name}", style,
-                                                                layer.get_submodule(name), parts))
-            for i, layer in layers.named_children()  # i: the global index (a pipeline stage keeps it)
-            for name, style in _matches(layer, _layer_plan(parts.plan, i in sparse))]
-    for i, layer in layers.named_children():
+    Returns the plan's [(module path, style)] and the [(layer, module)] with a style of their own.
+    A module with its own style is left out of the plan, and so is everything inside it.
+    Last comes whether the head is tied to the embedding."""
+    if sequence_parallel and not ours:
+        raise ValueError("apply_tp: sequence parallelism needs attotron's Llama (its RMSNorms and RoPE); "
+                         "use sequence_parallel=False for this model")
+    if ours:
+        tp_validate(model.config, tp)
+    _check_heads(model, tp)
+    meta = {p.device.type == "meta" for p in model.parameters()}
+    if ours and meta != {True}:
+        raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
+    if len(meta) > 1:
+        raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
+    todo, own = [], []
+    for i, layer in _get(model, parts.layers).named_children():  # i: the global index (a pipeline stage keeps it)
+        styled = [n for n, m in layer.named_modules() if n and hasattr(m, "tp_style")]
+        own += [(layer, layer.get_submodule(n)) for n in styled]
+        todo += [(f"{parts.layers}.{i}.{name}", _checked_style(f"{parts.layers}.{i}.{name}", style,
+                                                               layer.get_submodule(name), parts))
+                 for name, style in _matches(layer, parts.plan, styled)]
         for attr in parts.heads:
             if _get(layer, attr) % tp:
                 raise ValueError(f"tp={tp} must divide {parts.layers}.{i}.{attr}={_get(layer, attr)} "
                                  f"(each rank holds whole heads)")
-    if meta and any(isinstance(s, Fused) for *_, s in todo):
+    if meta == {True} and any(isinstance(s, Fused) for _, s in todo):
         raise ValueError("apply_tp: a fused weight's slice is not one Shard that materialize could read; "
                          "apply tp to the materialized model")
     embed, head = _get(model, parts.embed), _get(model, parts.head)
@@ -504,7 +550,7 @@ def _planned(model: nn.Module, parts: Parts, tp: int, meta: bool, sparse: set[st
     tied = embed is not None and head is not None and head.weight is embed.weight
     if tied and head.bias is not None:
         raise ValueError(f"apply_tp: a head tied to the embedding with a bias ({parts.head}) is not supported")
-    return todo, tied
+    return todo, own, tied
 
 
 # ------------------------------------------------------------------------------------- the model
@@ -517,10 +563,11 @@ def tp_validate(cfg: Any, tp: int, seq_len: int | None = None) -> None:
     if seq_len is not None and seq_len % tp:
         raise ValueError(f"sequence parallelism: tp={tp} must divide the sequence length {seq_len} "
                          f"(each rank holds seq_len/tp tokens between the blocks)")
-    dense = not hasattr(cfg, "is_sparse") or not all(map(cfg.is_sparse, range(cfg.num_hidden_layers)))
+    # only a plain MLP splits intermediate_size (an `is_sparse` layer brings a block of its own)
+    mlp = not all(map(getattr(cfg, "is_sparse", lambda i: False), range(cfg.num_hidden_layers)))
     bad = [f"{k}={v}" for k, v in (("num_attention_heads", cfg.num_attention_heads),
                                    ("num_key_value_heads", cfg.num_key_value_heads),
-                                   ("intermediate_size", cfg.intermediate_size if dense else 0)) if v % tp]
+                                   ("intermediate_size", cfg.intermediate_size if mlp else 0)) if v % tp]
     if bad:
         raise ValueError(f"tp={tp} must divide {', '.join(bad)} (each rank holds whole attention "
                          f"heads, whole kv heads and an equal share of the MLP)")
@@ -541,84 +588,69 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
         return {}  # the plain model is the tp=1 model
     ours = parts is None and _is_attotron(model)
     parts = parts or default_parts(model)
-    if sequence_parallel and not ours:
-        raise ValueError("apply_tp: sequence parallelism needs attotron's Llama (its RMSNorms and RoPE); "
-                         "use sequence_parallel=False for this model")
-    devices = {p.device.type == "meta" for p in model.parameters()}
-    if ours:
-        tp_validate(model.config, tp)
-        if devices != {True}:
-            raise ValueError("apply_tp must run on the meta-device model, before weights.materialize")
-    else:
-        _check_heads(model, tp)
-        if len(devices) > 1:
-            raise ValueError("apply_tp: the model is partly on the meta device; materialize it all, or none")
-    sparse = _sparse_layers(model, ours)
-    todo, tied = _planned(model, parts, tp, meta=devices == {True}, sparse=sparse)
-    layers, embed, head = _get(model, parts.layers), _get(model, parts.embed), _get(model, parts.head)
-    new = dict(group=tp_group, device="meta")
+    todo, own, tied = _planned(model, parts, tp, ours, sequence_parallel)
     # ours: the block's input enters the region once, not per column layer (refinements below)
     column = ColumnParallelLinearInRegion if ours else ColumnParallelLinear
     row = SequenceParallelRowLinear if sequence_parallel else RowParallelLinear
-    for layer, prefix, name, style in todo:
-        old = layer.get_submodule(name)
-        kw = dict(new, dtype=old.weight.dtype)
-        if style == "rowwise":
-            layer_new = row(old.in_features, old.out_features, old.bias is not None, **kw)
-        else:
-            layer_new = column(old.in_features, old.out_features, old.bias is not None,
-                               parts=style.parts if isinstance(style, Fused) else (), **kw)
-        _swap(model, prefix + name, layer_new)
-    for i, layer in layers.named_children():
+    for path, style in todo:  # the plan's styles: "colwise", tp.Fused (a column layer by parts), "rowwise"
+        old = _get(model, path)
+        cls = row if style == "rowwise" else partial(column, parts=getattr(style, "parts", ()))
+        _swap(model, path, cls(old.in_features, old.out_features, old.bias is not None, tp_group,
+                               device="meta", dtype=old.weight.dtype))
+    for layer in _get(model, parts.layers).children():
         for attr in parts.heads:
             _set(layer, attr, _get(layer, attr) // tp)
         if ours:
-            a, m = layer.self_attn, layer.mlp
-            # Qwen3's per-head norms: replicated, grads summed over tp; OLMoE's whole ones: sharded as the heads
-            norm_cls = ShardedRMSNorm if a.qk_norm_whole else ReplicatedRMSNorm
-            for name in ("q_norm", "k_norm"):
-                if getattr(a, name, None) is not None:
-                    setattr(a, name, norm_cls(getattr(a, name), tp_group))
-            if sequence_parallel:  # the norms before a and m gather their output (SequenceParallelRMSNorm)
-                a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
-                if i in sparse:  # ... but a sparse layer routes this rank's S/tp tokens
-                    _sequence_parallel_moe(layer, tp_group)
-                    model.token_sum_fn = partial(reduce_from_region, group=tp_group)
-            else:  # f once per block: see _enter_region
-                a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-                if i not in sparse:  # whole experts on replicated tokens: dL/dx is complete
-                    m.register_forward_pre_hook(partial(_enter_region, group=tp_group))
-    if embed is not None:
-        vocab_embedding = SequenceParallelEmbedding if sequence_parallel else VocabParallelEmbedding
-        embed = _swap(model, parts.embed, vocab_embedding(
-            embed.num_embeddings, embed.embedding_dim, padding_idx=embed.padding_idx,
-            dtype=embed.weight.dtype, **new))
-    if sequence_parallel:  # every RMSNorm: the two of each layer and the final one
-        for parent in list(model.modules()):
-            for name, child in parent.named_children():
-                if type(child).__name__ == "RMSNorm":
-                    setattr(parent, name, SequenceParallelRMSNorm(child, tp_group))
-    if head is not None:
-        vocab = model.config.vocab_size if ours else head.out_features
-        if ours:  # under sequence parallelism the final norm's gather already sums dL/dh
-            head_cls = ColumnParallelLinearInRegion if sequence_parallel else ColumnParallelLinear
-            head_new = head_cls(head.in_features, padded_vocab(vocab, tp), False, tp_group, device="meta")
-            model.loss_fn = partial(vocab_parallel_linear_cross_entropy, group=tp_group,
-                                    vocab_size=vocab, sequence_parallel=sequence_parallel)
-            model.logits_fn = partial(gather_logits, group=tp_group, vocab_size=vocab)
-        else:
-            head_new = VocabParallelHead(head.in_features, vocab, head.bias is not None, tp_group,
-                                         device="meta", dtype=head.weight.dtype)
-        if tied:
-            head_new.weight = embed.weight  # tied: one sharded weight (same rows: the same vocab slice)
-            _set(model, parts.head, head_new)
-        else:
-            _swap(model, parts.head, head_new)
+            _llama_layer(layer, tp_group, sequence_parallel, model.model.rotary_emb)
+    for layer, module in own:  # the modules with a style of their own (see the module docstring)
+        module.tp_style(layer, tp_group, sequence_parallel)
+    _vocab_parallel(model, parts, tp_group, ours, sequence_parallel, tied)
+    if sequence_parallel:
+        _sequence_parallel(model, tp_group)
     # the map names each sharded parameter once, as named_parameters() does (tied head: the embedding)
     params = dict(model.named_parameters())
-    return {f"{mod_name}.{p}": shard for mod_name, mod in model.named_modules()
-            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ShardedRMSNorm))
-            for p, shard in mod.shards().items() if f"{mod_name}.{p}" in params}
+    return {f"{name}.{p}": shard for name, mod in model.named_modules() if hasattr(mod, "shards")
+            for p, shard in mod.shards().items() if f"{name}.{p}" in params}
+
+
+def _llama_layer(layer: nn.Module, group: Group, sequence_parallel: bool, rotary: nn.Module) -> None:
+    """attotron's decoder layer: its q/k norms, and the hooks of the refinements below."""
+    a = layer.self_attn
+    norm = ShardedRMSNorm if a.qk_norm_whole else ReplicatedRMSNorm  # per head (Qwen3): replicated
+    for name in ("q_norm", "k_norm"):
+        if getattr(a, name) is not None:
+            setattr(a, name, norm(getattr(a, name), group))
+    if sequence_parallel:  # the norms before the blocks gather their output (SequenceParallelRMSNorm)
+        a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=rotary))
+        return
+    for block in (a, layer.mlp):  # f once per block: see _enter_region
+        if not hasattr(block, "tp_style"):  # a block with its own style enters the region its own way
+            block.register_forward_pre_hook(partial(_enter_region, group=group))
+
+
+def _vocab_parallel(model: nn.Module, parts: Parts, group: Group, ours: bool, sequence_parallel: bool,
+                    tied: bool) -> None:
+    """The embedding and the head split their vocab rows, padded to a multiple of tp."""
+    tp, embed, head = dist.get_world_size(group), _get(model, parts.embed), _get(model, parts.head)
+    if embed is not None:
+        cls = SequenceParallelEmbedding if sequence_parallel else VocabParallelEmbedding
+        embed = _swap(model, parts.embed, cls(embed.num_embeddings, embed.embedding_dim, group, device="meta",
+                                              dtype=embed.weight.dtype, padding_idx=embed.padding_idx))
+    if head is None:
+        return
+    if ours:  # under sequence parallelism the final norm's gather already sums dL/dh
+        vocab = model.config.vocab_size
+        cls = ColumnParallelLinearInRegion if sequence_parallel else ColumnParallelLinear
+        new = cls(head.in_features, padded_vocab(vocab, tp), False, group, device="meta")
+        model.loss_fn = partial(vocab_parallel_linear_cross_entropy, group=group, vocab_size=vocab,
+                                sequence_parallel=sequence_parallel)
+        model.logits_fn = partial(gather_logits, group=group, vocab_size=vocab)
+    else:
+        new = VocabParallelHead(head.in_features, head.out_features, head.bias is not None, group,
+                                device="meta", dtype=head.weight.dtype)
+    if tied:
+        new.weight = embed.weight  # one sharded weight (the same rows: the same vocab slice)
+    (_set if tied else _swap)(model, parts.head, new)  # _swap would fill a copy of the tied weight
 
 
 # ------------------------------------------------------------------------------------- export
@@ -646,15 +678,13 @@ def gather_full(tensors: dict[str, torch.Tensor], shards: dict[str, Shard], tp_g
     Replicated entries are returned as they are.
     All tp ranks must call it with the same names in the same order.
     Feed the result to save_hf."""
-    tp = dist.get_world_size(tp_group)
-    out = {}
+    tp, out = dist.get_world_size(tp_group), {}
     for name, t in tensors.items():
-        shard = shards.get(name)
-        if shard is None:
+        if (shard := shards.get(name)) is None:
             out[name] = t.detach()
-            continue
-        full = cfg.vocab_size if name in VOCAB_SHARDED else t.shape[shard.dim] * tp
-        out[name] = gather_tensor(t, shard, full, tp_group)
+        else:
+            full = cfg.vocab_size if name in VOCAB_SHARDED else t.shape[shard.dim] * tp
+            out[name] = gather_tensor(t, shard, full, tp_group)
     return out
 
 
@@ -781,33 +811,27 @@ def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> t
     return x, cos, sin, mask
 
 
-# --- refinement: mixtures of experts (moe.MoE), the experts whole on every tp rank
-# Choice: no expert tensor parallelism. A rank holds every expert of its stage (expert parallelism,
-# moe.shard_experts, splits them over dp instead); attention is tp-split as in a dense layer.
-# Without sp the MoE block's input is replicated: every tp rank routes all tokens and computes the
-# same output. Its dL/dx is then complete on each rank, so the block gets no f (an all-reduce would
-# count it tp times), and its parameters get the same full gradient on every rank (train.py counts
-# a replicated parameter in the grad norm on tp rank 0 only). That costs tp× the expert FLOPs.
-# With sp each rank routes its own S/tp tokens: the post-attention norm does not gather, the block
-# maps (B, S/tp, H) to (B, S/tp, H), and the router's and experts' weights enter through f (as a
-# sequence-parallel norm's, by moe.py's weight_fn seams), so their gradients are summed over tp
-# inside autograd. The aux loss
-# pools all tokens of the forward: the router statistics are all-reduced (model.token_sum_fn,
-# g: each rank's copy of the loss passes its gradient straight back to its own rows).
-# OLMoE's q/k norm spans the whole projection, all heads: ShardedRMSNorm.
-def _sequence_parallel_moe(layer: nn.Module, group: Group) -> None:
-    """A sparse decoder layer under sp: the MoE block runs on the S/tp tokens this rank holds.
-    Its post-attention norm does not gather; the router's and the experts' weights enter through f
-    (moe.py's `weight_fn` seams), so their gradients are summed over tp, as a norm weight's."""
-    layer.post_attention_layernorm = ReplicatedRMSNorm(layer.post_attention_layernorm, group)
-    layer.mlp.gate.weight_fn = layer.mlp.experts.weight_fn = partial(copy_to_region, group=group)
+def _sequence_parallel(model: nn.Module, group: Group) -> None:
+    """Every RMSNorm left (the two of each layer, the final one) keeps S/tp tokens and gathers its output.
+    A sum over this rank's tokens is then part of the forward's: `token_sum_fn` all-reduces it."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child).__name__ == "RMSNorm":
+                setattr(parent, name, SequenceParallelRMSNorm(child, group))
+    if hasattr(model, "token_sum_fn"):
+        model.token_sum_fn = partial(reduce_from_region, group=group)
 
 
+# --- refinement: a q/k norm over the whole projection (OLMoE), split as the heads
+# Qwen3's q/k norm spans one head: each rank holds whole heads, so the weight is replicated.
+# OLMoE's spans the whole projection, all heads at once.
+# Its statistics then need every rank's features: the sum of squares is all-reduced.
+# Its weight is split as the heads (features), so each rank holds its heads' part.
 class ShardedRMSNorm(nn.Module):
-    """An RMSNorm over features split across tp (OLMoE's q/k norm over all heads of the projection):
-    this rank holds the weight of its heads' features. The statistics span the tp ranks: the sum of
-    squares is all-reduced before the rsqrt, and its gradient is all-reduced in backward too (every
-    rank's output depends on every rank's features). The numerics are transformers' (fp32)."""
+    """An RMSNorm over features split across tp: this rank holds the weight of its heads' features.
+    The sum of squares is all-reduced before the rsqrt (g).
+    Its gradient is all-reduced in backward too (f): every rank's output depends on every rank's features.
+    The numerics are transformers' (fp32)."""
 
     def __init__(self, norm: nn.Module, group: Group):
         super().__init__()

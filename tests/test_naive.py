@@ -1,4 +1,4 @@
-"""tests/naive.py's textbook algorithms equal the production paths.
+"""The textbook algorithms (tests/naive.py, tp.tp_mlp) equal the production paths.
 
 - 1F1B (pure Python): pp_schedules.textbook_1f1b (what 1f1b runs at v = 1) equals the general order
   it stands for, and the compute order of zb with its Ws left out (messages left out).
@@ -46,7 +46,7 @@ def _tp_pair(rank: int, world: int) -> dict:
     rows = slice(rank * I // world, (rank + 1) * I // world)
     # textbook
     x, a, b = x0.clone().requires_grad_(), w1[rows].clone().requires_grad_(), w2[:, rows].clone().requires_grad_()
-    y = naive.tp_mlp(x, a, b)
+    y = TP.tp_mlp(x, a, b)
     y.square().sum().backward()
     # production
     col, row = TP.ColumnParallelLinear(H, I, False, None), TP.RowParallelLinear(I, H, False, None)
