@@ -61,37 +61,30 @@ from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_fo
 
 
 # ----------------------------------------------------------------------------------------- the executor
-def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
-                 microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
-                 step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
-                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
-                 check_group: dist.ProcessGroup | None = None,
-                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None,
-                 hidden_size: int | None = None) -> torch.Tensor:
+Group = dist.ProcessGroup | None  # None: the default group, as in torch.distributed
+
+
+def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
+                 pp_group: Group, step_targets: int | torch.Tensor, *, hidden_size: int | None = None,
+                 no_sync: Callable[[], ContextManager] | None = None, seq_shards: int = 1,
+                 timer: Callable[[Action], ContextManager] | None = None, check_group: Group = None,
+                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Run this rank's `actions` over `microbatches`, accumulating gradients in .grad.
-    Returns this dp rank's share of the step loss: the sum of token losses / step_targets.
-    The last stage broadcasts it to every pp peer. Sum it over dp for the global loss.
+    Returns this dp rank's share of the step loss (token losses / step_targets) on every pp peer.
 
     model: the stage (the contract above), or its chunks (stage_chunks) under virtual stages.
-    microbatches: dicts with (B, S) input_ids and labels, the same on every pp peer.
-    Their other keys (position_ids, ...) go to the stage as keywords.
-    pp_group: None is the default group, as in torch.distributed. One stage runs alone.
-    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
-    A tensor (dp.global_count) stays on its device: the loss is never read on the host.
-    hidden_size: H of the (B, S, H) activations. Needed with more than one stage.
-    no_sync: dp/ZeRO's context that defers their gradient reduction.
-    Every backward runs inside it, but each chunk's last one that accumulates into .grad.
-    seq_shards: tp under sequence parallelism; stages exchange (B, S/seq_shards, H) shards.
-    timer: a context manager around each computation (bench_theory.py measures busy time).
-    check_group, peer_groups: the input checks' group, and one group per neighbour pair (below)."""
+    microbatches: dicts of (B, S) input_ids, labels and the stage's keywords; the same on every peer.
+    step_targets: the step's target tokens over all dp ranks. A tensor stays on its device.
+    hidden_size: H of the (B, S, H) activations, needed with more than one stage.
+    no_sync: dp/ZeRO's context that defers their reduction (_deferred).
+    seq_shards: tp's sequence parallelism. Stages then exchange (B, S/seq_shards, H) shards.
+    timer: a context manager around each computation (bench_theory.py).
+    check_group, peer_groups: see _check_inputs."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
-    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
-    _check_inputs(chunks, actions, microbatches, pp_group, stage, n, seq_shards, hidden_size, check_group,
-                  peer_groups)
+    _check_inputs(chunks, actions, microbatches, pp_group, hidden_size, seq_shards, check_group, peer_groups)
     split = any(isinstance(a, Action) and a.kind == W for a in actions)
-    run = (_ZeroBubbleRun if split else _Run)(chunks, actions, microbatches, pp_group, stage, n, step_targets,
-                                             hidden_size, seq_shards, no_sync, timer, peer_groups)
+    run = (_ZeroBubbleRun if split else _Run)(chunks, actions, microbatches, pp_group, step_targets, hidden_size,
+                                             seq_shards, no_sync, timer, peer_groups)
     for k, a in enumerate(actions):
         if isinstance(a, Comm):
             run.post(a)  # one batch of sends and receives with one peer
@@ -105,72 +98,63 @@ def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step]
 
 
 class _Run:
-    """One rank's state during run_pipeline: what one action makes and a later one uses.
-    Keys are (micro-batch, chunk). A message is a tuple of tensors: the activation, then any side tensors."""
+    """One rank's state during run_pipeline (its arguments): what one action makes, for a later one.
+    Keys are (micro-batch, chunk). A message is a tuple: the activation, then any side tensors."""
     grad_kind = B  # the action that accumulates into .grad
 
-    def __init__(self, chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
-                 pp_group: dist.ProcessGroup | None, stage: int, n: int, step_targets: int | torch.Tensor,
-                 hidden_size: int | None, seq_shards: int, no_sync: Callable[[], ContextManager] | None,
-                 timer: Callable[[Action], ContextManager] | None,
-                 peer_groups: Mapping[int, dist.ProcessGroup] | None):
-        self.chunks, self.microbatches, self.stage, self.n, self.v = chunks, microbatches, stage, n, len(chunks)
-        self.pp_group, self.no_sync = pp_group, no_sync
+    def __init__(self, chunks, actions, microbatches, pp_group, step_targets, hidden_size, seq_shards, no_sync,
+                 timer, peer_groups):
+        self.chunks, self.microbatches, self.pp_group = chunks, microbatches, pp_group
+        self.stage, self.n = _stage_of(pp_group)
+        self.route = _routes(pp_group, peer_groups, self.n)  # peer stage → (its group, its rank there)
         self.timed = timer or (lambda a: contextlib.nullcontext())
-        self.route = _routes(pp_group, peer_groups, n)  # peer stage → (its group, its rank there)
         param = next(chunks[0].parameters())
         self.device = param.device
-        self.denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) \
-            else max(int(step_targets), 1)
+        self.denominator = step_targets.clamp(min=1) if torch.is_tensor(step_targets) else max(int(step_targets), 1)
         rows, seq = microbatches[0]["input_ids"].shape
-        act = ((rows, seq // seq_shards, hidden_size), param.dtype)  # (B, S/seq_shards, H)
         self.side = side_tensors(chunks[0])  # {keyword: (shape, dtype)}
-        self.shapes = [act, *self.side.values()]  # one message's tensors
-        self.syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == self.grad_kind
-                           and a.chunk == c), default=-1) for c in range(self.v)}  # each chunk's last one
+        self.shapes = [((rows, seq // seq_shards, hidden_size), param.dtype), *self.side.values()]  # a message
+        self.deferred = _deferred(no_sync, actions, self.grad_kind)  # k → dp/ZeRO's no_sync, or not (below)
         self.inputs: dict[tuple, tuple] = {}    # received input leaves, until B
         self.outputs: dict[tuple, tuple] = {}   # the chunk's outputs, until B
         self.in_grads: dict[tuple, list] = {}   # the gradients of the inputs, to send back
-        self.recvs: dict[tuple, tuple] = {}     # (payload, mb, chunk) → (works to wait for, tensors)
-        self.sends: list[list] = []             # works of posted sends (each keeps its tensor alive)
+        self.recvs: dict[tuple, list] = {}      # (payload, mb, chunk) → [(work to wait for, tensor)]
+        self.sends: list = []                   # works of posted sends (each keeps its tensor alive)
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def first(self, chunk: int) -> bool:
         return chunk * self.n + self.stage == 0  # virtual stage 0: token ids in
 
     def last(self, chunk: int) -> bool:
-        return chunk * self.n + self.stage == self.n * self.v - 1  # the last one: the loss out
+        return chunk * self.n + self.stage == self.n * len(self.chunks) - 1  # the last one: the loss out
 
     def post(self, a: Comm) -> None:
         """Post one batch_isend_irecv. A send is never waited on here: its work keeps the tensor alive."""
-        self.sends = [ws for ws in self.sends if not all(w.is_completed() for w in ws)]  # drop finished ones
+        self.sends = [w for w in self.sends if not w.is_completed()]  # drop finished sends
         group, peer = self.route[a.peer]
-        ops, tensors = [], []
+        ops, msgs = [], []
         for msg in a.msgs:
             key = (msg.microbatch, msg.chunk)
-            if msg.send:  # F: our outputs; B: the gradients of our inputs
+            if not msg.send:
+                ts = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.shapes]
+            else:  # F: our outputs; B: the gradients of our inputs
                 ts = [t.detach().contiguous() for t in (self.outputs[key] if msg.payload == F
                                                         else self.in_grads.pop(key))]
-            else:
-                ts = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.shapes]
             ops += [dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer) for t in ts]
-            tensors.append(ts)
+            msgs += [msg] * len(ts)
         works = dist.batch_isend_irecv(ops)
-        j = 0
-        for msg, ts in zip(a.msgs, tensors):
-            mine = works[j:j + len(ts)] if len(works) == len(ops) else works  # NCCL: one coalesced work
-            j += len(ts)
+        for msg, op, w in zip(msgs, ops, works if len(works) == len(ops) else works * len(ops)):  # NCCL: 1 work
             if msg.send:
-                self.sends.append(mine)
+                self.sends.append(w)
             else:
-                self.recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, ts)
+                self.recvs.setdefault((msg.payload, msg.microbatch, msg.chunk), []).append((w, op.tensor))
 
     def received(self, payload: str, key: tuple) -> list[torch.Tensor]:
         """A receive is waited on right before the computation that reads it."""
-        works, ts = self.recvs.pop((payload, *key))
-        for w in works:
+        works_and_tensors = self.recvs.pop((payload, *key))
+        for w, _ in works_and_tensors:
             w.wait()
-        return ts
+        return [t for _, t in works_and_tensors]
 
     def forward(self, a: Action) -> None:
         """F: run the chunk; the last virtual stage adds its loss share to the step's loss."""
@@ -204,26 +188,13 @@ class _Run:
         torch.autograd.backward(outs, grad_tensors=grads)
         return None if self.first(key[1]) else _grads_of(self.inputs.pop(key))
 
-    def deferred(self, k: int) -> ContextManager:
-        """dp/ZeRO's no_sync, but for each chunk's last action that accumulates into .grad.
-        Hook-based dp/ZeRO reduce a parameter after its last gradient."""
-        return self.no_sync() if self.no_sync is not None and k not in self.syncs else contextlib.nullcontext()
-
     def finish(self) -> torch.Tensor:
         """Wait for the sends still in flight; broadcast the loss from the last stage."""
-        for ws in self.sends:
-            for w in ws:
-                w.wait()
+        for w in self.sends:
+            w.wait()
         if self.n > 1:
             dist.broadcast(self.loss, group=self.pp_group, group_src=self.n - 1)
         return self.loss
-
-
-def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
-    """The outputs that carry a gradient, with theirs (none on the last stage: the loss is the root).
-    A side tensor may be a constant: it gets no gradient."""
-    keep = [j for j, t in enumerate(outs) if t.requires_grad]
-    return [outs[j] for j in keep], None if grads is None else [grads[j] for j in keep]
 
 
 def _grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -240,11 +211,27 @@ def side_tensors(stage: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dty
     return getattr(stage, "side_tensors", {})
 
 
+def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
+    """The outputs that carry a gradient, with theirs (none on the last stage: the loss is the root).
+    A side tensor may be a constant: it gets no gradient."""
+    keep = [j for j, t in enumerate(outs) if t.requires_grad]
+    return [outs[j] for j in keep], None if grads is None else [grads[j] for j in keep]
+
+
+# --- refinement: dp/ZeRO's deferred reduction. Their hooks reduce a parameter after its last gradient.
+def _deferred(no_sync: Callable[[], ContextManager] | None, actions: Sequence[Step],
+              kind: str) -> Callable[[int], ContextManager]:
+    """Action k → no_sync, but for each chunk's last action of `kind`: the one that accumulates into .grad."""
+    computes = [(k, a) for k, a in enumerate(actions) if isinstance(a, Action)]
+    last = {max((k for k, a in computes if a.kind == kind and a.chunk == c), default=-1)
+            for c in {a.chunk for _, a in computes}}
+    return lambda k: no_sync() if no_sync is not None and k not in last else contextlib.nullcontext()
+
+
 # --- refinement: one group per neighbour pair. NCCL runs one group's P2P on one stream per rank.
 # A rank's send to one neighbour then waits behind its send to the other. Rings of virtual stages
 # deadlock (docs/pipeline-nccl.md). A 2-rank group per pair gives each pair its own stream.
-def _routes(pp_group: dist.ProcessGroup | None, peer_groups: Mapping[int, dist.ProcessGroup] | None,
-            n: int) -> dict[int, tuple[dist.ProcessGroup | None, int]]:
+def _routes(pp_group: Group, peer_groups: Mapping[int, dist.ProcessGroup] | None, n: int) -> dict[int, tuple]:
     """{peer stage: (the group a message goes on, the peer's rank in it)}."""
     if peer_groups is None:
         return {s: (pp_group, s) for s in range(n)}
@@ -367,15 +354,20 @@ def backward_weight(work: list) -> None:
 KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
 
 
-def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
-                  pp_group: dist.ProcessGroup | None, stage: int, n: int, seq_shards: int, hidden_size: int | None,
-                  check_group: dist.ProcessGroup | None, peer_groups: Mapping[int, dist.ProcessGroup] | None) -> None:
+def _stage_of(group: Group) -> tuple[int, int]:
+    """(this rank's stage, the number of stages) in the pp group; (0, 1) without torch.distributed."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
+def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict], pp_group: Group,
+                  hidden_size: int | None, seq_shards: int, check_group: Group,
+                  peer_groups: Mapping[int, dist.ProcessGroup] | None) -> None:
     """run_pipeline's checks, before any message.
     check_group: a gloo group of pp_group's ranks (grid.pp_check): the check runs on the host.
     None: over pp_group, on the parameters' device (on CUDA, a device→host read every step).
     peer_groups: {neighbour stage: the pair's 2-rank group} (grid.pp_peers, neighbour_pairs).
     None puts every message on pp_group: refused where NCCL would deadlock."""
-    v, param = len(chunks), next(chunks[0].parameters())
+    (stage, n), v, param = _stage_of(pp_group), len(chunks), next(chunks[0].parameters())
     peers = {a.peer for a in actions if isinstance(a, Comm)}
     if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
         raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
@@ -387,7 +379,7 @@ def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches
                 param.device if check_group is None else torch.device("cpu"), seq_shards, problem)
 
 
-def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: dist.ProcessGroup | None,
+def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: Group,
                 stage: int, n: int, v: int, device: torch.device, seq_shards: int, extra: str = "") -> None:
     """Local checks, then one tiny all_gather: every pp peer raises the same error.
     Otherwise some would wait forever for a message of another shape.

@@ -178,7 +178,7 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
         with AC.SavedActivationMeter() if it else contextlib.nullcontext() as saved:
             if pp > 1:
                 PP.run_pipeline(model, PP.one_f_one_b(m, s, pp), mbs, groups["pp"][d], ctx.targets,
-                                opt.no_sync, hidden_size=ctx.cfg.hidden_size)
+                                no_sync=opt.no_sync, hidden_size=ctx.cfg.hidden_size)
             else:
                 loss = P.normalized_loss(model(x, labels=y, reduction="sum"), ctx.targets)
         if pp == 1:
