@@ -202,6 +202,11 @@ def _grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
 
 
+def _stage_of(group: Group) -> tuple[int, int]:
+    """(this rank's stage, the number of stages) in the pp group; (0, 1) without torch.distributed."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
 # --- refinement: side tensors. What a stage sends on besides its hidden states, declared up front.
 # A receive needs each tensor's shape and dtype before it arrives: so the stage declares them.
 # A loss of every stage's layers (moe.py's load-balancing loss) carries its statistics this way.
@@ -242,6 +247,29 @@ def serialized_p2p(device: torch.device) -> bool:
     """Whether one process group's P2P on `device` runs on one stream per rank, in posting order.
     NCCL (CUDA) does (docs/pipeline-nccl.md); gloo (CPU) does not."""
     return device.type == "cuda"
+
+
+def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Global ranks of the 2-rank group of each neighbour pair: stages (s, s+1).
+    With 3 or more stages also (p-1, 0): virtual stages go round the ranks.
+    pipelines: each pipeline's global ranks, by stage.
+    Every rank must call dist.new_group for every returned list, in this order.
+    It passes its own to run_pipeline as peer_groups, {the other one's stage: group}.
+    grid.make_grid does both."""
+    return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
+            for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
+
+
+def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
+    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
+    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
+    me, out = dist.get_rank(), {}
+    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
+    for pair in neighbour_pairs(pipelines):
+        group = dist.new_group(pair)  # every rank, every pair, the same order
+        if me in pair:
+            out.update({stage[r]: group for r in pair if r != me})
+    return out
 
 
 # --- refinement: the B/W split (zero bubble). B computes only the input's gradient; W the rest, later.
@@ -352,11 +380,6 @@ def backward_weight(work: list) -> None:
 
 # --- refinement: input checks. A wrong input raises the same error on every stage, never a hang.
 KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
-
-
-def _stage_of(group: Group) -> tuple[int, int]:
-    """(this rank's stage, the number of stages) in the pp group; (0, 1) without torch.distributed."""
-    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
 
 def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict], pp_group: Group,
@@ -628,6 +651,7 @@ def _split_llama(model: nn.Module, stage: int, num_stages: int, layer_ranges: Se
     return model
 
 
+# --- refinement: virtual stages. Rank s holds chunks s, s+p, ...: the interleaved and zb schedules' v > 1.
 def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, num_stages: int) -> list[nn.Module]:
     """This rank's chunks for run_pipeline: chunk c is virtual stage c·p + stage. v = 1: [model].
     Else each is a shallow copy of the (split, tp'd, materialized, checkpointed) model.
@@ -652,6 +676,7 @@ def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, nu
     return chunks
 
 
+# --- refinement: an embedding tied to the head. The first and the last stage each hold a copy.
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
     """This stage's copy of an embedding tied across the first and last stage.
     That is the embedding on the first stage, `lm_head.weight` on the last.
@@ -682,29 +707,6 @@ def tied_embedding_ranks(world_size: int, num_stages: int) -> list[list[int]]:
         return []
     stride = world_size // num_stages  # ranks per stage (tp * dp)
     return [[i, (num_stages - 1) * stride + i] for i in range(stride)]
-
-
-def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Global ranks of the 2-rank group of each neighbour pair: stages (s, s+1).
-    With 3 or more stages also (p-1, 0): virtual stages go round the ranks.
-    pipelines: each pipeline's global ranks, by stage.
-    Every rank must call dist.new_group for every returned list, in this order.
-    It passes its own to run_pipeline as peer_groups, {the other one's stage: group}.
-    grid.make_grid does both."""
-    return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
-            for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
-
-
-def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
-    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
-    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
-    me, out = dist.get_rank(), {}
-    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
-    for pair in neighbour_pairs(pipelines):
-        group = dist.new_group(pair)  # every rank, every pair, the same order
-        if me in pair:
-            out.update({stage[r]: group for r in pair if r != me})
-    return out
 
 
 def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> None:
