@@ -37,7 +37,7 @@ Invariants
     - B + W cost one backward (tests/test_pp.py::test_bw_split_costs_one_backward).
     - Checkpoints ignore pp and v (tests/test_pp_cli.py::test_interleaved_checkpoint_is_layout_free).
     - A bare nn.Module stage runs every schedule from a folder of pp.py and pp_schedules.py alone
-      (tests/test_pp_contract.py). So does a Stage (tests/test_foreign_tp_pp.py).
+      (tests/test_pp_contract.py). A Stage equals transformers' model (tests/test_foreign_tp_pp.py).
     - Peers given different micro-batches all raise; none hangs (tests/test_pp.py::test_pp2).
 
 Builds on: pp_schedules.py (actions, schedules, simulator). More: docs/pp.md, docs/pipeline-nccl.md.
