@@ -289,7 +289,7 @@ class _ZeroBubbleRun(_Run):
 
     def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         outs, grads = _with_grad(self.outputs.pop(key), grad)
-        if self.first(key[1]):
+        if self.first(key[1]):  # token ids in: no input gradient, so W runs the whole backward
             self.pending[key] = functools.partial(torch.autograd.backward, outs, grads)
             return None
         dx, work = backward_input(outs, grads, self.inputs.pop(key), self.params[key[1]])
