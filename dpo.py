@@ -416,7 +416,8 @@ def precompute_reference(chunks: list[nn.Module], loss: DPOLoss, ds: PairDataset
         micro = feed.get_batch(ds, rows[dp_rank * per:(dp_rank + 1) * per], args.micro_batches, grid)
         loss.record = []
         PP.run_pipeline(chunks, fwd, micro, grid.pp_group, 1, seq_shards=args.tp if args.sp else 1,
-                        check_group=grid.pp_check, peer_groups=grid.pp_peers)
+                        check_group=grid.pp_check, peer_groups=grid.pp_peers,
+                        hidden_size=chunks[0].config.hidden_size)
         mine = torch.cat(loss.record) if loss.record else torch.zeros(per, S, device=grid.device)  # (per, S)
         reps = grid.at.dp  # dp · cp: dp_group's ranks. The cp ranks of a replica hold the same sums.
         if reps > 1:  # gloo gathers into a flat tensor only

@@ -179,7 +179,7 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
     for mb in micro:
         total += PP.run_pipeline(chunks, fwd, mb, grid.pp_group, targets,
                                  seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
-                                 peer_groups=grid.pp_peers)
+                                 peer_groups=grid.pp_peers, hidden_size=chunks[0].config.hidden_size)
     if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)
         dist.all_reduce(total, group=grid.dp_group)
     return total.item()

@@ -644,6 +644,11 @@ class Llama(nn.Module):
             return {}
         return {"router_stats": ((2 * self.config.num_experts + 2,), torch.float32)}
 
+    @property
+    def side_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """pp.py's name for `stage_extras` (the stage contract's declared side tensors)."""
+        return self.stage_extras()
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
                 docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None,

@@ -1,10 +1,10 @@
 """Pipeline parallelism: cut the model into stages, run a schedule of micro-batches through them.
 
 What it does
+    `run_pipeline` executes this rank's action list from pp_schedules.py on its stage.
     `partition` cuts the layers into p·v consecutive ranges (virtual stages).
     `split_stage` keeps what rank s owns and deletes the rest, before materialize.
     `stage_chunks` gives its v chunks (virtual stages s, s+p, ...) as modules.
-    `run_pipeline` executes this rank's action list from pp_schedules.py.
 
 The core idea
     Each rank holds consecutive layers. A micro-batch's activation travels forward, rank to rank.
@@ -12,18 +12,15 @@ The core idea
     F runs a chunk and keeps its output. B backpropagates the gradient that came back.
     A Comm posts sends and receives to one neighbour. Gradients accumulate in .grad.
 
-The stage: what it receives and returns
-    `split_stage` returns a module called as stage(x, labels=None, reduction="sum", **kwargs):
-      x       stage 0: token ids (B, S); any other stage: the previous one's hidden states (B, S, H)
-      kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
-      returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
-              (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
-      extras  what a stage passes on besides its hidden states (model.Llama.stage_extras: an MoE
-              model's router statistics, for the load-balancing loss that pools every stage's
-              routers). It returns (h, *extras); the next stage takes them as keywords; their
-              gradients come back with the activation's, so autograd does the rest.
-    attotron's Llama is its own stage. transformers' decoders become a `Stage`.
-    So do models described by `Parts(embed, layers, norm, head, positions)`. docs/pp.md has the rest.
+The stage contract: a stage is any nn.Module, called as stage(x, labels=None, reduction="sum", **kw)
+    x        stage 0: token ids (B, S). Any other stage: the previous one's hidden states (B, S, H).
+    kw       the micro-batch's other keys (position_ids, ...), the same on every stage.
+    returns  hidden states (B, S, H). The last stage gets labels and returns its SUM of token losses.
+    H        run_pipeline's `hidden_size`. A receiving stage must know a message's shape beforehand.
+    side_tensors  an optional attribute, {keyword: (shape, dtype)}: tensors sent beside the hidden
+             states. The stage then returns (h, *values), and the next one takes them as keywords.
+    Nothing else is read from a stage. attotron's Llama is its own stage.
+    `split_stage` makes a `Stage` of transformers' decoders and of models described by `Parts`.
 
 Run
     python pp.py --show zb --pp 4 --micro-batches 8        # draw a schedule (pp_schedules.show)
@@ -39,10 +36,9 @@ Invariants
     - The schedules differ in order only: the same gradient bits (the same test).
     - B + W cost one backward (tests/test_pp.py::test_bw_split_costs_one_backward).
     - Checkpoints ignore pp and v (tests/test_pp_cli.py::test_interleaved_checkpoint_is_layout_free).
-    - A Stage equals transformers' own model (tests/test_foreign_tp_pp.py::test_pp_alone_on_transformers_and_gpt).
+    - A bare nn.Module stage runs every schedule from a folder of pp.py and pp_schedules.py alone
+      (tests/test_pp_contract.py). A Stage equals transformers' model (tests/test_foreign_tp_pp.py).
     - Peers given different micro-batches all raise; none hangs (tests/test_pp.py::test_pp2).
-    - An MoE model with the load-balancing loss equals the single process at pp2, every schedule,
-      with tp, sp and AC (tests/test_moe_layouts.py).
 
 Builds on: pp_schedules.py (actions, schedules, simulator). More: docs/pp.md, docs/pipeline-nccl.md.
 """
@@ -50,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -63,7 +60,387 @@ from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_fo
                           forward_only, gpipe, interleaved, one_f_one_b, simulate, zero_bubble)
 
 
-# ----------------------------------------------------------------------------------------- partition
+# ----------------------------------------------------------------------------------------- the executor
+Group = dist.ProcessGroup | None  # None: the default group, as in torch.distributed
+
+
+def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
+                 pp_group: Group, step_targets: int | torch.Tensor, *, hidden_size: int | None = None,
+                 no_sync: Callable[[], ContextManager] | None = None, seq_shards: int = 1,
+                 timer: Callable[[Action], ContextManager] | None = None, check_group: Group = None,
+                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+    """Run this rank's `actions` over `microbatches`, accumulating gradients in .grad.
+    Returns this dp rank's share of the step loss (token losses / step_targets) on every pp peer.
+
+    model: the stage (the contract above), or its chunks (stage_chunks) under virtual stages.
+    microbatches: dicts of (B, S) input_ids, labels and the stage's keywords; the same on every peer.
+    step_targets: the step's target tokens over all dp ranks. A tensor stays on its device.
+    hidden_size: H of the (B, S, H) activations, needed with more than one stage.
+    no_sync: dp/ZeRO's context that defers their reduction (_deferred).
+    seq_shards: tp's sequence parallelism. Stages then exchange (B, S/seq_shards, H) shards.
+    timer: a context manager around each computation (bench_theory.py).
+    check_group, peer_groups: see _check_inputs."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    _check_inputs(chunks, actions, microbatches, pp_group, hidden_size, seq_shards, check_group, peer_groups)
+    split = any(isinstance(a, Action) and a.kind == W for a in actions)
+    run = (_ZeroBubbleRun if split else _Run)(chunks, actions, microbatches, pp_group, step_targets, hidden_size,
+                                             seq_shards, no_sync, timer, peer_groups)
+    for k, a in enumerate(actions):
+        if isinstance(a, Comm):
+            run.post(a)  # one batch of sends and receives with one peer
+        elif a.kind == F:
+            run.forward(a)
+        elif a.kind == B:
+            run.backward(a, k)
+        else:
+            run.weight_grad(a, k)  # zb only
+    return run.finish()
+
+
+class _Run:
+    """One rank's state during run_pipeline (its arguments): what one action makes, for a later one.
+    Keys are (micro-batch, chunk). A message is a tuple: the activation, then any side tensors."""
+    grad_kind = B  # the action that accumulates into .grad
+
+    def __init__(self, chunks, actions, microbatches, pp_group, step_targets, hidden_size, seq_shards, no_sync,
+                 timer, peer_groups):
+        self.chunks, self.microbatches, self.pp_group = chunks, microbatches, pp_group
+        self.stage, self.n = _stage_of(pp_group)
+        self.route = _routes(pp_group, peer_groups, self.n)  # peer stage → (its group, its rank there)
+        self.timed = timer or (lambda a: contextlib.nullcontext())
+        param = next(chunks[0].parameters())
+        self.device = param.device
+        self.denominator = step_targets.clamp(min=1) if torch.is_tensor(step_targets) else max(int(step_targets), 1)
+        rows, seq = microbatches[0]["input_ids"].shape
+        self.side = side_tensors(chunks[0])  # {keyword: (shape, dtype)}
+        self.shapes = [((rows, seq // seq_shards, hidden_size), param.dtype), *self.side.values()]  # a message
+        self.deferred = _deferred(no_sync, actions, self.grad_kind)  # k → dp/ZeRO's no_sync, or not (below)
+        self.inputs: dict[tuple, tuple] = {}    # received input leaves, until B
+        self.outputs: dict[tuple, tuple] = {}   # the chunk's outputs, until B
+        self.in_grads: dict[tuple, list] = {}   # the gradients of the inputs, to send back
+        self.recvs: dict[tuple, list] = {}      # (payload, mb, chunk) → [(work to wait for, tensor)]
+        self.sends: list = []                   # works of posted sends (each keeps its tensor alive)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def first(self, chunk: int) -> bool:
+        return chunk * self.n + self.stage == 0  # virtual stage 0: token ids in
+
+    def last(self, chunk: int) -> bool:
+        return chunk * self.n + self.stage == self.n * len(self.chunks) - 1  # the last one: the loss out
+
+    def post(self, a: Comm) -> None:
+        """Post one batch_isend_irecv. A send is never waited on here: its work keeps the tensor alive."""
+        self.sends = [w for w in self.sends if not w.is_completed()]  # drop finished sends
+        group, peer = self.route[a.peer]
+        ops, msgs = [], []
+        for msg in a.msgs:
+            key = (msg.microbatch, msg.chunk)
+            if not msg.send:
+                ts = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.shapes]
+            else:  # F: our outputs; B: the gradients of our inputs
+                ts = [t.detach().contiguous() for t in (self.outputs[key] if msg.payload == F
+                                                        else self.in_grads.pop(key))]
+            ops += [dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer) for t in ts]
+            msgs += [msg] * len(ts)
+        works = dist.batch_isend_irecv(ops)
+        for msg, op, w in zip(msgs, ops, works if len(works) == len(ops) else works * len(ops)):  # NCCL: 1 work
+            if msg.send:
+                self.sends.append(w)
+            else:
+                self.recvs.setdefault((msg.payload, msg.microbatch, msg.chunk), []).append((w, op.tensor))
+
+    def received(self, payload: str, key: tuple) -> list[torch.Tensor]:
+        """A receive is waited on right before the computation that reads it."""
+        works_and_tensors = self.recvs.pop((payload, *key))
+        for w, _ in works_and_tensors:
+            w.wait()
+        return [t for _, t in works_and_tensors]
+
+    def forward(self, a: Action) -> None:
+        """F: run the chunk; the last virtual stage adds its loss share to the step's loss."""
+        key, mb = (a.microbatch, a.chunk), self.microbatches[a.microbatch]
+        kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
+        if self.first(a.chunk):
+            x = mb["input_ids"]  # (B, S) token ids
+        else:
+            x, *side = self.inputs[key] = tuple(t.requires_grad_() for t in self.received(F, key))
+            kwargs.update(zip(self.side, side))  # the side tensors, by keyword
+        with self.timed(a):
+            if self.last(a.chunk):
+                out = self.chunks[a.chunk](x, labels=mb["labels"], reduction="sum", **kwargs) / self.denominator
+                self.loss += out.detach()
+            else:
+                out = self.chunks[a.chunk](x, **kwargs)  # (B, S, H), or (B, S, H) and the side tensors
+        self.outputs[key] = out if isinstance(out, tuple) else (out,)
+
+    def backward(self, a: Action, k: int) -> None:
+        """B: backpropagate the received gradients; keep the inputs' gradients to send back."""
+        key = (a.microbatch, a.chunk)
+        grad = None if self.last(a.chunk) else self.received(B, key)
+        with self.deferred(k), self.timed(a):
+            dx = self.input_grad(key, grad)
+        if not self.first(a.chunk):
+            self.in_grads[key] = dx
+
+    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """The whole backward: the inputs' and the parameters' gradients."""
+        outs, grads = _with_grad(self.outputs.pop(key), grad)
+        torch.autograd.backward(outs, grad_tensors=grads)
+        return None if self.first(key[1]) else _grads_of(self.inputs.pop(key))
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the sends still in flight; broadcast the loss from the last stage."""
+        for w in self.sends:
+            w.wait()
+        if self.n > 1:
+            dist.broadcast(self.loss, group=self.pp_group, group_src=self.n - 1)
+        return self.loss
+
+
+def _grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs' gradients to send back; zeros where an input reached nothing differentiable."""
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
+
+
+def _stage_of(group: Group) -> tuple[int, int]:
+    """(this rank's stage, the number of stages) in the pp group; (0, 1) without torch.distributed."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
+# --- refinement: side tensors. What a stage sends on besides its hidden states, declared up front.
+# A receive needs each tensor's shape and dtype before it arrives: so the stage declares them.
+# A loss of every stage's layers (moe.py's load-balancing loss) carries its statistics this way.
+# Their gradients come back with the activation's, so autograd does the rest.
+def side_tensors(stage: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stage's declared side tensors, {keyword: (shape, dtype)}; none by default."""
+    return getattr(stage, "side_tensors", {})
+
+
+def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
+    """The outputs that carry a gradient, with theirs (none on the last stage: the loss is the root).
+    A side tensor may be a constant: it gets no gradient."""
+    keep = [j for j, t in enumerate(outs) if t.requires_grad]
+    return [outs[j] for j in keep], None if grads is None else [grads[j] for j in keep]
+
+
+# --- refinement: dp/ZeRO's deferred reduction. Their hooks reduce a parameter after its last gradient.
+def _deferred(no_sync: Callable[[], ContextManager] | None, actions: Sequence[Step],
+              kind: str) -> Callable[[int], ContextManager]:
+    """Action k → no_sync, but for each chunk's last action of `kind`: the one that accumulates into .grad."""
+    computes = [(k, a) for k, a in enumerate(actions) if isinstance(a, Action)]
+    last = {max((k for k, a in computes if a.kind == kind and a.chunk == c), default=-1)
+            for c in {a.chunk for _, a in computes}}
+    return lambda k: no_sync() if no_sync is not None and k not in last else contextlib.nullcontext()
+
+
+# --- refinement: one group per neighbour pair. NCCL runs one group's P2P on one stream per rank.
+# A rank's send to one neighbour then waits behind its send to the other. Rings of virtual stages
+# deadlock (docs/pipeline-nccl.md). A 2-rank group per pair gives each pair its own stream.
+def _routes(pp_group: Group, peer_groups: Mapping[int, dist.ProcessGroup] | None, n: int) -> dict[int, tuple]:
+    """{peer stage: (the group a message goes on, the peer's rank in it)}."""
+    if peer_groups is None:
+        return {s: (pp_group, s) for s in range(n)}
+    return {s: (g, 1 - dist.get_rank(g)) for s, g in peer_groups.items()}  # in a pair: the other one
+
+
+def serialized_p2p(device: torch.device) -> bool:
+    """Whether one process group's P2P on `device` runs on one stream per rank, in posting order.
+    NCCL (CUDA) does (docs/pipeline-nccl.md); gloo (CPU) does not."""
+    return device.type == "cuda"
+
+
+def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Global ranks of the 2-rank group of each neighbour pair: stages (s, s+1).
+    With 3 or more stages also (p-1, 0): virtual stages go round the ranks.
+    pipelines: each pipeline's global ranks, by stage.
+    Every rank must call dist.new_group for every returned list, in this order.
+    It passes its own to run_pipeline as peer_groups, {the other one's stage: group}.
+    grid.make_grid does both."""
+    return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
+            for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
+
+
+def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
+    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
+    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
+    me, out = dist.get_rank(), {}
+    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
+    for pair in neighbour_pairs(pipelines):
+        group = dist.new_group(pair)  # every rank, every pair, the same order
+        if me in pair:
+            out.update({stage[r]: group for r in pair if r != me})
+    return out
+
+
+# --- refinement: the B/W split (zero bubble). B computes only the input's gradient; W the rest, later.
+# B = torch.autograd.backward(out, grad, inputs=[x]): autograd runs only the nodes between out and x.
+# Each node computes only the outputs towards x: a linear's backward makes dX = dY·W, not dW.
+# A node pre-hook keeps the gradient dY flowing into each parameter's branch.
+# W reruns those nodes from dY, for the parameters only. B + W cost one backward (docs/pp.md).
+# Virtual stage 0 takes token ids: no input gradient. There W runs the whole backward.
+class _ZeroBubbleRun(_Run):
+    """run_pipeline's state for a schedule with W actions (zb)."""
+    grad_kind = W
+
+    def __init__(self, chunks: list[nn.Module], *args: Any):
+        super().__init__(chunks, *args)
+        self.params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
+        self.pending: dict[tuple, Callable[[], None]] = {}  # (micro-batch, chunk) → its W
+
+    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        outs, grads = _with_grad(self.outputs.pop(key), grad)
+        if self.first(key[1]):  # token ids in: no input gradient, so W runs the whole backward
+            self.pending[key] = functools.partial(torch.autograd.backward, outs, grads)
+            return None
+        dx, work = backward_input(outs, grads, self.inputs.pop(key), self.params[key[1]])
+        self.pending[key] = functools.partial(backward_weight, work)
+        return dx
+
+    def weight_grad(self, a: Action, k: int) -> None:
+        """W: the parameters' gradients, from what B kept."""
+        with self.deferred(k), self.timed(a):
+            self.pending.pop((a.microbatch, a.chunk))()
+
+
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node of the backward graph under `roots` → the nodes whose next_functions hold it."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    todo, seen = list(roots), set(roots)
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+    return parents
+
+
+def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], dict]:
+    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met.
+    Those are a dict, an ordered set: every rank lists them in the same order."""
+    seen, met, todo = set(starts), {}, list(starts)
+    while todo:
+        for par in parents.get(todo.pop(), []):
+            if par in stop:
+                met[par] = None
+            elif par not in seen:
+                seen.add(par)
+                todo.append(par)
+    return seen, met
+
+
+def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: torch.Tensor | Sequence[torch.Tensor] | None,
+                   inp: torch.Tensor | Sequence[torch.Tensor],
+                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | list[torch.Tensor], list]:
+    """B: the gradient of `inp` (a leaf, or several) only. Returns it (them), and W's groups for
+    backward_weight. A group is (params, [(node, the gradients flowing into it)]): the banner above
+    says why. out, grad: a tensor, or several (a stage's activation and its side tensors)."""
+    one = isinstance(inp, torch.Tensor)
+    outs, inps = ([out], [inp]) if one else (list(out), list(inp))
+    grads = grad if grad is None or not isinstance(grad, torch.Tensor) else [grad]
+    parents = _parents([o.grad_fn for o in outs])
+    path, _ = _up([get_gradient_edge(i).node for i in inps], parents)  # nodes between the outputs and inputs
+    groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
+    for p in params:
+        node = get_gradient_edge(p).node
+        if node not in parents:
+            continue  # not used by this chunk's graph
+        ids, nodes = {id(p)}, _up([node], parents, stop=path)[1]
+        for g in [g for g in groups if g[0] & ids or g[1].keys() & nodes]:
+            groups.remove(g)
+            ids, nodes = ids | g[0], {**g[1], **nodes}
+        groups.append((ids, nodes))
+    for _, nodes in groups:  # a parameter joining the path at two depths would get dY twice in W
+        if len(nodes) > 1 and any(n in _up([m], parents)[0] for n in nodes for m in nodes if m is not n):
+            raise ValueError("a parameter is used at several depths of one chunk: the B/W split "
+                             "would count its gradient twice (use a schedule without W)")
+    saved: dict[Node, tuple] = {}
+    hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
+             for _, nodes in groups for n in nodes]
+    try:
+        torch.autograd.backward(outs, grads, inputs=inps, retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    dx = inp.grad if one else _grads_of(inps)
+    return dx, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
+
+
+def backward_weight(work: list) -> None:
+    """W: run each group's nodes again with the saved gradients, for its parameters only.
+    They accumulate into .grad: AccumulateGrad and its hooks fire once per parameter.
+    The groups run last parameters first, the order of a plain backward.
+    dp/ZeRO launch their buckets in that order."""
+    for ps, nodes in reversed(work):
+        roots = [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None]
+        torch.autograd.backward(roots, [g for _, gs in nodes for g in gs if g is not None], inputs=ps)
+
+
+# --- refinement: input checks. A wrong input raises the same error on every stage, never a hang.
+KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
+
+
+def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict], pp_group: Group,
+                  hidden_size: int | None, seq_shards: int, check_group: Group,
+                  peer_groups: Mapping[int, dist.ProcessGroup] | None) -> None:
+    """run_pipeline's checks, before any message.
+    check_group: a gloo group of pp_group's ranks (grid.pp_check): the check runs on the host.
+    None: over pp_group, on the parameters' device (on CUDA, a device→host read every step).
+    peer_groups: {neighbour stage: the pair's 2-rank group} (grid.pp_peers, neighbour_pairs).
+    None puts every message on pp_group: refused where NCCL would deadlock."""
+    (stage, n), v, param = _stage_of(pp_group), len(chunks), next(chunks[0].parameters())
+    peers = {a.peer for a in actions if isinstance(a, Comm)}
+    if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
+        raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
+                         f"stream per rank): pass peer_groups, a 2-rank group per neighbour pair (grid.pp_peers)")
+    problem = "run_pipeline needs hidden_size (H of the (B, S, H) activations)" if n > 1 and hidden_size is None \
+        else "" if peer_groups is None or peers <= set(peer_groups) \
+        else f"it talks to stages {sorted(peers)}, peer_groups has {sorted(peer_groups)}"
+    _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
+                param.device if check_group is None else torch.device("cpu"), seq_shards, problem)
+
+
+def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: Group,
+                stage: int, n: int, v: int, device: torch.device, seq_shards: int, extra: str = "") -> None:
+    """Local checks, then one tiny all_gather: every pp peer raises the same error.
+    Otherwise some would wait forever for a message of another shape.
+    The header holds host values only. Over a gloo group (device cpu) it never waits for the GPU."""
+    m = len(microbatches)
+    shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
+    shapes = [tuple(mb[k].shape) for mb in microbatches for k in KEYS_CHECKED if mb.get(k) is not None]
+    problem = ""
+    if m == 0:
+        problem = "no micro-batches"
+    elif len(shape) != 2:
+        problem = f"input_ids must be (B, S) token ids, got shape {shape}"
+    elif any(s != shape for s in shapes):
+        problem = f"every micro-batch's {'/'.join(KEYS_CHECKED)} must have the shape {shape} of the first, got {shapes}"
+    elif shape[1] % seq_shards:
+        problem = f"sequence length {shape[1]} does not split into {seq_shards} sequence shards"
+    for a in actions:
+        pieces = [a] if isinstance(a, Action) else a.msgs
+        bad_peer = isinstance(a, Comm) and not (0 <= a.peer < n and a.peer != stage)
+        if not problem and (bad_peer or any(not (0 <= x.microbatch < m and 0 <= x.chunk < v) for x in pieces)):
+            problem = f"action {a} does not fit {m} micro-batches and {v} chunk(s) on stage {stage} of {n}"
+    problem = problem or extra
+    bs = shape if len(shape) == 2 else (0, 0)
+    header = [m, *bs, int(not problem)]
+    rows = [header]
+    if n > 1:
+        gathered = torch.empty(n * 4, dtype=torch.int64, device=device)
+        dist.all_gather_single(gathered, torch.tensor(header, device=device), group=group)  # flat (n * 4,)
+        rows = gathered.view(n, 4).tolist()  # per stage: [M, B, S, ok]
+    if problem:
+        raise ValueError(f"pipeline stage {stage}: {problem}")
+    if any(r != rows[0] for r in rows) or not all(r[3] for r in rows):
+        raise ValueError("pipeline peers disagree on the step (per stage: [micro-batches, B, S, ok]): "
+                         f"{rows}; all pp peers must be given the same micro-batches")
+
+
+
+# ----------------------------------------------------------------------------------------- the stages
 def head_cost(cfg, seq_len: int) -> float:
     """lm_head + loss in decoder-layer equivalents, from FLOPs per token (forward + backward).
     A layer: its matmuls 6·(its weights), plus attention 12·q·S (PaLM's count).
@@ -160,10 +537,8 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
         raise ValueError(f"split_stage: {type(model).__name__} is neither attotron's Llama nor a transformers "
                          f"decoder (model.model.layers, lm_head); pass parts=pp.Parts(embed=..., layers=..., "
                          f"norm=..., head=..., positions=...) and loss_fn")
-    if hf and getattr(model.config, "output_router_logits", False) and num_stages > 1:
-        raise ValueError(f"split_stage: {type(model).__name__} has output_router_logits: its load-balancing "
-                         f"loss pools every stage's routers, which a Stage cannot; attotron's own MoE "
-                         f"model (model.py) can")
+    if hf:
+        _check_splittable(model, num_stages)
     parts = parts or Parts()
     layers = _get(model, parts.layers)
     if not isinstance(layers, nn.ModuleList):
@@ -175,7 +550,7 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
         raise ValueError(f"layer ranges {list(layer_ranges)} do not cover the model's {len(layers)} layers in order")
     first, last = stage == 0, stage == num_stages - 1
     embed, head = _get(model, parts.embed), _get(model, parts.head)
-    hidden, tied = embed.embedding_dim, head.weight is embed.weight
+    tied = head.weight is embed.weight
     owned = {str(i): layers[i] for i in layer_ranges[stage]}
     _set(model, parts.layers, OwnedLayers(owned))
     if hf and getattr(model.config, "layer_types", None):
@@ -193,7 +568,7 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, layer_ranges: Seq
         _set(model, parts.head, None)
         if parts.norm:  # transformers' forward calls its norm: make it the identity
             _set(model, parts.norm, nn.Identity() if hf else None)
-    return Stage(model, parts, first, last, hidden, loss_fn or token_loss, tied, hf)
+    return Stage(model, parts, first, last, loss_fn or token_loss, tied, hf)
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
@@ -215,14 +590,15 @@ class OwnedLayers(nn.ModuleList):
 
 class Stage(nn.Module):
     """One pipeline stage of a model attotron did not write. It runs this stage's share of it.
-    It holds the model's own top-level modules: parameter names and objects are the model's."""
+    It holds the model's own top-level modules: parameter names and objects are the model's.
+    Without labels, the last stage returns logits (B, S, V)."""
 
-    def __init__(self, model: nn.Module, parts: Parts, first: bool, last: bool, hidden_size: int,
+    def __init__(self, model: nn.Module, parts: Parts, first: bool, last: bool,
                  loss_fn: Callable[..., torch.Tensor], tied: bool, hf: bool):
         super().__init__()
         self._modules.update(model._modules)  # the same modules under the same names
         self.config = getattr(model, "config", None)
-        self.parts, self.first, self.last, self.hidden_size = parts, first, last, hidden_size
+        self.parts, self.first, self.last = parts, first, last
         self.loss_fn, self.tied, self.hf = loss_fn, tied, hf
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "sum",
@@ -275,6 +651,7 @@ def _split_llama(model: nn.Module, stage: int, num_stages: int, layer_ranges: Se
     return model
 
 
+# --- refinement: virtual stages. Rank s holds chunks s, s+p, ...: the interleaved and zb schedules' v > 1.
 def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, num_stages: int) -> list[nn.Module]:
     """This rank's chunks for run_pipeline: chunk c is virtual stage c·p + stage. v = 1: [model].
     Else each is a shallow copy of the (split, tp'd, materialized, checkpointed) model.
@@ -299,6 +676,7 @@ def stage_chunks(model: nn.Module, layer_ranges: Sequence[range], stage: int, nu
     return chunks
 
 
+# --- refinement: an embedding tied to the head. The first and the last stage each hold a copy.
 def tied_copy(model: nn.Module) -> nn.Parameter | None:
     """This stage's copy of an embedding tied across the first and last stage.
     That is the embedding on the first stage, `lm_head.weight` on the last.
@@ -331,29 +709,6 @@ def tied_embedding_ranks(world_size: int, num_stages: int) -> list[list[int]]:
     return [[i, (num_stages - 1) * stride + i] for i in range(stride)]
 
 
-def neighbour_pairs(pipelines: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Global ranks of the 2-rank group of each neighbour pair: stages (s, s+1).
-    With 3 or more stages also (p-1, 0): virtual stages go round the ranks.
-    pipelines: each pipeline's global ranks, by stage.
-    Every rank must call dist.new_group for every returned list, in this order.
-    It passes its own to run_pipeline as peer_groups, {the other one's stage: group}.
-    grid.make_grid does both."""
-    return [sorted([ranks[s], ranks[(s + 1) % len(ranks)]]) for ranks in pipelines
-            for s in range(len(ranks) if len(ranks) > 2 else len(ranks) - 1)]
-
-
-def peer_groups(pipelines: Sequence[Sequence[int]]) -> dict[int, dist.ProcessGroup]:
-    """run_pipeline's peer_groups for this rank: {the other stage: the pair's group}.
-    Every rank calls it with the same pipelines (each pipeline's global ranks, by stage)."""
-    me, out = dist.get_rank(), {}
-    stage = {r: s for ranks in pipelines for s, r in enumerate(ranks)}
-    for pair in neighbour_pairs(pipelines):
-        group = dist.new_group(pair)  # every rank, every pair, the same order
-        if me in pair:
-            out.update({stage[r]: group for r in pair if r != me})
-    return out
-
-
 def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> None:
     """Sum the two tied copies' gradients (first and last stage), so both take the same step.
     A no-op on other stages. Summing is linear: it may run before or after a dp all-reduce.
@@ -370,398 +725,15 @@ def sync_tied_grads(model: nn.Module, embed_group: dist.ProcessGroup | None) -> 
     dist.all_reduce(w.grad, group=embed_group)
 
 
-# ----------------------------------------------------------------------------------------- executor
-def run_pipeline(model: nn.Module | Sequence[nn.Module], actions: Sequence[Step],
-                 microbatches: Sequence[dict], pp_group: dist.ProcessGroup | None,
-                 step_targets: int | torch.Tensor, no_sync: Callable[[], ContextManager] | None = None,
-                 seq_shards: int = 1, timer: Callable[[Action], ContextManager] | None = None,
-                 check_group: dist.ProcessGroup | None = None,
-                 peer_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
-    """Run this rank's `actions` over `microbatches`, accumulating gradients in .grad.
-    Returns this dp rank's share of the step loss: the sum of token losses / step_targets.
-    The last stage broadcasts it to every pp peer. Sum it over dp for the global loss.
-
-    model: the stage model, or its chunks (stage_chunks) when the schedule has virtual stages.
-    microbatches: dicts with (B, S) input_ids and labels, identical on every pp peer.
-    Every other key (position_ids, ...) goes to the model as a keyword.
-    pp_group: None is the default group, as in torch.distributed (one stage when none is initialized).
-    A group of size 1 runs the whole model locally, without communication.
-    step_targets: target tokens of the whole optimizer step (all micro-batches, all dp ranks).
-    A tensor (dp.global_count) stays on its device: the loss is divided there, never read on the host.
-    no_sync: the dp/ZeRO context that defers its gradient reduction.
-    Every B and W runs inside it but each chunk's last one that accumulates into .grad.
-    seq_shards: tp under sequence parallelism; stages exchange (B, S/seq_shards, H) shards.
-    timer: a context manager around each computation (bench_theory.py measures busy time with it).
-    check_group: a gloo group of pp_group's ranks (grid.pp_check): the peers' check runs on the host.
-    None: over pp_group, on the parameters' device (on CUDA, a device→host read every step).
-    peer_groups: {neighbour stage: the pair's 2-rank group} (grid.pp_peers, neighbour_pairs).
-    Each pair's messages then go on a communicator of its own. None: all on pp_group.
-    NCCL serializes one group's P2P, so None is refused where it deadlocks (docs/pipeline-nccl.md)."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    stage = dist.get_rank(pp_group) if dist.is_initialized() else 0
-    n = dist.get_world_size(pp_group) if dist.is_initialized() else 1
-    _check_inputs(chunks, actions, microbatches, pp_group, stage, n, seq_shards, check_group, peer_groups)
-    split = any(isinstance(a, Action) and a.kind == W for a in actions)
-    run = (_ZeroBubbleRun if split else _Run)(chunks, actions, microbatches, pp_group, stage, n, step_targets,
-                                             no_sync, seq_shards, timer, peer_groups)
-    for k, a in enumerate(actions):
-        if isinstance(a, Comm):
-            run.post(a)  # one batch of sends and receives with one peer
-        elif a.kind == F:
-            run.forward(a)
-        elif a.kind == B:
-            run.backward(a, k)
-        else:
-            run.weight_grad(a, k)  # zb only
-    return run.finish()
-
-
-def _hidden_size(chunk: nn.Module) -> int:
-    return chunk.hidden_size if isinstance(chunk, Stage) else chunk.config.hidden_size
-
-
-def _extras(chunk: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What a stage passes on besides its hidden states (model.Llama.stage_extras: the routers'
-    statistics of an MoE model with the load-balancing loss); a Stage passes nothing else."""
-    return {} if isinstance(chunk, Stage) else chunk.stage_extras()
-
-
-def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
-    """The outputs that carry a gradient, with theirs (none on the last stage: the loss is the root).
-    A stage of dense layers only makes constant router statistics."""
-    keep = [j for j, t in enumerate(outs) if t.requires_grad]
-    return [outs[j] for j in keep], None if grads is None else [grads[j] for j in keep]
-
-
-def _grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The inputs' gradients to send back; zeros where an input reached nothing differentiable."""
-    return [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
-
-
-class _Run:
-    """One rank's state during run_pipeline: what one action makes and a later one uses.
-    Keys are (micro-batch, chunk)."""
-    grad_kind = B  # the action that accumulates into .grad
-
-    def __init__(self, chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
-                 pp_group: dist.ProcessGroup | None, stage: int, n: int, step_targets: int | torch.Tensor,
-                 no_sync: Callable[[], ContextManager] | None, seq_shards: int,
-                 timer: Callable[[Action], ContextManager] | None,
-                 peer_groups: Mapping[int, dist.ProcessGroup] | None):
-        self.chunks, self.microbatches, self.stage, self.n, self.v = chunks, microbatches, stage, n, len(chunks)
-        self.pp_group, self.peer_groups, self.no_sync = pp_group, peer_groups, no_sync
-        self.timed = timer or (lambda a: contextlib.nullcontext())
-        self.param = next(chunks[0].parameters())
-        self.denominator = step_targets.clamp(min=1) if isinstance(step_targets, torch.Tensor) \
-            else max(int(step_targets), 1)
-        rows, seq = microbatches[0]["input_ids"].shape
-        self.act_shape = (rows, seq // seq_shards, _hidden_size(chunks[0]))  # (B, S/seq_shards, H)
-        self.extras = _extras(chunks[0])  # {keyword: (shape, dtype)}: what travels with the activation
-        self.shapes = [(self.act_shape, self.param.dtype), *self.extras.values()]  # one message's tensors
-        self.syncs = {max((k for k, a in enumerate(actions) if isinstance(a, Action) and a.kind == self.grad_kind
-                           and a.chunk == c), default=-1) for c in range(self.v)}  # each chunk's last one
-        # tuples: the activation (hidden states, or the last stage's loss), then the extras
-        self.inputs: dict[tuple, tuple] = {}    # input leaves (received, or zb's cut embedding)
-        self.outputs: dict[tuple, tuple] = {}   # the chunk's outputs until B
-        self.in_grads: dict[tuple, list] = {}   # the gradients of the inputs, to send back
-        self.recvs: dict[tuple, tuple] = {}            # (payload, mb, chunk) → (works to wait for, tensor)
-        self.sends: list[list] = []                    # works of posted sends (each keeps its tensor alive)
-        self.loss = torch.zeros((), dtype=torch.float32, device=self.param.device)
-
-    def first(self, chunk: int) -> bool:
-        return chunk * self.n + self.stage == 0  # virtual stage 0: token ids in, the embedding
-
-    def last(self, chunk: int) -> bool:
-        return chunk * self.n + self.stage == self.n * self.v - 1  # the last one: the loss out
-
-    def post(self, a: Comm) -> None:
-        """Post one batch_isend_irecv. A send is never waited on here: its work keeps the tensor alive."""
-        self.sends[:] = [ws for ws in self.sends if not all(w.is_completed() for w in ws)]  # drop finished sends
-        group, peer = (self.pp_group, a.peer) if self.peer_groups is None else \
-            (self.peer_groups[a.peer], 1 - dist.get_rank(self.peer_groups[a.peer]))  # (in a pair: the other one)
-        ops, tensors = [], []
-        for msg in a.msgs:  # each message: the activation (or its gradient), then the extras
-            key = (msg.microbatch, msg.chunk)
-            if msg.send:  # F: our outputs; B: the gradients of our inputs
-                ts = [t.detach().contiguous() for t in (self.outputs[key] if msg.payload == F
-                                                        else self.in_grads.pop(key))]
-            else:
-                ts = [torch.empty(shape, dtype=dtype, device=self.param.device) for shape, dtype in self.shapes]
-            ops += [dist.P2POp(dist.isend if msg.send else dist.irecv, t, group=group, group_peer=peer) for t in ts]
-            tensors.append(ts)
-        works = dist.batch_isend_irecv(ops)
-        j = 0
-        for msg, ts in zip(a.msgs, tensors):
-            mine = works[j:j + len(ts)] if len(works) == len(ops) else works  # NCCL: one coalesced work
-            j += len(ts)
-            if msg.send:
-                self.sends.append(mine)
-            else:
-                self.recvs[msg.payload, msg.microbatch, msg.chunk] = (mine, ts)
-
-    def received(self, payload: str, key: tuple) -> list[torch.Tensor]:
-        """A receive is waited on right before the computation that reads it."""
-        works, ts = self.recvs.pop((payload, *key))
-        for w in works:
-            w.wait()
-        return ts
-
-    def forward(self, a: Action) -> None:
-        """F: run the chunk; the last virtual stage adds its loss share to the step's loss."""
-        key, c = (a.microbatch, a.chunk), self.chunks[a.chunk]
-        mb = self.microbatches[a.microbatch]
-        kwargs = {name: t for name, t in mb.items() if name not in ("input_ids", "labels")}
-        if self.first(a.chunk):
-            x, extras = mb["input_ids"], {}
-        else:
-            x, *rest = [t.requires_grad_() for t in self.received(F, key)]
-            extras = dict(zip(self.extras, rest))  # the earlier stages' extras, by keyword
-        with self.around_forward(a), self.timed(a):
-            if self.last(a.chunk):
-                out = c(x, labels=mb["labels"], reduction="sum", **kwargs, **extras) / self.denominator
-                self.loss += out.detach()
-            else:
-                out = c(x, **kwargs, **extras)  # (B, S, H), or a tuple: (B, S, H) and the extras
-        if not self.first(a.chunk):
-            self.inputs[key] = (x, *extras.values())
-        self.outputs[key] = out if isinstance(out, tuple) else (out,)
-
-    def around_forward(self, a: Action) -> ContextManager:
-        return contextlib.nullcontext()  # (zb cuts the embedding off here)
-
-    def backward(self, a: Action, k: int) -> list[torch.Tensor] | None:
-        """B: backpropagate the received gradients; keep the inputs' gradients to send back."""
-        key = (a.microbatch, a.chunk)
-        grad = None if self.last(a.chunk) else self.received(B, key)
-        with self.deferred(k), self.timed(a):
-            dx = self.input_grad(key, grad)
-        if not self.first(a.chunk):
-            self.in_grads[key] = dx
-        return dx
-
-    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """The whole backward: the inputs' and the parameters' gradients."""
-        outs, grads = _with_grad(self.outputs.pop(key), grad)
-        torch.autograd.backward(outs, grad_tensors=grads)
-        return None if self.first(key[1]) else _grads_of(self.inputs.pop(key))
-
-    def deferred(self, k: int) -> ContextManager:
-        """dp/ZeRO's no_sync, but for each chunk's last action that accumulates into .grad.
-        Hook-based dp/ZeRO reduce a parameter after its last gradient."""
-        return self.no_sync() if self.no_sync is not None and k not in self.syncs else contextlib.nullcontext()
-
-    def finish(self) -> torch.Tensor:
-        """Wait for the sends still in flight; broadcast the loss from the last stage."""
-        for ws in self.sends:
-            for w in ws:
-                w.wait()
-        if self.n > 1:
-            dist.broadcast(self.loss, group=self.pp_group, group_src=self.n - 1)
-        return self.loss
-
-
-# --- refinement: the B/W split (zero bubble). B computes only the input's gradient; W the rest, later.
-# B = torch.autograd.backward(out, grad, inputs=[x]): autograd runs only the nodes between out and x.
-# Each node computes only the outputs towards x: a linear's backward makes dX = dY·W, not dW.
-# A node pre-hook keeps the gradient dY flowing into each parameter's branch.
-# W reruns those nodes from dY, for the parameters only. B + W cost one backward (docs/pp.md).
-class _ZeroBubbleRun(_Run):
-    """run_pipeline's state for a schedule with W actions (zb)."""
-    grad_kind = W
-
-    def __init__(self, chunks: list[nn.Module], *args: Any):
-        super().__init__(chunks, *args)
-        self.params = [[p for p in ch.parameters() if p.requires_grad] for ch in chunks]
-        self.pending: dict[tuple, list] = {}  # what W needs
-        self.embeds: dict[tuple, tuple] = {}  # virtual stage 0: the embedding's share of W
-
-    def around_forward(self, a: Action) -> ContextManager:
-        if not self.first(a.chunk):
-            return contextlib.nullcontext()
-        return self.cut_embedding(self.chunks[a.chunk], (a.microbatch, a.chunk))
-
-    @contextlib.contextmanager
-    def cut_embedding(self, chunk: nn.Module, key: tuple):
-        """Virtual stage 0: the embedding's output becomes the chunk's input leaf.
-        So B stops there, as on any stage. The embedding's gradient waits for W."""
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            self.embeds[key], self.inputs[key] = out, (out.detach().requires_grad_(),)
-            return self.inputs[key][0]
-        handle = _embedding(chunk).register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    def input_grad(self, key: tuple, grad: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        outs, grads = _with_grad(self.outputs.pop(key), grad)
-        dx, self.pending[key] = backward_input(outs, grads, self.inputs.pop(key), self.params[key[1]])
-        return dx
-
-    def backward(self, a: Action, k: int) -> list[torch.Tensor]:
-        dx = super().backward(a, k)
-        key = (a.microbatch, a.chunk)
-        if self.first(a.chunk):
-            self.embeds[key] = (self.embeds[key], dx[0], list(_embedding(self.chunks[a.chunk]).parameters()))
-        return dx
-
-    def weight_grad(self, a: Action, k: int) -> None:
-        """W: the parameters' gradients, from what B kept."""
-        key = (a.microbatch, a.chunk)
-        with self.deferred(k), self.timed(a):
-            backward_weight(self.pending.pop(key), self.embeds.pop(key, None))
-
-
-def _embedding(chunk: nn.Module) -> nn.Module:
-    """The token embedding of a first stage, whose output zb cuts off as the chunk's input leaf."""
-    return _get(chunk, chunk.parts.embed) if isinstance(chunk, Stage) else chunk.model.embed_tokens
-
-
-def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
-    """Every node of the backward graph under `roots` → the nodes whose next_functions hold it."""
-    parents: dict[Node, list[Node]] = defaultdict(list)
-    todo, seen = list(roots), set(roots)
-    while todo:
-        node = todo.pop()
-        for child, _ in node.next_functions:
-            if child is not None:
-                parents[child].append(node)
-                if child not in seen:
-                    seen.add(child)
-                    todo.append(child)
-    return parents
-
-
-def _up(starts: list[Node], parents: dict, stop: set[Node] = frozenset()) -> tuple[set[Node], dict]:
-    """Nodes reached from `starts` towards the root, not entering `stop`; and the `stop` nodes met.
-    Those are a dict, an ordered set: every rank lists them in the same order."""
-    seen, met, todo = set(starts), {}, list(starts)
-    while todo:
-        for par in parents.get(todo.pop(), []):
-            if par in stop:
-                met[par] = None
-            elif par not in seen:
-                seen.add(par)
-                todo.append(par)
-    return seen, met
-
-
-def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: torch.Tensor | Sequence[torch.Tensor] | None,
-                   inp: torch.Tensor | Sequence[torch.Tensor],
-                   params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | list[torch.Tensor], list]:
-    """B: the gradient of `inp` (a leaf, or several) only. Returns it (them), and W's groups for
-    backward_weight. A group is (params, [(node, the gradients flowing into it)]): the banner above
-    says why. out, grad: a tensor, or several (a stage's activation and its extras)."""
-    one = isinstance(inp, torch.Tensor)
-    outs, inps = ([out], [inp]) if one else (list(out), list(inp))
-    grads = grad if grad is None or not isinstance(grad, torch.Tensor) else [grad]
-    parents = _parents([o.grad_fn for o in outs])
-    path, _ = _up([get_gradient_edge(i).node for i in inps], parents)  # nodes between the outputs and inputs
-    groups: list[tuple[set[int], dict]] = []  # (ids of parameters, nodes where they join the path)
-    for p in params:
-        node = get_gradient_edge(p).node
-        if node not in parents:
-            continue  # not used by this chunk's graph (the embedding behind the cut)
-        ids, nodes = {id(p)}, _up([node], parents, stop=path)[1]
-        for g in [g for g in groups if g[0] & ids or g[1].keys() & nodes]:
-            groups.remove(g)
-            ids, nodes = ids | g[0], {**g[1], **nodes}
-        groups.append((ids, nodes))
-    for _, nodes in groups:  # a parameter joining the path at two depths would get dY twice in W
-        if len(nodes) > 1 and any(n in _up([m], parents)[0] for n in nodes for m in nodes if m is not n):
-            raise ValueError("a parameter is used at several depths of one chunk: the B/W split "
-                             "would count its gradient twice (use a schedule without W)")
-    saved: dict[Node, tuple] = {}
-    hooks = [n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads))
-             for _, nodes in groups for n in nodes]
-    try:
-        torch.autograd.backward(outs, grads, inputs=inps, retain_graph=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    dx = inp.grad if one else _grads_of(inps)
-    return dx, [([p for p in params if id(p) in ids], [(n, saved[n]) for n in nodes]) for ids, nodes in groups]
-
-
-def backward_weight(work: list, embed: tuple[torch.Tensor, torch.Tensor, list] | None = None) -> None:
-    """W: run each group's nodes again with the saved gradients, for its parameters only.
-    They accumulate into .grad: AccumulateGrad and its hooks fire once per parameter.
-    The groups run last parameters first, the embedding last.
-    So gradients complete in a plain backward's order, the order dp/ZeRO launch their buckets in.
-    embed: (the embedding output cut off on rank 0, its gradient, the embedding's parameters).
-    It is one more root."""
-    groups = [(ps, [GradientEdge(n, k) for n, gs in nodes for k, g in enumerate(gs) if g is not None],
-               [g for _, gs in nodes for g in gs if g is not None]) for ps, nodes in reversed(work)]
-    if embed is not None:
-        out, grad, eps = embed
-        tied = [g for g in groups if set(map(id, g[0])) & set(map(id, eps))]  # pp=1, tied: lm_head
-        ps, roots, grads = tied[0] if tied else (list(eps), [], [])
-        groups = [g for g in groups if not any(g is t for t in tied)]
-        groups.append((ps, roots + [get_gradient_edge(out)], grads + [grad]))
-    for ps, roots, grads in groups:
-        torch.autograd.backward(roots, grads, inputs=ps)
-
-
-# --- refinement: input checks. A wrong input raises the same error on every stage, never a hang.
-def serialized_p2p(device: torch.device) -> bool:
-    """Whether one process group's P2P on `device` runs on one stream per rank, in posting order.
-    NCCL (CUDA) does (docs/pipeline-nccl.md); gloo (CPU) does not."""
-    return device.type == "cuda"
-
-
-KEYS_CHECKED = ("input_ids", "labels", "position_ids")  # (B, S) tensors; other keys pass through
-
-
-def _check_inputs(chunks: list[nn.Module], actions: Sequence[Step], microbatches: Sequence[dict],
-                  pp_group: dist.ProcessGroup | None, stage: int, n: int, seq_shards: int,
-                  check_group: dist.ProcessGroup | None, peer_groups: Mapping[int, dist.ProcessGroup] | None) -> None:
-    """run_pipeline's checks, before any message."""
-    v, param = len(chunks), next(chunks[0].parameters())
-    peers = {a.peer for a in actions if isinstance(a, Comm)}
-    if peer_groups is None and v > 1 and n > 2 and serialized_p2p(param.device):
-        raise ValueError(f"{n} stages with {v} virtual stages on one NCCL group deadlock (its P2P runs on one "
-                         f"stream per rank): pass peer_groups, a 2-rank group per neighbour pair (grid.pp_peers)")
-    missing = "" if peer_groups is None or peers <= set(peer_groups) else \
-        f"it talks to stages {sorted(peers)}, peer_groups has {sorted(peer_groups)}"
-    _check_step(microbatches, actions, pp_group if check_group is None else check_group, stage, n, v,
-                param.device if check_group is None else torch.device("cpu"), seq_shards, missing)
-
-
-def _check_step(microbatches: Sequence[dict], actions: Sequence[Step], group: dist.ProcessGroup | None,
-                stage: int, n: int, v: int, device: torch.device, seq_shards: int, extra: str = "") -> None:
-    """Local checks, then one tiny all_gather: every pp peer raises the same error.
-    Otherwise some would wait forever for a message of another shape.
-    The header holds host values only. Over a gloo group (device cpu) it never waits for the GPU."""
-    m = len(microbatches)
-    shape = tuple(microbatches[0]["input_ids"].shape) if m else ()
-    shapes = [tuple(mb[k].shape) for mb in microbatches for k in KEYS_CHECKED if mb.get(k) is not None]
-    problem = ""
-    if m == 0:
-        problem = "no micro-batches"
-    elif len(shape) != 2:
-        problem = f"input_ids must be (B, S) token ids, got shape {shape}"
-    elif any(s != shape for s in shapes):
-        problem = f"every micro-batch's {'/'.join(KEYS_CHECKED)} must have the shape {shape} of the first, got {shapes}"
-    elif shape[1] % seq_shards:
-        problem = f"sequence length {shape[1]} does not split into {seq_shards} sequence shards"
-    for a in actions:
-        pieces = [a] if isinstance(a, Action) else a.msgs
-        bad_peer = isinstance(a, Comm) and not (0 <= a.peer < n and a.peer != stage)
-        if not problem and (bad_peer or any(not (0 <= x.microbatch < m and 0 <= x.chunk < v) for x in pieces)):
-            problem = f"action {a} does not fit {m} micro-batches and {v} chunk(s) on stage {stage} of {n}"
-    problem = problem or extra
-    bs = shape if len(shape) == 2 else (0, 0)
-    header = [m, *bs, int(not problem)]
-    rows = [header]
-    if n > 1:
-        gathered = torch.empty(n * 4, dtype=torch.int64, device=device)
-        dist.all_gather_single(gathered, torch.tensor(header, device=device), group=group)  # flat (n * 4,)
-        rows = gathered.view(n, 4).tolist()  # per stage: [M, B, S, ok]
-    if problem:
-        raise ValueError(f"pipeline stage {stage}: {problem}")
-    if any(r != rows[0] for r in rows) or not all(r[3] for r in rows):
-        raise ValueError("pipeline peers disagree on the step (per stage: [micro-batches, B, S, ok]): "
-                         f"{rows}; all pp peers must be given the same micro-batches")
+# --- refinement: models a Stage cannot split.
+def _check_splittable(model: nn.Module, num_stages: int) -> None:
+    """Refuse a transformers model whose loss pools every stage's layers: a Stage returns only its own loss.
+    transformers' MoE load-balancing loss (output_router_logits) is one. moe.py gives attotron's own model
+    that loss through side tensors."""
+    if getattr(model.config, "output_router_logits", False) and num_stages > 1:
+        raise ValueError(f"split_stage: {type(model).__name__} has output_router_logits: its load-balancing "
+                         f"loss pools every stage's routers, which a Stage cannot; attotron's own MoE "
+                         f"model (model.py) can")
 
 
 if __name__ == "__main__":

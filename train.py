@@ -344,7 +344,7 @@ def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float,
         with G.stage(f"forward/backward ({args.schedule} pipeline over {args.pp} stage(s))", grid):
             loss = PP.run_pipeline(r.chunks, r.actions, micro, grid.pp_group, targets, no_sync=opt.no_sync,
                                    seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
-                                   peer_groups=grid.pp_peers)
+                                   peer_groups=grid.pp_peers, hidden_size=r.cfg.hidden_size)
         with G.stage(f"gradient reduction (dp / ZeRO-{args.zero})", grid):
             opt.finish()  # dp / ZeRO reductions land
             if grid.at.dp > 1:  # (dp · cp replicas; no collective on a group of one)

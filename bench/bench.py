@@ -301,7 +301,8 @@ def sec_pp(ctx: Ctx) -> None:
             return [{"input_ids": a, "labels": b} for a, b in zip(x.chunk(m), y.chunk(m))]
 
         def ours_step(i: int) -> tuple[torch.Tensor, float]:
-            loss = PP.run_pipeline(chunks, actions, micro(i), group, ctx.targets, peer_groups=peers)
+            loss = PP.run_pipeline(chunks, actions, micro(i), group, ctx.targets, peer_groups=peers,
+                                   hidden_size=ctx.cfg.hidden_size)
             return loss, opt.step(ctx.args.lr)
 
         def peer_step(i: int) -> tuple[torch.Tensor, float]:

@@ -100,7 +100,8 @@ def bubble(ctx: Ctx, chunks: list, actions: list, micro: Callable, schedule: str
         mbs = micro(i)
         dist.barrier(group=group)
         start = timer._mark()
-        PP.run_pipeline(chunks, actions, mbs, group, ctx.targets, timer=timer, peer_groups=peers)
+        PP.run_pipeline(chunks, actions, mbs, group, ctx.targets, timer=timer, peer_groups=peers,
+                        hidden_size=ctx.cfg.hidden_size)
         stop = timer._mark()
         busy, per = timer.read()
         rec.append([timer.seconds(start, stop), busy])
@@ -177,7 +178,7 @@ def measure_layout(ctx: Ctx, stage: int, use_ac: bool, pp: int, groups: dict, do
         with AC.SavedActivationMeter() if it else contextlib.nullcontext() as saved:
             if pp > 1:
                 PP.run_pipeline(model, PP.one_f_one_b(m, s, pp), mbs, groups["pp"][d], ctx.targets,
-                                opt.no_sync)
+                                no_sync=opt.no_sync, hidden_size=ctx.cfg.hidden_size)
             else:
                 loss = P.normalized_loss(model(x, labels=y, reduction="sum"), ctx.targets)
         if pp == 1:

@@ -89,7 +89,7 @@ def steps(m, opt, sampler: dp.DPSampler, lay: C.Layout, g: dict, n: int) -> list
         if lay.pp > 1:
             mbs = [{"input_ids": a, "labels": b} for a, b in zip(x[idx].chunk(2), y[idx].chunk(2))]
             loss = run_pipeline(m, one_f_one_b(2, lay.pp_rank, lay.pp), mbs, g["pp"], targets,
-                                no_sync=opt.no_sync)  # the tied copies' grads are summed in step()
+                                no_sync=opt.no_sync, hidden_size=m.config.hidden_size)  # tied copies: summed in step()
         else:
             loss = P.normalized_loss(m(x[idx], labels=y[idx], reduction="sum"), targets)
             loss.backward()

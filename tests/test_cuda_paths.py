@@ -80,7 +80,8 @@ def one_step(argv: list[str], ds: Rows, world: int = 1, rank: int = 0) -> Counte
         micro = feed.to_device(feed.host_batch(ds, rows, args.micro_batches, grid), grid.device)
         targets = dp.global_count(sum(P.count_targets(m["labels"]) for m in micro), grid.dp_group)
         PP.run_pipeline(chunks, actions, micro, grid.pp_group, targets,
-                        no_sync=opt.no_sync, seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check)
+                        no_sync=opt.no_sync, seq_shards=args.tp if args.sp else 1, check_group=grid.pp_check,
+                        hidden_size=cfg.hidden_size)
         opt.finish()
         # precision.step without its host read of the grad norm (a meta tensor has no value)
         grads = opt._master_grads()

@@ -175,7 +175,8 @@ def _pp_checks(rank: int, world: int) -> dict:
         for schedule in ("1f1b", "zb"):
             model = build()
             stage = pp.split_stage(model, rank, 2, pp.partition(4, 2), parts, loss_fn)
-            loss = pp.run_pipeline(stage, pp.SCHEDULES[schedule](4, rank, 2), batches, dist.group.WORLD, targets)
+            loss = pp.run_pipeline(stage, pp.SCHEDULES[schedule](4, rank, 2), batches, dist.group.WORLD, targets,
+                                   hidden_size=64)
             if pp.tied_copy(stage) is not None:
                 pp.sync_tied_grads(stage, None)  # the default group: both stages
             grads = {n: p.grad for n, p in stage.named_parameters()}
@@ -230,7 +231,8 @@ def _tp_pp_checks(rank: int, world: int) -> dict:
         ref_grads["lm_head.weight"] = ref.lm_head.weight.grad  # the GPT's tied head: the embedding's
         stage = pp.split_stage(build(), stage_rank, 2, pp.partition(4, 2), pp_parts, loss_fn)
         shards = tp.apply_tp(stage, tp_group, parts=tp_parts)
-        loss = pp.run_pipeline(stage, pp.SCHEDULES[schedule](4, stage_rank, 2), batches, pp_group, targets)
+        loss = pp.run_pipeline(stage, pp.SCHEDULES[schedule](4, stage_rank, 2), batches, pp_group, targets,
+                               hidden_size=64)
         if pp.tied_copy(stage) is not None:
             pp.sync_tied_grads(stage, pp_group)  # the two copies' slices sit at the same tp rank
         worst = 0.0

@@ -164,7 +164,8 @@ def pipeline_step(model, schedule: str, mbs, pp_group, embed_group=None, step_ta
     stage, n = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     acts = SCHEDULES[schedule](len(mbs), stage, n, v)
     chunks = stage_chunks(model, partition(model.config.num_hidden_layers, n * v, layers), stage, n)
-    loss = run_pipeline(chunks, acts, mbs, pp_group, targets(mbs) if step_targets is None else step_targets)
+    loss = run_pipeline(chunks, acts, mbs, pp_group, targets(mbs) if step_targets is None else step_targets,
+                        hidden_size=model.config.hidden_size)
     sync_tied_grads(model, embed_group)
     return float(loss)
 
@@ -425,7 +426,8 @@ def _pp2(rank: int, world: int) -> dict:
             model = stage_model(CFG, rank, 2, v=v)
             chunks = stage_chunks(model, partition(4, 2 * v), rank, 2)
             mbs = batches(4, seed=6)
-            run_pipeline(chunks, SCHEDULES[schedule](4, rank, 2, v), mbs, pp, targets(mbs), timer=log.compute)
+            run_pipeline(chunks, SCHEDULES[schedule](4, rank, 2, v), mbs, pp, targets(mbs), timer=log.compute,
+                         hidden_size=CFG.hidden_size)
         finally:
             pp_module.dist = dist
         out["waits", schedule] = log.events
@@ -562,7 +564,7 @@ def _grid_and_pairs(rank: int, world: int) -> dict:
             model = stage_model(CFG8, rank, 4, v=2)
             chunks = stage_chunks(model, partition(8, 8), rank, 4)
             loss = run_pipeline(chunks, SCHEDULES[schedule](4, rank, 4, 2), mbs, g.pp_group, targets(mbs),
-                                check_group=g.pp_check, peer_groups=peer_groups)
+                                check_group=g.pp_check, peer_groups=peer_groups, hidden_size=CFG8.hidden_size)
             runs.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
         out["same", schedule] = runs[0][0] == runs[1][0] and all(torch.equal(a, runs[1][1][n])
                                                                  for n, a in runs[0][1].items())
@@ -571,7 +573,7 @@ def _grid_and_pairs(rank: int, world: int) -> dict:
     serialized = PP.serialized_p2p
     PP.serialized_p2p = lambda device: True  # as on CUDA: the one pp group is refused
     try:
-        run_pipeline(chunks, SCHEDULES["zb"](4, rank, 4, 2), mbs, g.pp_group, targets(mbs))
+        run_pipeline(chunks, SCHEDULES["zb"](4, rank, 4, 2), mbs, g.pp_group, targets(mbs), hidden_size=CFG8.hidden_size)
     except ValueError as e:
         out["refused"] = str(e)
     finally:

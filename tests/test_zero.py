@@ -326,7 +326,7 @@ def _pp2_tied(rank: int, world: int, tp: int, runs: list[tuple[int, bool, int]])
             glob = batches(6, seed=300 + i)  # uneven masks: micro-batch i drops ~15·i % of its labels
             k = len(glob) // dp_size
             loss = run_pipeline(m, one_f_one_b(k, pp_rank, 2), glob[k * dp_rank: k * dp_rank + k], pp_g,
-                                targets(glob), no_sync=opt.no_sync)
+                                targets(glob), no_sync=opt.no_sync, hidden_size=m.config.hidden_size)
             opt.finish()
             dist.all_reduce(loss, group=dp_g)
             losses.append(float(loss))
