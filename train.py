@@ -167,7 +167,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
                          init=init, device=grid.device,
-                         expert=W.expert_tensor, replica_group=grid.replica_group, ep_group=grid.ep_group)
+                         group_of=MOE.grad_reduce_plan(model, MOE.EPGroups(grid.ep_group, grid.replica_group,
+                                                                           grid.ep, grid.ep_rank)))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):

@@ -1,4 +1,4 @@
-"""Textbook versions of two core algorithms, a few lines each, to read beside the production code.
+"""Textbook versions of core algorithms, a few lines each, to read beside the production code.
 tests/test_naive.py asserts each equal to the production path.
 
 tp_mlp: Megatron's tensor-parallel MLP as the paper draws it. Two conjugate operators: f is the
@@ -6,12 +6,8 @@ identity forward and an all-reduce backward; g is an all-reduce forward and the 
 The first matmul holds rows of W1 (column parallel), the second columns of W2 (row parallel).
 Production: tp.py's CopyToRegion / ReduceFromRegion, ColumnParallelLinear / RowParallelLinear.
 
-zero1_step: one ZeRO-1 optimizer step in its three phases: reduce-scatter the gradients, AdamW on
-this rank's slice of the flat fp32 parameters, all-gather the updated slices.
-Production: dp.ReduceScatterSync, precision.MixedPrecisionOptimizer.step, zero.ZeroOptimizer
-(buckets, overlap, weight-decay groups and clipping on top).
-
-The third, 1F1B's textbook order, is production code: pp_schedules.textbook_1f1b.
+The ZeRO-1 step is production code: zero.zero1_step, above the production optimizer.
+1F1B's textbook order is production code too: pp_schedules.textbook_1f1b.
 tests/test_naive.py asserts it equal to the general order (interleaved chunks, the zero-bubble split).
 
 References: Shoeybi et al. 2019 (Megatron-LM, Fig. 3); Rajbhandari et al. 2020 (ZeRO);
@@ -57,22 +53,3 @@ def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: dist.Proc
     """x (..., H) replicated; w1 (I/tp, H) this rank's rows of W1; w2 (H, I/tp) its columns of W2."""
     h = F.silu(_f.apply(x, group) @ w1.T)  # (..., I/tp): this rank's slice of the hidden features
     return _g.apply(h @ w2.T, group)  # (..., H): the sum over ranks is the full product
-
-
-def zero1_step(params: list[torch.Tensor], master: torch.Tensor, opt: torch.optim.Optimizer,
-               group: dist.ProcessGroup | None = None) -> None:
-    """params hold this rank's local gradients; master is this rank's slice (S,) of the flat fp32
-    parameters (padded to a multiple of the dp size); opt is an AdamW over [master]."""
-    n = dist.get_world_size(group)
-    grads = torch.cat([p.grad.reshape(-1) for p in params])  # (Ψ,)
-    grads = F.pad(grads, (0, master.numel() * n - grads.numel()))  # (n·S,)
-    master.grad = torch.empty_like(master)
-    dist.reduce_scatter_tensor(master.grad, grads, group=group)  # 1. the dp sum of my slice only
-    opt.step()  # 2. AdamW on my slice only
-    full = torch.empty(master.numel() * n)  # (n·S,)
-    dist.all_gather_into_tensor(full, master.detach(), group=group)  # 3. every rank's updated slice
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
