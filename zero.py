@@ -171,7 +171,11 @@ class ReduceScatterSync(GradSync):
 # ---- the step objects: stage 0, then phases 2 and 3 of stages 1-2 ---------------------------
 class DataParallelOptimizer(MixedPrecisionOptimizer):
     """The step object of stage 0: MixedPrecisionOptimizer + dp.GradSync (all-reduce).
-    It is the base of the ZeRO stages. Their no_sync, finish, step, gathered and teardown are its own."""
+    It is the base of the ZeRO stages. Their no_sync, finish, step, gathered and teardown are its own.
+    bucket_mb, reduce_dtype, inflight: the gradient buckets (dp.GradSync).
+    norm_groups, counted: the grad norm's groups and replicas (precision.py).
+    Banners below explain the rest. tied, embed_group: a tied embedding's pipeline copy.
+    init, device: the meta device. group_of: the parameter → group seam."""
     stage = 0
 
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group, *,
@@ -181,10 +185,15 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
                  tied: nn.Parameter | None = None, embed_group: Group = None, inflight: int = 2,
                  init: Init | None = None, device: torch.device | str | None = None,
                  group_of: GroupOf | None = None):
+        if bucket_mb <= 0 or inflight < 1:
+            raise ValueError(f"bucket_mb must be > 0 and inflight >= 1, got {bucket_mb} and {inflight}")
+        named = list(named_params)
+        if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
+            raise ValueError("tied must be a trainable parameter of the model and comes with the "
+                             "embedding group of the first and last stage (pp.tied_embedding_ranks)")
         self.group, self.bucket_mb, self.reduce_dtype = group, bucket_mb, reduce_dtype
         self.inflight, self.init = inflight, init
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        named = list(named_params)
         self._place_groups([n for n, _ in named], group_of)
         self.device = self._build_device(named, device)
         self.tied = next((i for i, (_, p) in enumerate(named) if p is tied), None)  # its position
@@ -548,42 +557,21 @@ def sites(parts: Parts) -> list[list[nn.Module]]:
 
 
 def apply_zero_0_to_2(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
-                      dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-                      reduce_dtype: torch.dtype | None = None, inflight: int = 2,
-                      reduce_every_micro_batch: bool = False,
-                      norm_groups: Iterable[dist.ProcessGroup] = (),
-                      counted: Callable[[str], bool] = lambda name: True,
-                      tied: nn.Parameter | None = None, embed_group: Group = None,
-                      init: Init | None = None, device: torch.device | str | None = None,
-                      group_of: GroupOf | None = None,
+                      dtype: torch.dtype = torch.float32, *, reduce_every_micro_batch: bool = False,
                       embed: str | None = None, layers: str | None = None, norm: str | None = None,
-                      head: str | None = None) -> DataParallelOptimizer:
+                      head: str | None = None, **kw) -> DataParallelOptimizer:
     """The step object for ZeRO `stage` 0-2 over `dp_group`. Stage 0 is plain DP.
     The model's parameters hold their fp32 values (after materialize, tp, ac).
     Or the model is on the meta device: then pass `init` (weights.param_reader) and `device`.
     Each stage then fills itself one parameter at a time.
     Stage 3: zero3.apply_zero, the same call for every stage.
-    group_of: the parameter → group seam (its banner above). None: every parameter over dp_group.
+    embed, layers, norm, head: a described model's parts (find_parts).
+    kw: DataParallelOptimizer's keywords, bucket_mb to group_of.
     The arguments, one by one: docs/zero.md#two-entry-points-and-where-the-accounting-lives."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2 here (stage 3: zero3.apply_zero), got {stage}")
-    named = trainable(model, bucket_mb, inflight, tied, embed_group)
-    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
-              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device,
-              group_of=group_of)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     parts = find_parts(model, embed, layers, norm, head)
     if stage == 0:
         return DataParallelOptimizer(named, cfg, dtype, dp_group, **kw)
     return ZeroOptimizer(named, cfg, dtype, dp_group, stage, reduce_every_micro_batch, model, parts=parts, **kw)
-
-
-def trainable(model: nn.Module, bucket_mb: float, inflight: int, tied: nn.Parameter | None,
-              embed_group: Group) -> list[tuple[str, nn.Parameter]]:
-    """The model's trainable parameters. First it checks the arguments every stage shares."""
-    if bucket_mb <= 0 or inflight < 1:
-        raise ValueError(f"bucket_mb must be > 0 and inflight >= 1, got {bucket_mb} and {inflight}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if tied is not None and (embed_group is None or all(p is not tied for _, p in named)):
-        raise ValueError("tied must be a trainable parameter of the model and comes with the "
-                         "embedding group of the first and last stage (pp.tied_embedding_ranks)")
-    return named

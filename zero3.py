@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ import torch.nn as nn
 import zero
 from dp import Bucket, Group, layout, remove_handles
 from precision import OptimConfig
-from zero import DataParallelOptimizer, GroupOf, Init, Named, Parts, ZeroOptimizer, _place, find_parts, launch, sites
+from zero import DataParallelOptimizer, Named, Parts, ZeroOptimizer, _place, find_parts, launch, sites
 
 
 def _in_backward() -> bool:
@@ -268,34 +268,20 @@ class Zero3Optimizer(ZeroOptimizer):
 
 
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
-               dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-               reduce_dtype: torch.dtype | None = None, prefetch: int = 1, inflight: int = 2,
-               reduce_every_micro_batch: bool = False,
-               norm_groups: Iterable[dist.ProcessGroup] = (),
-               counted: Callable[[str], bool] = lambda name: True,
-               tied: nn.Parameter | None = None, embed_group: Group = None,
-               init: Init | None = None, device: torch.device | str | None = None,
-               group_of: GroupOf | None = None,
-               embed: str | None = None, layers: str | None = None, norm: str | None = None,
-               head: str | None = None) -> DataParallelOptimizer:
+               dtype: torch.dtype = torch.float32, *, prefetch: int = 1, **kw) -> DataParallelOptimizer:
     """The step object for ZeRO `stage` 0-3 over `dp_group`.
-    Stages 0-2 come from zero.apply_zero_0_to_2, with the same arguments.
+    Stages 0-2 come from zero.apply_zero_0_to_2, with the same keywords `kw`.
     Stage 3 is a Zero3Optimizer, checked the same way.
     On the meta device it reads only this rank's shard.
     prefetch: the units gathered ahead (stage 3).
-    reduce_every_micro_batch is stage 2's. Stage 3 always reduces each micro-batch.
-    embed, layers, norm, head: a described model's parts (zero.find_parts)."""
+    reduce_every_micro_batch is stage 2's. Stage 3 always reduces each micro-batch."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
-              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device,
-              group_of=group_of)
-    described = dict(embed=embed, layers=layers, norm=norm, head=head)
     if stage < 3:
-        return zero.apply_zero_0_to_2(model, stage, dp_group, cfg, dtype,
-                               reduce_every_micro_batch=reduce_every_micro_batch, **kw, **described)
-    parts = find_parts(model, **described)
-    named = zero.trainable(model, bucket_mb, inflight, tied, embed_group)
+        return zero.apply_zero_0_to_2(model, stage, dp_group, cfg, dtype, **kw)
+    kw.pop("reduce_every_micro_batch", None)
+    parts = find_parts(model, *(kw.pop(k, None) for k in ("embed", "layers", "norm", "head")))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, parts=parts, **kw)
