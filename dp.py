@@ -289,13 +289,10 @@ def group_classes(groups: Sequence[Group]) -> tuple[list[int], list[Group]]:
     Parameters whose groups are the same object share a class.
     So a subgroup that is the dp group itself changes nothing."""
     distinct: list[Group] = []
-    classes = []
     for g in groups:
-        k = next((c for c, d in enumerate(distinct) if d is g), None)
-        if k is None:
-            k, distinct = len(distinct), distinct + [g]
-        classes.append(k)
-    return classes, distinct
+        if all(d is not g for d in distinct):
+            distinct.append(g)
+    return [next(c for c, d in enumerate(distinct) if d is g) for g in groups], distinct
 
 
 # ------------------------------------------------------------------------------------------ the data side
