@@ -4,7 +4,7 @@ What it does
     Each dp rank trains on its own slice of the global batch.
     `GradSync` sums the gradients over the dp group, as DDP does.
     After `finish()` every rank holds the same summed gradient.
-    `ReduceScatterSync` reduce-scatters the same buckets instead: ZeRO's gradient side (zero.py).
+    zero.ReduceScatterSync reduce-scatters the same buckets instead: ZeRO's gradient side.
     `DPSampler` gives each dp rank its slice of every global batch.
     `global_count` sums the step's target tokens over dp.
 
@@ -36,16 +36,15 @@ Invariants
       Test: test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Step k trains on the same sequences at any dp size.
       Test: test_dp.py::test_sampler_epoch_coverage_and_layout_free_batches.
-    - `groups` (one per parameter: expert parallelism's experts over their replica group) never
-      mix in a bucket; all the same group is the plain sync, bucket for bucket.
-      Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
+    - Parameters of different `groups` never share a bucket.
+      With one group for all, the buckets are the plain sync's. Test: zero.py's parameter → group seam.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,11 +67,10 @@ class GradSync:
         optimizer.step(); ...; sync.remove()  # at teardown
 
     reduce_dtype: the flat buffers' dtype (None: the grads' dtype). torch.float32 with bf16 grads
-    turns on fp32 main grads (refinement below). Subclasses (ReduceScatterSync) replace
+    turns on fp32 main grads (refinement below). Subclasses (zero.ReduceScatterSync) replace
     `_launch` and `_land` to reduce-scatter.
-    groups: one group per parameter, to sum some over another group than `group` (expert
-    parallelism: moe.grad_reduce_plan's experts over their replica group); a bucket holds one
-    group's parameters only (make_buckets' classes)."""
+    groups: one group per parameter, to sum some over a subgroup of `group` (zero.py's parameter →
+    group seam). A bucket holds one group's parameters only."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Group = None, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, buckets: list[Bucket] | None = None,
@@ -89,7 +87,7 @@ class GradSync:
             itemsize = (reduce_dtype or self.params[0].dtype).itemsize if self.params else 4
             buckets = make_buckets(self.params, int(bucket_mb * 2**20), itemsize, classes=classes)
         self.buckets = buckets
-        # each bucket's group and its size (all `group` without expert parallelism)
+        # each bucket's group and its size (all `group` unless `groups` says otherwise)
         self.groups = [distinct[classes[b.index[0]]] for b in buckets]
         self.worlds = [dist.get_world_size(g) if dist.is_initialized() else 1 for g in self.groups]
         # fp32 main grads: accumulate in reduce_dtype flat buffers, one per bucket, made lazily
@@ -266,9 +264,9 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: in
                  pad_to: int | Sequence[int] = 1, classes: Sequence[int] | None = None) -> list[Bucket]:
     """Group parameters in REVERSE order into buckets of at most `bucket_bytes`.
     Backward produces the last layers' grads first. A larger parameter gets a bucket of its own.
-    classes: parameters of different classes (reduced over different groups: expert parallelism)
-    never share a bucket; each class fills its own, pad_to[c] for class c. The buckets are listed
-    in the order they are opened: with one class, what one list would give."""
+    classes: parameters of different classes (reduced over different groups) never share a bucket.
+    Each class fills its own, padded to pad_to[c] for class c.
+    The buckets are listed in the order they are opened. With one class, that is one list's order."""
     classes = [0] * len(params) if classes is None else list(classes)
     pads = [pad_to] * (max(classes, default=0) + 1) if isinstance(pad_to, int) else list(pad_to)
     groups: list[list[int]] = []
@@ -287,97 +285,14 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, itemsize: in
 
 
 def group_classes(groups: Sequence[Group]) -> tuple[list[int], list[Group]]:
-    """Each parameter's reduction group → (its class, the distinct groups by class): parameters
-    whose groups are the same object share a class (expert parallelism's degree 1: the experts'
-    replica group is the dp group, so there is one class and nothing changes)."""
+    """Each parameter's reduction group → (its class, the distinct groups by class).
+    Parameters whose groups are the same object share a class.
+    So a subgroup that is the dp group itself changes nothing."""
     distinct: list[Group] = []
-    classes = []
     for g in groups:
-        k = next((c for c, d in enumerate(distinct) if d is g), None)
-        if k is None:
-            k, distinct = len(distinct), distinct + [g]
-        classes.append(k)
-    return classes, distinct
-
-
-# ------------------------------------------------------------------------------------------ reduce-scatter
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter this rank owns. n may be 0.
-    Its flat elements [start, start+n) are elements [shard_start, shard_start+n) of this rank's
-    shard of bucket `bucket`."""
-    bucket: int
-    start: int
-    shard_start: int
-    n: int
-
-
-def launch(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group, world: int):
-    """Start `collective` (dist.reduce_scatter_single, a SUM, or dist.all_gather_single) on flat
-    buffers, async; N = 1 is a plain copy (no work: returns None)."""
-    if world == 1:
-        out.copy_(inp)
-        return None
-    return collective(out, inp, group=group, async_op=True)
-
-
-class ReduceScatterSync(GradSync):
-    """dp.GradSync whose buckets are reduce-scattered. Rank r receives the dp sum of elements
-    [r·S, (r+1)·S) of the bucket's flat buffer (r, S: in the bucket's group).
-    With keep_full (stage 1) they go into the owned slices of .grad, the accumulation buffer.
-    Else (stages 2-3) they go into `grad_shards`. Then .grad is dropped once packed.
-    per_micro_batch (stage 3, stage 2 on request): every backward reduces, and the shards accumulate.
-    Each bucket then launches as it completes (docs/zero.md#dppy-the-gradient-buckets).
-    Else no_sync is honoured and each bucket is reduced once per step, in `order`.
-    `on_reduced(b)` runs after each launch."""
-
-    def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
-                 pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
-                 order: Sequence[int] | None = None, groups: Sequence[Group] | None = None):
-        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
-        self.per_micro_batch = per_micro_batch
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
-        super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
-                         order=order, groups=groups)
-        self.in_order = not per_micro_batch  # each micro-batch: as completed (see the class docstring)
-        self.fp32_grads &= not per_micro_batch  # those accumulate in fp32 grad shards already
-        self._alias = not keep_full  # stage 1 keeps .grad; a reduce-scatter may scribble in its input
-
-    def hooked(self) -> bool:
-        return True  # N = 1 runs the same path; the collectives become copies
-
-    def _launch(self, b: int) -> None:
-        if not self.per_micro_batch and b in self._launched:
-            raise RuntimeError(TWICE.format(b))
-        if b in self._pending:
-            self._land_bucket(b)  # an earlier micro-step's sum: accumulate it first
-        self._launched.add(b)
-        self._bound()
-        flat = self._pack(b)  # (size,)
-        if not self.keep_full:
-            for i in self.buckets[b].index:
-                self.params[i].grad = None  # stages 2-3: no full-size gradient survives backward
-        out = torch.empty(flat.numel() // self.worlds[b], dtype=flat.dtype, device=flat.device)  # (S,)
-        self._pending[b] = (launch(dist.reduce_scatter_single, out, flat, self.groups[b], self.worlds[b]),
-                            out, flat)
-        self.on_reduced(b)
-
-    def _land(self, b: int, out: torch.Tensor, flat: torch.Tensor) -> None:
-        if self.keep_full and not self.fp32_grads:
-            for i in self.buckets[b].index:
-                pc = self.pieces[i]
-                self.params[i].grad.view(-1)[pc.start:pc.start + pc.n].copy_(
-                    out[pc.shard_start:pc.shard_start + pc.n])
-        elif self.grad_shards[b] is None:
-            self.grad_shards[b] = out
-            self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
-        else:
-            self.grad_shards[b] += out
-
-    def clear(self) -> None:
-        super().clear()
-        self.grad_shards = [None] * len(self.buckets)
+        if all(d is not g for d in distinct):
+            distinct.append(g)
+    return [next(c for c, d in enumerate(distinct) if d is g) for g in groups], distinct
 
 
 # ------------------------------------------------------------------------------------------ the data side

@@ -1,9 +1,9 @@
 """Peak memory per phase of training: exact live bytes at the allocator, on CPU as on CUDA.
 
 What it does
-    `PeakMeter(device)` splits a rank's run into named phases and records, for each, the most bytes
-    that were live at once (the peak that decides an out-of-memory error), not the state between
-    steps and not the process's lifetime maximum:
+    `PeakMeter(device)` splits a rank's run into named phases.
+    For each it records the most bytes live at once: the peak that decides an out-of-memory error.
+    That is neither the state between steps nor the process's lifetime maximum.
         meter = PeakMeter(device)
         meter.phase("setup"); model, opt = build(...)
         meter.watch(model)              # each forward marks "forward", what follows it "backward"
@@ -13,40 +13,29 @@ What it does
             meter.settle()              # nothing in flight here: fold the peaks so far
             meter.phase("step"); opt.step(lr)
         meter.peak("forward", "backward", "step")   # Peak(allocated, reserved): the training peak
-    A phase may be entered many times (each micro-batch's forward); its peak is the maximum over
-    all of them. `phase(None)` pauses the meter. On CPU the peaks reach `peaks` (and `peak()`) at
-    `settle()`, called where no collective is in flight (train.py: after the gradient reduction).
+    A phase may be entered many times (each micro-batch's forward). Its peak is the maximum over all.
+    `phase(None)` pauses the meter.
+    On CPU the peaks reach `peaks` (and `peak()`) at `settle()`.
+    Call it where no collective is in flight (train.py: after the gradient reduction).
 
-    CUDA: the caching allocator's own counters — at each phase switch `max_memory_allocated` and
-    `max_memory_reserved` are read for the phase that ends, and `reset_peak_memory_stats` starts the
-    next. Host-side counters: no synchronization.
+    CUDA: the caching allocator's own counters, read on the host (no synchronization).
+    A phase switch reads `max_memory_allocated` and `max_memory_reserved` for the phase that ends.
+    Then `reset_peak_memory_stats` starts the next.
 
-    CPU (why it is exact): c10's CPU allocator (`DefaultCPUAllocator`) reports every block it hands
-    out or takes back to `ProfiledCPUMemoryReporter`. With c10's flag `caffe2_report_cpu_memory_usage`
-    set (the first CPU meter sets it, through ctypes in libc10: a mutex and a hash-table entry per
-    CPU allocation from then on; a CUDA run, whose meter reads the caching allocator, never sets it;
-    make the meter early: train.py does, before data) the reporter keeps a table
-    pointer → size and a running total of live bytes under a mutex, for blocks allocated and freed on
-    ANY thread. The meter runs PyTorch's own profiler with memory events only (no operator or
-    user-scope events: see _CPUSession); every allocation on a thread carrying the profiler's state
-    (the training thread, autograd's, gloo's workers while they run a collective) emits an event
-    holding that running total. A phase switch allocates a one-byte marker inside the running
-    session (no profiler start or stop: gloo's workers may be running a collective under it), so
-    the events between two markers are the phase's; live bytes only rise at allocations, so the
-    largest total among them is exactly its peak, the marker's own event giving the live bytes the
-    phase began with (the markers themselves are left out). `settle()` ends the session and starts
-    another: the only call that must come where no collective is in flight.
-    Without the flag the profiler alone would miss every free that happens on a thread it does not
-    follow — a buffer whose last reference gloo's worker drops after a collective completes — and
-    over-count forever; the flag makes those frees count (tests/test_memory.py shows both).
+    CPU: c10's allocator reports every block it hands out or takes back, on any thread.
+    The first CPU meter sets c10's flag `caffe2_report_cpu_memory_usage` (through ctypes).
+    Then a reporter keeps a running total of live bytes. It costs a mutex per CPU allocation.
+    PyTorch's profiler, with memory events only, emits an event holding that total per allocation.
+    A phase switch allocates a one-byte marker: the events between two markers are that phase's.
+    Live bytes only rise at allocations, so the largest total among them is exactly the phase's peak.
+    Without the flag, frees on threads the profiler does not follow would be missed.
+    Gloo's workers drop buffers that way. The meter would over-count (tests/test_memory.py shows both).
+    How and why in full: docs/memory.md#how-the-peak-is-measured-memorypeakmeter.
 
-    What it does not see (CPU): blocks allocated before the flag was set (neither their allocation
-    nor their free is counted: live bytes are "allocated since the first CPU meter was made"; c10
-    warns, once per 1000 such frees), memory that is
-    not a tensor block of c10's CPU allocator (Python objects, gloo/MKL internal buffers, numpy and
-    memmapped data), and the allocator's overhead (malloc headers, fragmentation: RSS is larger). A
-    rise on a thread without the profiler state shows at the next event. If the flag cannot be set
-    (libc10 not found: another platform) or another profiler is running, allocated bytes read None.
+    What it does not see (CPU): blocks allocated before the flag was set. So make the meter early.
+    Nor memory outside c10's CPU allocator: Python objects, gloo or MKL buffers, numpy, memmaps.
+    Nor malloc's overhead: RSS is larger.
+    Without libc10's flag, or under another profiler, allocated bytes read None.
 
 Reference
     c10/core/CPUAllocator.cpp (ProfiledCPUMemoryReporter); torch.cuda memory statistics.
@@ -57,7 +46,7 @@ Run
 
 Invariants
     - Measuring changes nothing it measures: the probe is freed at once, events carry no tensors.
-    - One meter at a time per process (the profiler is process-wide); `close()` stops it.
+    - One meter at a time per process (the profiler is process-wide). `close()` stops it.
 """
 from __future__ import annotations
 
@@ -95,8 +84,9 @@ _FLAG: list[bool] = []  # set once per process: [True] if c10 now tracks every C
 
 
 def exact_cpu_accounting() -> bool:
-    """Turn on c10's per-block accounting of CPU memory (all threads); False where libc10 or its
-    flag cannot be found. Blocks allocated before this call stay outside the count."""
+    """Turn on c10's per-block accounting of CPU memory, on all threads.
+    False where libc10 or its flag cannot be found.
+    Blocks allocated before this call stay outside the count."""
     if not _FLAG:
         ok = False
         for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
@@ -111,13 +101,15 @@ def exact_cpu_accounting() -> bool:
 
 
 class _CPUSession:
-    """One profiler session recording CPU allocation events only, across any number of phases:
-    a phase switch inside it allocates a 1-byte marker (kept alive until the session ends, so its
-    address is unique and its allocation is the last one there). `close()` returns each phase's peak.
-    No RecordFunction is recorded (the one scope asked for, the lite interpreter's, never runs here;
-    an empty set would mean every scope): a record started under one session and ended after it
-    closed — a gloo collective or a pipeline send waited after a settle (c10d records each as a
-    user scope) — would write its end into the closed session's freed events (heap corruption)."""
+    """One profiler session recording CPU allocation events only, across any number of phases.
+    A phase switch inside it allocates a 1-byte marker. The marker lives until the session ends.
+    So its address is unique, and its allocation is the last one there.
+    `close()` returns each phase's peak.
+    No RecordFunction is recorded. The one scope asked for, the lite interpreter's, never runs here.
+    (An empty set would mean every scope.)
+    The c10d layer records a gloo collective or a pipeline send as a user scope.
+    One waited after a settle ends after its session closed.
+    Its end would be written into the closed session's freed events: heap corruption."""
     CONFIG = dict(activities={ProfilerActivity.CPU}, scopes={RecordScope.LITE_INTERPRETER})
 
     def __init__(self, phase: str | None) -> None:
@@ -138,8 +130,8 @@ class _CPUSession:
     def close(self) -> dict[str, int]:
         _OPEN.remove(self)
         stack, events, alloc = list(_disable_profiler().experimental_event_tree()), [], _EventType.Allocation
-        while stack:  # (a hot loop: thousands of events a step) every event is a CPU allocation
-            e = stack.pop()  # (any other kind holding some is walked into)
+        while stack:  # a hot loop: thousands of events a step. Keep the CPU allocations
+            e = stack.pop()  # any other kind holding some is walked into
             if e.tag != alloc:
                 stack.extend(e.children)
             elif e.extra_fields.alloc_size > 0:  # live bytes only rise at allocations
@@ -163,8 +155,8 @@ _OPEN: list[_CPUSession] = []
 
 @atexit.register
 def _close_open_sessions() -> None:
-    """A profiler still running when the interpreter exits crashes it (a run that fails on bad
-    flags exits from inside a phase): close what is open."""
+    """A profiler still running when the interpreter exits crashes it. Close what is open.
+    (A run that fails on bad flags exits from inside a phase.)"""
     for session in list(_OPEN):
         session.close()
 
@@ -179,16 +171,17 @@ class PeakMeter:
         self.current: str | None = None
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self._session: _CPUSession | None = None
-        # the CPU meter needs c10's accounting and the profiler to itself; kineto prints two lines
-        # per profiler session unless told otherwise (read when the profiler first starts)
+        # the CPU meter needs c10's accounting and the profiler to itself.
+        # Kineto prints two lines per profiler session unless told otherwise (read at its first start)
         self.available = self.cuda or (exact_cpu_accounting() and not _profiler_enabled())
         if not self.cuda:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     def phase(self, name: str | None) -> None:
-        """End the current phase and start `name` (None: pause). On CPU this only marks the running
-        profiler session, so it is safe anywhere, even with collectives in flight; the peaks reach
-        `peaks` at the next `settle()`."""
+        """End the current phase and start `name` (None: pause).
+        On CPU this only marks the running profiler session.
+        So it is safe anywhere, even with collectives in flight.
+        The peaks reach `peaks` at the next `settle()`."""
         if self.cuda:
             if self.current is not None:
                 self._fold({self.current: Peak(torch.cuda.max_memory_allocated(self.device),
@@ -202,10 +195,12 @@ class PeakMeter:
         self.current = name
 
     def settle(self) -> None:
-        """Fold what was measured so far into `peaks` (the running phase goes on). On CPU this stops
-        and restarts the profiler: call it only where no asynchronous collective is in flight —
-        gloo's worker threads carry the profiler's state while they run one, and stopping the
-        profiler under them crashes the process (train.py settles right after opt.finish())."""
+        """Fold what was measured so far into `peaks`. The running phase goes on.
+        On CPU this stops and restarts the profiler.
+        Call it only where no asynchronous collective is in flight.
+        Gloo's worker threads carry the profiler's state while they run one.
+        Stopping the profiler under them crashes the process.
+        (train.py settles right after opt.finish().)"""
         if self.cuda:
             self.phase(self.current)
         elif self._session is not None:
@@ -229,9 +224,9 @@ class PeakMeter:
             self.phase(previous)
 
     def watch(self, model: nn.Module) -> None:
-        """Mark phases from the model's own calls: each forward with grad enabled is "forward" and
-        what follows it (its backward, the gradient reduction) "backward". Recomputation under
-        activation checkpointing calls layers, not the model, and changes nothing."""
+        """Mark phases from the model's own calls. Each forward with grad enabled is "forward".
+        What follows it (its backward, the gradient reduction) is "backward".
+        Recomputation under activation checkpointing calls layers, not the model: no change."""
         def forward(*_) -> None:
             if torch.is_grad_enabled():
                 self.phase("forward")
@@ -242,8 +237,9 @@ class PeakMeter:
         self.handles += [model.register_forward_pre_hook(forward), model.register_forward_hook(backward)]
 
     def peak(self, *names: str) -> Peak | None:
-        """The peak over the named phases (all when none are named) folded by the last `settle()`
-        (on CUDA: by the last phase switch); None if none of them ran or bytes cannot be measured."""
+        """The peak over the named phases (all when none are named).
+        It covers what the last `settle()` folded (on CUDA: the last phase switch).
+        None if none of them ran, or if bytes cannot be measured."""
         found = [p for n, p in self.peaks.items() if not names or n in names]
         if not found or not self.available:
             return None
@@ -253,8 +249,8 @@ class PeakMeter:
         return out
 
     def close(self) -> None:
-        """Stop measuring (a last settle: call it where nothing is in flight) and remove the hooks
-        (they hold this object)."""
+        """Stop measuring and remove the hooks (they hold this object).
+        It settles a last time: call it where nothing is in flight."""
         self.phase(None)
         self.settle()
         for h in self.handles:

@@ -416,15 +416,16 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 
-def grad_reduce_plan(model: nn.Module, dp_group: Group,
-                     groups: EPGroups) -> list[tuple[list[nn.Parameter], Group]]:
-    """Which parameters sum their gradients over which group: the experts over the ranks holding
-    the same experts (their gradient already holds the ep peers' tokens, brought by the
-    all-to-all backward), everything else — the routers included — over all of dp. Summing the
-    experts over dp as well would count the ep peers' tokens twice (the 2x gradient bug)."""
+def grad_reduce_plan(model: nn.Module, groups: EPGroups) -> Callable[[str], tuple[Group, Group] | None]:
+    """zero.py's parameter → group seam for expert parallelism: name → (group, across), or None.
+    An expert sums its gradient over the ranks holding the same experts (groups.replica).
+    Its gradient already holds the ep peers' tokens: the all-to-all's backward brought them.
+    Summing over all of dp would count those tokens twice (the 2x gradient bug).
+    The ep ranks hold the other experts in its place (across: the grad norm adds them).
+    Everything else, the routers included, is reduced over all of dp (None)."""
     experts = {id(p) for p in expert_parameters(model)}
-    dense = [p for p in model.parameters() if id(p) not in experts]
-    return [(dense, dp_group), (expert_parameters(model), groups.replica)]
+    names = {n for n, p in model.named_parameters() if id(p) in experts}
+    return lambda name: (groups.replica, groups.ep) if name in names else None
 
 
 # --- refinement: the router losses and recording the routers' logits ---

@@ -1,13 +1,15 @@
 """Mixed precision: bf16 compute parameters, fp32 master weights owned by AdamW, clipping, the step.
 
 What it does
-    `MixedPrecisionOptimizer` keeps an fp32 master copy of every compute parameter, upcasts the
-    (bf16) gradients into it, clips by the global L2 norm in fp32, runs AdamW on the masters and
-    copies them back into the compute parameters. In fp32 mode the masters *are* the parameters: the
-    step is exactly `torch.optim.AdamW` (bit-identical to a plain loop; fused on CUDA).
-    `normalized_loss` is the one loss rule of the project: the sum of token losses over the whole
-    optimizer step divided by the number of target tokens in it — never a mean of micro-batch means
-    (the 2024 gradient-accumulation bug: micro-batches with few targets were over-weighted).
+    `MixedPrecisionOptimizer` keeps an fp32 master copy of every compute parameter.
+    It upcasts the (bf16) gradients into it and clips by the global L2 norm, in fp32.
+    Then it runs AdamW on the masters and copies them back into the compute parameters.
+    In fp32 mode the masters *are* the parameters.
+    Then the step is exactly `torch.optim.AdamW`: bit-identical to a plain loop, fused on CUDA.
+    `normalized_loss` is the project's one loss rule.
+    The step's loss is the sum of its token losses over its number of target tokens.
+    It is never a mean of micro-batch means.
+    That mean over-weights micro-batches with few targets (the 2024 gradient-accumulation bug).
 
 Reference
     Micikevicius et al. 2018 (mixed precision training); Loshchilov & Hutter 2019 (AdamW).
@@ -16,32 +18,33 @@ Run
     torchrun --nproc_per_node 1 train.py --dtype bf16 --clip 1.0
 
 Invariants
-    - bf16 would lose small updates (1.0 - 1e-6 == 1.0 in bf16): AdamW only ever sees fp32 masters.
-    - No whole-model temporary in the step: the norm reads the gradients in slices of at most
-      STEP_CHUNK_BYTES of fp32; gradients held in bf16 are upcast and applied chunk by chunk (AdamW
-      steps the masters whose .grad is set, one chunk at a time — elementwise, so bit-identical to
-      one call); fp32 gradients are used as they are, in one call. The extra memory of a step is one
-      chunk of fp32 gradients (one slice of one gradient for the norm on CPU, whose foreach kernels
-      upcast tensor by tensor) plus AdamW's own temporaries: none with `fused=True` (CUDA), a few
-      of one parameter with the CPU default (kept: it is the plain loop, and unlike CPU's fused
-      kernel it gives the same bits however ZeRO cuts a parameter into pieces).
-      Without the chunks a bf16 step would hold an fp32 copy of every gradient beside the bf16 one.
-    - No kernel per parameter on CUDA: the norm is one `torch._foreach_norm` over all slices, the
-      clip one `_foreach_mul_` per chunk, AdamW one fused kernel per chunk, the publish one
-      `_foreach_copy_`. What stays a Python loop per parameter sets `.grad` (torch.optim's
-      interface) and, for bf16 gradients (`--reduce-dtype bf16`), their upcast.
-    - The grad norm counts every gradient element of the model exactly once: sharded pieces are summed
-      over `norm_groups` (tp, pp, and dp when gradients are dp-sharded), and a rank holding a replica
-      that another rank already counts passes `counted(name) = False` for it. (zero.py's grad_norm
-      adds the experts of expert parallelism from `_square_sum`.)
-    - A non-finite grad norm skips the whole step (no parameter or optimizer state changes).
+    - AdamW only ever sees fp32 masters. In bf16, 1.0 - 1e-6 == 1.0: small updates would vanish.
+    - No whole-model temporary in the step. The norm reads the gradients in slices.
+      Each slice holds at most STEP_CHUNK_BYTES of fp32.
+      Gradients held in bf16 are upcast and applied chunk by chunk.
+      AdamW is elementwise, so chunk by chunk is bit-identical to one call.
+      An fp32 gradient is used as it is, in one call.
+    - So a step's extra memory is one chunk of fp32 gradients, plus AdamW's own temporaries.
+      On CPU the norm's foreach kernels upcast tensor by tensor: one slice of one gradient.
+      AdamW's temporaries: none with `fused=True` (CUDA), a few of one parameter on CPU.
+      The CPU default is kept: it is the plain loop.
+      And unlike CPU's fused kernel, it gives the same bits however ZeRO cuts a parameter.
+    - No kernel per parameter on CUDA. The norm is one `torch._foreach_norm` over all slices.
+      The clip is one `_foreach_mul_` per chunk. AdamW is one fused kernel per chunk.
+      The publish is one `_foreach_copy_`.
+      A Python loop per parameter remains for `.grad` (torch.optim's interface).
+      The bf16 gradients (`--reduce-dtype bf16`) are also upcast one by one.
+    - The grad norm counts every gradient element of the model exactly once.
+      Sharded pieces are summed over `norm_groups`: tp, pp, and dp when gradients are dp-sharded.
+      A rank whose replica another rank already counts passes `counted(name) = False` for it.
+    - A non-finite grad norm skips the whole step. No parameter or optimizer state changes.
 
-The seam zero.py uses (ZeRO must not edit this file): a subclass overrides three methods —
-    `_make_master()`   which fp32 tensors AdamW owns (whole params here; flat dp shards in ZeRO),
-    `_master_grads()`  their gradients in the dtype they are held in (.grad here; fp32 main grads
-                       or reduce-scattered shards in ZeRO); step() upcasts them chunk by chunk,
-    `_publish()`       master → compute params (a copy here; an all-gather in the compute dtype in ZeRO);
-and passes its dp group in `norm_groups` when gradients are sharded.
+The seam zero.py uses (ZeRO must not edit this file). A subclass overrides three methods:
+    `_make_master()`   which fp32 tensors AdamW owns: whole params here, flat dp shards in ZeRO.
+    `_master_grads()`  their gradients, in the dtype they are held in. step() upcasts them by chunks.
+                       Here they are .grad; in ZeRO fp32 main grads or reduce-scattered shards.
+    `_publish()`       master → compute params: a copy here, an all-gather in ZeRO.
+    It passes its dp group in `norm_groups` when gradients are sharded.
 """
 from __future__ import annotations
 
@@ -77,26 +80,28 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def normalized_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor | int) -> torch.Tensor:
-    """A micro-batch's summed token loss scaled by the target count of the whole optimizer step
-    (all micro-batches, all dp ranks). Backward of these pieces adds up to the gradient of the mean
-    token loss over the global batch, whatever the micro-batch and dp split. A tensor count stays
-    on its device (no host sync); the quotient is the same bits as with the int."""
+    """A micro-batch's summed token loss over the target count of the whole optimizer step.
+    That count covers all micro-batches and all dp ranks.
+    So backward of these pieces adds up to the gradient of the global batch's mean token loss.
+    That holds whatever the micro-batch and dp split.
+    A tensor count stays on its device (no host sync). The quotient has the int's bits."""
     if isinstance(step_targets, torch.Tensor):
         return loss_sum / step_targets.clamp(min=1)
     return loss_sum / max(int(step_targets), 1)
 
 
 def use_fused_adamw(t: torch.Tensor) -> bool:
-    """AdamW's fused kernel (one launch per chunk, no temporaries) on CUDA; the CPU default loop
-    elsewhere (module docstring). A predicate so that tests/cuda_contract.py can point it at meta."""
+    """AdamW's fused kernel on CUDA: one launch per chunk, no temporaries.
+    Elsewhere the CPU default loop (module docstring).
+    A predicate, so that tests/cuda_contract.py can point it at meta."""
     return t.is_cuda
 
 
 class MixedPrecisionOptimizer:
     """fp32-master AdamW over `named_params` (name → compute parameter, each appearing once).
 
-    The parameters must hold their fp32 initial values when this is built: the masters are taken
-    from them, then the parameters are cast to `dtype` in place."""
+    The parameters must hold their fp32 initial values when this is built.
+    The masters are taken from them. Then the parameters are cast to `dtype` in place."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
                  dtype: torch.dtype = torch.float32, norm_groups: Iterable[dist.ProcessGroup] = (),
@@ -134,9 +139,9 @@ class MixedPrecisionOptimizer:
 
     # ---- the step ---------------------------------------------------------------------------------
     def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Global L2 norm in fp32: the norms of the counted grads' slices (STEP_CHUNK_BYTES of fp32
-        at most: no gradient-sized temporary) in one foreach kernel, accumulated in fp32; their
-        squares summed here and over norm_groups (as clip_grad_norm_ combines per-tensor norms)."""
+        """Global L2 norm in fp32. One foreach kernel takes the norms of the counted grads' slices.
+        A slice holds at most STEP_CHUNK_BYTES of fp32: no gradient-sized temporary.
+        Their squares are summed here, then over norm_groups (as clip_grad_norm_ combines norms)."""
         sq = self._square_sum(grads, self.counted)
         for group in self.norm_groups:
             dist.all_reduce(sq, group=group)
@@ -151,8 +156,8 @@ class MixedPrecisionOptimizer:
         return torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else "cpu")
 
     def _chunks(self, grads: list[torch.Tensor | None]) -> list[list[int]]:
-        """Consecutive masters whose gradients, upcast to fp32, take about STEP_CHUNK_BYTES (fp32
-        gradients cost nothing: they are used in place, and all fit one chunk)."""
+        """Consecutive masters whose gradients, upcast to fp32, take about STEP_CHUNK_BYTES.
+        An fp32 gradient costs nothing: it is used in place. All of them fit one chunk."""
         chunks, size = [[]], 0
         for i, g in enumerate(grads):
             copy = 0 if g is None or g.dtype == torch.float32 else 4 * g.numel()
@@ -164,8 +169,9 @@ class MixedPrecisionOptimizer:
         return chunks
 
     def step(self, lr: float) -> float:
-        """Clip, update the masters, publish to the compute params, zero grads. Returns the grad norm
-        before clipping; a non-finite norm skips the update (the caller decides when to give up)."""
+        """Clip, update the masters, publish to the compute params, zero grads.
+        Returns the grad norm before clipping. A non-finite norm skips the update.
+        The caller decides when to give up."""
         grads = self._master_grads()
         norm = self.grad_norm(grads)
         value = float(norm)
@@ -181,9 +187,10 @@ class MixedPrecisionOptimizer:
 
     def _step_chunk(self, chunk: list[int], grads: list[torch.Tensor | None],
                     coef: torch.Tensor | None) -> None:
-        """AdamW on the masters of one chunk. Its fp32 gradient copies are locals of this call, so they
-        are freed on return, before the next chunk's are made (a loop variable would keep one
-        chunk's copies alive beside the next: two chunks at the step's peak, measured)."""
+        """AdamW on the masters of one chunk. Its fp32 gradient copies are locals of this call.
+        So they are freed on return, before the next chunk's are made.
+        A loop variable would keep one chunk's copies alive beside the next.
+        That put two chunks at the step's peak (measured)."""
         gs = [grads[i].float() for i in chunk]  # a copy only if not fp32
         if coef is not None:
             torch._foreach_mul_(gs, coef)

@@ -237,7 +237,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                          tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device, **expert_reduction(grid))
+                         init=init, device=grid.device, group_of=expert_reduction(model, grid))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
@@ -665,10 +665,11 @@ def shard_experts(model: M.Llama, cfg: M.LlamaConfig, grid: G.Grid) -> dict[str,
     return {n: TP.Shard(0, grid.ep_rank * local, local) for n, p in model.named_parameters() if id(p) in ours}
 
 
-def expert_reduction(grid: G.Grid) -> dict:
-    """Step 8's expert parallelism (--ep): zero3.apply_zero's arguments for the experts. They reduce
-    over grid.replica_group, the ranks holding the same experts. zero.py counts each expert once."""
-    return {"expert": W.expert_tensor, "replica_group": grid.replica_group, "ep_group": grid.ep_group}
+def expert_reduction(model: M.Llama, grid: G.Grid) -> Z.GroupOf:
+    """Step 8's expert parallelism (--ep): zero3.apply_zero's parameter → group function. The
+    experts reduce over grid.replica_group, the ranks holding the same experts; the ep group holds
+    the others. zero.py counts each expert once in the grad norm."""
+    return MOE.grad_reduce_plan(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
 
 
 def active_text(cfg: M.LlamaConfig) -> str:

@@ -19,7 +19,7 @@ Phase map (one micro-batch, then the step)
     gather        Zero3Optimizer._pre_forward, the site's forward pre-hook.
     free          Zero3Optimizer._post_forward, its forward hook. It hooks the output's gradient.
     gather again  Zero3Optimizer._pre_backward, when that gradient arrives. Never an embedding's.
-    reduce, free  dp.ReduceScatterSync reduces every micro-batch. Zero3Optimizer._on_reduced frees,
+    reduce, free  zero.ReduceScatterSync reduces every micro-batch. Zero3Optimizer._on_reduced frees,
                   once every backward begun on the unit is reduced. (zb runs a W after later forwards.)
     step          zero.py's phases 1 and 2. Zero3Optimizer._publish writes the persistent shards.
     Refinement: the next `prefetch` sites gather asynchronously, ahead in forward, behind in backward.
@@ -43,8 +43,8 @@ Invariants
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Virtual pipeline stages share the head's end-of-site hook. It acts for the chunk holding the head.
       Test: tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice.
-    - Expert parallelism: a layer's experts are a unit of their own, gathered and reduce-scattered
-      over their replica group. Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
+    - The parameters of another reduction group (zero.py's parameter → group seam) form units of their own.
+      They are gathered and reduce-scattered over that group. Test: the seam's banner in zero.py.
 
 Builds on: zero.py, dp.py, precision.py
 """
@@ -52,16 +52,16 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import zero
-from dp import Bucket, Group, launch, layout, remove_handles
+from dp import Bucket, Group, layout, remove_handles
 from precision import OptimConfig
-from zero import DataParallelOptimizer, Init, Named, Parts, ZeroOptimizer, _place, find_parts, sites
+from zero import DataParallelOptimizer, Named, Parts, ZeroOptimizer, _place, find_parts, launch, sites
 
 
 def _in_backward() -> bool:
@@ -106,8 +106,8 @@ class Zero3Optimizer(ZeroOptimizer):
         if not self._full[u]:
             full, shard = self.flat_params[u], self.param_shards[u]
             full.untyped_storage().resize_(full.nbytes)
-            c = self._bucket_class(u)
-            self._inflight[u] = launch(dist.all_gather_single, full, shard, self.class_groups[c], self.class_worlds[c])
+            group, N, _ = self._group(u)
+            self._inflight[u] = launch(dist.all_gather_single, full, shard, group, N)
             self._full[u] = True
         if wait:
             self._wait(u)
@@ -227,7 +227,7 @@ class Zero3Optimizer(ZeroOptimizer):
             mine = [where[id(p)] for mod in site
                     for p in mod.parameters(recurse=all(mod is not h for h in holders)) if id(p) in where]
             new = [i for i in dict.fromkeys(mine) if i not in owner]
-            # the tied copy is a unit of its own; so is each other reduction group's part (the experts)
+            # the tied copy is a unit of its own. So is each other reduction group's part (zero.py's seam)
             for unit in [[i for i in new if i != self.tied and self.classes[i] == c]
                          for c in range(len(self.class_groups))] + [[i for i in new if i == self.tied]]:
                 if unit:
@@ -240,7 +240,7 @@ class Zero3Optimizer(ZeroOptimizer):
             len(site) == 1 and isinstance(site[0], nn.Embedding))
         self.backward_units = [[] if lookup(site) else units for site, units in zip(self.sites, self.site_units)]
         self._full = [False] * len(units)
-        return [layout(u, self.params, pad_to=self.class_worlds[self.classes[u[0]]]) for u in units]
+        return [layout(u, self.params, pad_to=self.class_groups[self.classes[u[0]]][1]) for u in units]
 
     def _make_master(self) -> list[torch.Tensor]:
         """Shard by shard. For each unit, this rank's compute-dtype shard and fp32 master pieces
@@ -255,8 +255,7 @@ class Zero3Optimizer(ZeroOptimizer):
             views = [full[off:off + self.params[i].numel()].view_as(self.params[i])
                      for i, off in zip(bucket.index, bucket.offsets)]
             full.untyped_storage().resize_(0)  # the parameters' views hold no memory until gathered
-            shard = torch.zeros(bucket.size // self.class_worlds[self._bucket_class(b)], dtype=self.dtype,
-                                device=self.device)  # (S,)
+            shard = torch.zeros(bucket.size // self._group(b)[1], dtype=self.dtype, device=self.device)  # (S,)
             for k, (i, view) in enumerate(zip(bucket.index, views)):
                 pc = self.pieces[i] = self._piece(b, k)
                 master[i] = self._values(i, pc.start, pc.start + pc.n).clone() if pc.n else \
@@ -269,35 +268,20 @@ class Zero3Optimizer(ZeroOptimizer):
 
 
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,
-               dtype: torch.dtype = torch.float32, *, bucket_mb: float = 25.0,
-               reduce_dtype: torch.dtype | None = None, prefetch: int = 1, inflight: int = 2,
-               reduce_every_micro_batch: bool = False,
-               norm_groups: Iterable[dist.ProcessGroup] = (),
-               counted: Callable[[str], bool] = lambda name: True,
-               tied: nn.Parameter | None = None, embed_group: Group = None,
-               init: Init | None = None, device: torch.device | str | None = None,
-               expert: Callable[[str], bool] | None = None, replica_group: Group = None,
-               ep_group: Group = None,
-               embed: str | None = None, layers: str | None = None, norm: str | None = None,
-               head: str | None = None) -> DataParallelOptimizer:
+               dtype: torch.dtype = torch.float32, *, prefetch: int = 1, **kw) -> DataParallelOptimizer:
     """The step object for ZeRO `stage` 0-3 over `dp_group`.
-    Stages 0-2 come from zero.apply_zero_0_to_2, with the same arguments.
+    Stages 0-2 come from zero.apply_zero_0_to_2, with the same keywords `kw`.
     Stage 3 is a Zero3Optimizer, checked the same way.
     On the meta device it reads only this rank's shard.
     prefetch: the units gathered ahead (stage 3).
-    reduce_every_micro_batch is stage 2's. Stage 3 always reduces each micro-batch.
-    embed, layers, norm, head: a described model's parts (zero.find_parts)."""
+    reduce_every_micro_batch is stage 2's. Stage 3 always reduces each micro-batch."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    kw = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, norm_groups=norm_groups, counted=counted,
-              tied=tied, embed_group=embed_group, inflight=inflight, init=init, device=device,
-              expert=expert, replica_group=replica_group, ep_group=ep_group)
-    described = dict(embed=embed, layers=layers, norm=norm, head=head)
     if stage < 3:
-        return zero.apply_zero_0_to_2(model, stage, dp_group, cfg, dtype,
-                               reduce_every_micro_batch=reduce_every_micro_batch, **kw, **described)
-    parts = find_parts(model, **described)
-    named = zero.trainable(model, bucket_mb, inflight, tied, embed_group)
+        return zero.apply_zero_0_to_2(model, stage, dp_group, cfg, dtype, **kw)
+    kw.pop("reduce_every_micro_batch", None)
+    parts = find_parts(model, *(kw.pop(k, None) for k in ("embed", "layers", "norm", "head")))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Zero3Optimizer(model, named, cfg, dtype, dp_group, prefetch, parts=parts, **kw)

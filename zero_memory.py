@@ -2,19 +2,16 @@
 
 What it does
     `formula_bytes(stage, psi, n)` is the ZeRO table: bytes per rank between steps.
-    `ep_formula_bytes(stage, dense, experts, n, ep)` is the same table for a mixture of experts
-    whose experts are split over ep ranks (moe.shard_experts): dense and expert parts apart.
     `persistent_bytes(opt)` reads the same numbers from the tensors a step object holds.
     `peak_extras(opt)` gives the most a phase may add to that state and the activations.
-    tests/test_memory.py and bench/bench_theory.py check measured peaks against them.
+    Tests and bench/bench_theory.py check measured peaks against them.
+    After a banner: the same table when zero.py's parameter groups split the state.
 
 The core idea
     Mixed-precision AdamW holds 16 bytes a parameter.
     That is bf16 params and grads, and the fp32 master, m and v.
     Each ZeRO stage divides more of it by the dp size N.
     Between steps that is the whole state. At the peak, in-flight buffers come on top.
-    Under expert parallelism a rank holds 1/ep of the experts, replicated over n/ep ranks (the
-    expert-replica group): ZeRO shards their state over those n/ep, the dense state over all n.
     The derivation of every term: docs/memory.md.
 
 Reference
@@ -25,12 +22,11 @@ Run
     python -m bench.bench_theory --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
 
 Invariants
-    - persistent_bytes equals formula_bytes up to the padding. Test: tests/test_zero.py::test_zero_dp4_memory_and_tp2_dp2.
-    - peak − activations ≤ formula_bytes + peak_extras, per phase. Test: tests/test_memory.py::test_zero_peaks_dp2.
-    - ep_formula_bytes: the parameter bytes of a model sharded by moe.shard_experts at ep 2 and 4,
-      and each stage against a hand count. Test: tests/test_moe_acct.py::test_ep_memory_formula.
-    - persistent_bytes of train.py's ep-aware optimizer (--ep 2, ZeRO 0-3) equals ep_formula_bytes
-      up to the padding. Test: tests/test_moe_acct.py::test_ep_memory_formula_equals_the_optimizer_state.
+    - persistent_bytes equals formula_bytes up to the padding.
+      Test: tests/test_zero.py::test_zero_dp4_memory_and_tp2_dp2.
+    - peak − activations ≤ formula_bytes + peak_extras, per phase.
+      Test: tests/test_memory.py::test_zero_peaks_dp2.
+    - The banner's table has its own tests, named there.
 
 Builds on: zero.py (its step objects), precision.py (the step's chunk size)
 """
@@ -48,17 +44,6 @@ def formula_bytes(stage: int, psi: int, n: int) -> float:
     """The ZeRO table (docs/memory.md): bytes per rank between steps.
     Ψ = psi parameters over N = n ranks. bf16 params and grads; fp32 master, Adam m and v."""
     return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-
-
-def ep_formula_bytes(stage: int, dense: int, experts: int, n: int, ep: int) -> float:
-    """The ZeRO table for a rank of an MoE model at expert parallelism ep, bytes between steps.
-    dense: the parameters every rank of the ZeRO group holds (routers included); experts: the
-    expert parameters before the ep split (moe.expert_parameters, all E experts); n: the ZeRO
-    group's size (dp·cp). A rank holds experts/ep of them, whose state ZeRO shards over the n/ep
-    ranks holding the same experts. ep = 1 is formula_bytes of dense + experts over n."""
-    if ep < 1 or n % ep or experts % ep:
-        raise ValueError(f"ep={ep} must divide the ZeRO group's {n} ranks and the {experts} expert parameters")
-    return formula_bytes(stage, dense, n) + formula_bytes(stage, experts // ep, n // ep)
 
 
 def persistent_bytes(opt: DataParallelOptimizer) -> dict[str, int]:
@@ -101,3 +86,18 @@ def peak_extras(opt: DataParallelOptimizer) -> dict[str, int]:
     pending = grads - 2 * bucket * r if getattr(opt, "per_micro_batch", False) else 0  # in flight still
     return {"forward": small + units + pending + gathers,
             "backward": small + units + bucket * c * stage3 + grads, "step": small + chunk}
+
+
+# ---- refinement: the table when zero.py's parameter → group seam splits the state (expert parallelism)
+def ep_formula_bytes(stage: int, dense: int, experts: int, n: int, ep: int) -> float:
+    """The ZeRO table for a rank of an MoE model at expert parallelism ep, bytes between steps.
+    dense: the parameters every rank of the ZeRO group holds, routers included.
+    experts: the expert parameters before the ep split (moe.expert_parameters, all E experts).
+    n: the ZeRO group's size (dp·cp). A rank holds experts/ep of them.
+    ZeRO shards their state over the n/ep ranks holding the same experts.
+    At ep = 1 this is formula_bytes of dense + experts over n.
+    Tests: tests/test_moe_acct.py::test_ep_memory_formula (hand counts at ep 2 and 4) and
+    tests/test_moe_acct.py::test_ep_memory_formula_equals_the_optimizer_state (train.py's optimizer)."""
+    if ep < 1 or n % ep or experts % ep:
+        raise ValueError(f"ep={ep} must divide the ZeRO group's {n} ranks and the {experts} expert parameters")
+    return formula_bytes(stage, dense, n) + formula_bytes(stage, experts // ep, n // ep)

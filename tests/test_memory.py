@@ -33,7 +33,6 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-import dp as DP
 import memory as MEM
 import model as M
 import precision as P
@@ -210,7 +209,7 @@ def collectives_leak(meter: MEM.PeakMeter) -> int:
 
 
 class CountingDist:
-    """dp.py's `dist` (where ZeRO's reduce-scatters run) with its reduce-scatters counted."""
+    """zero.py's `dist` (where ZeRO's reduce-scatters run) with its reduce-scatters counted."""
     def __init__(self) -> None:
         self.calls: Counter = Counter()
 
@@ -294,7 +293,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     opt.teardown()
     # communication per step with two micro-batches
     counting = CountingDist()
-    DP.dist = counting
+    Z.dist = counting
     try:
         for stage, every in ((1, False), (2, False), (2, True), (3, False)):
             counting.calls.clear()
@@ -304,7 +303,7 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
                                                       BF16, bucket_mb=BUCKET_MB, init=meta_model()[1],
                                                       device="cpu").buckets)
     finally:
-        DP.dist = dist
+        Z.dist = dist
     # frees on gloo's worker thread: counted with c10's accounting, missed by the profiler alone
     meter = MEM.PeakMeter("cpu")
     out["leak"] = collectives_leak(meter)

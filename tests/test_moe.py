@@ -247,9 +247,9 @@ def _ep_rank(rank: int, world: int) -> list[dict]:
         # the docstring's count: one sync in forward (the exchanged counts, or the loop's counts),
         # none at ep = 1 through grouped_mm, none in any backward
         assert (forward_syncs[0], backward_syncs[0]) == (int(ep > 1 or impl == "loop"), 0)
-        for params, group in moe.grad_reduce_plan(block, None, groups):
-            for p in params:
-                dist.all_reduce(p.grad, group=group)
+        group_of = moe.grad_reduce_plan(block, groups)
+        for n, p in block.named_parameters():
+            dist.all_reduce(p.grad, group=(group_of(n) or (None,))[0])
         if ep == 1:  # degree 1 is a no-op: bit-equal to the block never sharded
             plain = moe.MoE(block.cfg)
             plain.load_state_dict(state)

@@ -1,4 +1,4 @@
-"""The textbook algorithms (tests/naive.py, tp.tp_mlp) equal the production paths.
+"""The textbook algorithms (tp.tp_mlp, zero.zero1_step, pp_schedules.textbook_1f1b) equal the production paths.
 
 - 1F1B (pure Python): pp_schedules.textbook_1f1b (what 1f1b runs at v = 1) equals the general order
   it stands for, and the compute order of zb with its Ws left out (messages left out).
@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import model as M
-import naive
 import pp_schedules as S
 import precision as P
 import tp as TP
@@ -82,7 +81,7 @@ def _zero1(rank: int, world: int) -> list[bool]:
         ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)
         for m in (ours, prod):
             (m(ids, labels=ids, reduction="sum") / 48).backward()
-        naive.zero1_step(params, master, adam)
+        Z.zero1_step(params, master, adam)
         for p in params:
             p.grad = None
         opt.step(LR)
