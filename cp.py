@@ -122,7 +122,7 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
     The caller feeds each rank its zigzag shard of input_ids and labels (`shard_sequence`).
     It passes no position_ids. It sums the target count and the gradients over the cp ranks.
     (The cp ranks hold the same parameters, as dp replicas do.)
-    An attotron MoE model's router statistics (its `router_stats_fn`) are summed over cp_group.
+    A model's sums over all tokens (its `token_sum_fn`) are summed over cp_group.
     A model whose attention cannot be swapped raises. cp = 1: checked, then nothing changes."""
     cp, rank = _cp_size_rank(cp_group)
     if layers is not None:
@@ -138,8 +138,8 @@ def apply_cp(model: nn.Module, cp_group: Group, *, layers: str | None = None,
                     module.attn_fn = partial(_ring_attn_fn, group=cp_group,
                                              window=getattr(module, "window", None))
             model.model.rotary_emb.register_forward_pre_hook(partial(_global_positions, cp=cp, rank=rank))
-            if hasattr(model, "router_stats_fn"):  # a mixture of experts: its aux loss pools every token
-                model.router_stats_fn = partial(_all_tokens_stats, inner=model.router_stats_fn, group=cp_group)
+            if hasattr(model, "token_sum_fn"):  # a sum over all tokens (an MoE's aux loss)
+                model.token_sum_fn = partial(_all_tokens_stats, inner=model.token_sum_fn, group=cp_group)
     else:
         raise ValueError(f"apply_cp cannot find the attention of {type(model).__name__} (neither "
                          "attotron's Llama nor transformers' layout): pass layers=, attention= and "
@@ -167,7 +167,7 @@ def _ring_attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: objec
 
 def _all_tokens_stats(stats: torch.Tensor, *, inner: Callable[[torch.Tensor], torch.Tensor],
                       group: Group) -> torch.Tensor:
-    """model.router_stats_fn under cp: an MoE forward's router statistics, whole-row sums.
+    """model.token_sum_fn under cp: an MoE forward's router statistics, whole-row sums.
 
     moe.router_stats sums over rows, so this rank's (2E + 2,) covers only its zigzag tokens.
     Summed over cp they are the whole rows' (after `inner`: tp's sum under sp, else nothing).

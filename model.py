@@ -63,7 +63,6 @@ Invariants
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
@@ -76,7 +75,7 @@ import torch.nn as nn
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 from loss import linear_cross_entropy
-from moe import MoE, MoEConfig, record_router_logits, stats_loss, router_stats as router_stats_of
+import moe
 from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
@@ -282,14 +281,6 @@ class LlamaConfig:
         MoE families have no dense layer: mlp_only_layers (), decoder_sparse_step 1)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
-
-    def moe_config(self) -> MoEConfig:
-        """The sparse layers' moe.MoEConfig. Mixtral keeps the combine weights in fp32, Qwen3-MoE and
-        OLMoE cast them to the logits' dtype (moe.py's `fp32_weights`)."""
-        return MoEConfig(hidden=self.hidden_size, intermediate=self.moe_intermediate_size,
-                         num_experts=self.num_experts, top_k=self.num_experts_per_tok,
-                         renormalize=self.norm_topk_prob, fp32_weights=self.model_type == "mixtral",
-                         aux_loss_coef=self.router_aux_loss_coef)
 
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -600,7 +591,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg.moe_config()) if cfg.is_sparse(layer) else MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Documents | torch.Tensor | None, *, cache: "LayerCache | None" = None) -> torch.Tensor:
@@ -630,81 +621,56 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
-        # this forward's router statistics (moe.router_stats) → those of all its rows: tp.py's
-        # sequence parallelism and cp.py all-reduce them (each rank routes its own tokens)
-        self.router_stats_fn: Callable[[torch.Tensor], torch.Tensor] = lambda stats: stats
-
-    def stage_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """What a pipeline stage (pp.py) passes on with its hidden states, {keyword: (shape, dtype)}:
-        with the load-balancing loss on, the routers' statistics of the stages so far (2E + 2,) fp32.
-        A model without lm_head then returns (hidden states, router_stats); one without embeddings
-        takes the earlier stages' as the keyword `router_stats`. The loss is then one function of
-        every stage's routers, and autograd brings each its exact gradient."""
-        if not (self.config.output_router_logits and self.config.num_experts > 0):
-            return {}
-        return {"router_stats": ((2 * self.config.num_experts + 2,), torch.float32)}
+        # a sum over this rank's tokens → the sum over all tokens of the forward's rows. tp.py (sp)
+        # and cp.py all-reduce it: each rank holds only some of the tokens.
+        self.token_sum_fn: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
-                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None,
-                router_stats: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
-        position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
-        within each document (a new one starts wherever the position does not continue).
-        docs: those boundaries as attention.Documents, computed once where the rows are built (else
-        they are derived here from position_ids, a host copy per call); or a dense (B, 1, S, S) bool
-        mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
-        logits (B, S, V), or hidden states on a stage without lm_head.
-        cache: a KVCache (generation, below): each row of input_ids continues that row's cached
-        positions, the keys and values are appended, and only each row's last position's logits
-        (B, 1, V) are returned (the prefill's rows may be right-padded prompts: KVCache's lengths).
-        router_stats: the earlier pipeline stages' router statistics (`stage_extras`).
-        real_tokens (B, S) bool: False marks padding (sft.py's rows), which then counts in no router
-        statistic: transformers' load_balancing_loss_func with that attention_mask. None: every token
-        counts. It masks nothing else: attention stays docs' business, the token loss the labels'."""
+                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+        """input_ids (B, S) token ids, or hidden states (B, S, H) on a stage without embeddings.
+        position_ids (B, S): None means 0..S-1 with plain causal attention. Given, attention stays
+        within each document: a new one starts wherever the position does not continue.
+        docs: those boundaries as attention.Documents, computed once where the rows are built.
+        Else they are derived here from position_ids, a host copy per call. A dense (B, 1, S, S)
+        bool mask also works (attention.attention_mask, the reference).
+        Returns the loss if labels are given, else logits (B, S, V). A stage without lm_head returns
+        hidden states. cache: a KVCache (generation, below); see `positions`."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
-        B, S = h.shape[:2]
-        if cache is not None:
-            if position_ids is not None or docs is not None or labels is not None or real_tokens is not None:
-                raise ValueError("a KVCache takes plain rows: no position_ids, docs, labels or real_tokens")
-            position_ids = cache.positions(B, S, h.device)  # (B, S): each row from its own end
-        elif position_ids is None:
-            if docs is not None:
-                raise ValueError("docs (document boundaries) need the position_ids restarting per document")
-            position_ids = torch.arange(S, device=h.device).expand(B, S)
-        elif docs is None:
-            docs = Documents.from_position_ids(position_ids)
+        position_ids, docs = self.positions(h, position_ids, docs, cache, labels)
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
-        # the aux loss's statistics: for the loss, or for the next pipeline stage (no lm_head)
-        aux = bool(self.stage_extras()) and cache is None and (labels is not None or self.lm_head is None)
-        with record_router_logits(self) if aux else contextlib.nullcontext() as router_logits:
-            for name, layer in m.layers.items():
-                if cache is None:
-                    h = layer(h, cos, sin, docs)
-                else:
-                    h = layer(h, cos, sin, docs, cache=cache.layer(name))
+        for name, layer in m.layers.items():
+            h = layer(h, cos, sin, docs) if cache is None else layer(h, cos, sin, docs, cache=cache.layer(name))
         if cache is not None:
             h = cache.advance(h)  # (B, 1, H): generation reads each row's next token only
-        if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
-            moe_cfg = self.config.moe_config()
-            own = self.router_stats_fn(router_stats_of([t for t in router_logits if t is not None],
-                                                       moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
-                                                       device=h.device))
-            stats = own if router_stats is None else router_stats + own
         if m.norm is not None:
             h = m.norm(h)
+        return self.head(h, labels, reduction)
+
+    def positions(self, h: torch.Tensor, position_ids: torch.Tensor | None, docs: Documents | torch.Tensor | None,
+                  cache: "KVCache | None", labels: torch.Tensor | None) -> tuple[torch.Tensor, Documents | None]:
+        """The call's positions (B, S) and document boundaries. With a cache, each row continues
+        from its cached end. The cache keeps each row's keys and values. Only each row's last
+        position is then returned (the prefill's rows may be right-padded: KVCache's lengths)."""
+        B, S = h.shape[:2]
+        if cache is not None:
+            if position_ids is not None or docs is not None or labels is not None:
+                raise ValueError("a KVCache takes plain rows: no position_ids, docs or labels")
+            return cache.positions(B, S, h.device), None
+        if position_ids is None:
+            if docs is not None:
+                raise ValueError("docs (document boundaries) need the position_ids restarting per document")
+            return torch.arange(S, device=h.device).expand(B, S), None
+        return position_ids, Documents.from_position_ids(position_ids) if docs is None else docs
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None, reduction: str) -> torch.Tensor:
+        """h (B, S, H) → the loss with labels, else logits (B, S, V); h itself on a stage without lm_head."""
         if self.lm_head is None:
-            return (h, stats) if aux else h
+            return h
         if labels is None:
             return self.logits_fn(self.lm_head(h))  # (B, S, V)
-        loss = self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
-        if not aux:
-            return loss
-        # transformers: mean token loss + coef · load-balancing loss of this forward (all layers pooled);
-        # a summed loss gets the term once per target token, so sum / count is transformers' loss
-        return loss + stats_loss(stats, moe_cfg) * ((labels != -100).sum() if reduction == "sum" else 1)
+        return self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
 
 
 # ----------------------------------------------------------------------------------------- compile
@@ -722,32 +688,30 @@ def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., t
 
 
 def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
-    """torch.compile each decoder layer's forward (torchtitan does the same): inductor fuses the
+    """torch.compile each decoder layer's forward (torchtitan does the same). Inductor fuses the
     elementwise ops between the matmuls (norms, RoPE, SwiGLU, residual adds) and their backward.
-    What runs inside the layer's `__call__` but outside its forward stays eager: hooks on the layer
-    (ZeRO-3's gathers, the output-gradient hooks), and everything outside the layers (embedding,
-    head, loss, the pipeline executor, dp/ZeRO's gradient hooks, which fire on AccumulateGrad).
-    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac (the layer's
-    checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
-    own policy path), before the optimizer. Layers of one shape share one compiled graph (the
-    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
-    A mixture-of-experts block (moe.MoE) runs eagerly between two graphs of its layer: its
-    dispatch has data-dependent shapes (the rows per expert) and, under EP, a host sync (`.tolist()`
-    of the exchanged counts), either of which breaks the graph.
-    Returns what is left eager, for the caller's log (train.py): the name of each layer left eager
-    whole — a checkpointed layer whose attention runs eagerly (`packed` rows, i.e. Documents, or
-    another attn_fn such as cp.py's ring) or that holds an MoE block would break the graph inside
-    the checkpoint, and dynamo then runs the whole checkpoint eagerly: compiling it would only add
-    tracing — then "<layer>.<path>" of each MoE block that runs eagerly inside a compiled layer."""
+    What runs in the layer's `__call__` but outside its forward stays eager: hooks on the layer
+    (ZeRO-3's gathers, the output-gradient hooks). So does everything outside the layers: embedding,
+    head, loss, the pipeline executor, dp/ZeRO's gradient hooks (they fire on AccumulateGrad).
+    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac. The layer's
+    checkpoint is then traced too: full AC as compile's recomputation, selective AC through
+    compile's own policy path. Apply before the optimizer. Layers of one shape share one compiled
+    graph (the parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
+    A submodule that sets `compile_eager = True` runs eagerly between two graphs of its layer
+    (moe.MoE: its shapes depend on the data). Returns what is left eager, for train.py's log.
+    First the name of each layer left eager whole: a checkpointed layer would break the graph
+    inside the checkpoint, and dynamo then runs the whole checkpoint eagerly. That happens when its
+    attention runs eagerly (`packed` rows, i.e. Documents, or another attn_fn such as cp.py's ring)
+    or it holds an eager submodule. Then "<layer>.<path>" of each eager submodule of a compiled layer."""
     eager, blocks = [], []
     for name, layer in model.model.layers.items():
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
-        moes = [(f"{name}.{path}", m) for path, m in layer.named_modules() if isinstance(m, MoE)]
-        if own is not None and (packed or layer.self_attn.attn_fn is not attend or moes):
+        kept = [(f"{name}.{path}", m) for path, m in layer.named_modules() if getattr(m, "compile_eager", False)]
+        if own is not None and (packed or layer.self_attn.attn_fn is not attend or kept):
             eager.append(name)
             continue
         layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
-        for path, block in moes:  # an instance forward (a wrapper) as it is; else as below, no cycle
+        for path, block in kept:  # an instance forward (a wrapper) as it is; else as below, no cycle
             forward = block.__dict__.get("forward") or (
                 lambda *args, fn=type(block).forward, ref=weakref.ref(block), **kwargs: fn(ref(), *args, **kwargs))
             block.forward = torch.compiler.disable(forward)  # the whole wrapper: dynamo skips its frame
@@ -777,7 +741,8 @@ def build(cfg: LlamaConfig) -> Llama:
     """The model on the meta device: no memory, no init yet (see `weights.materialize`)."""
     cfg.validate()
     with torch.device("meta"):
-        return Llama(cfg)
+        model = Llama(cfg)
+        return moe.use_experts(model) if cfg.num_experts else model  # the module swap (moe.py)
 
 
 # ----------------------------------------------------------------------------------------- generation

@@ -56,6 +56,7 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -286,6 +287,7 @@ def permutation(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class MoE(nn.Module):
     """The sparse MoE block: x (..., H) -> (..., H). `gate` and `experts` are named as in
     transformers' `*SparseMoeBlock`, so `load_state_dict(hf_block.state_dict())` is a copy."""
+    compile_eager = True  # model.compile_layers: data-dependent shapes and, under EP, a host sync
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -425,6 +427,90 @@ def grad_reduce_plan(model: nn.Module, dp_group: Group,
     experts = {id(p) for p in expert_parameters(model)}
     dense = [p for p in model.parameters() if id(p) not in experts]
     return [(dense, dp_group), (expert_parameters(model), groups.replica)]
+
+
+# --- refinement: the MoE in a decoder (model.Llama): the module swap and the router losses ---
+# Three seams of model.py carry it, and its forward has no line about experts:
+#   the module swap   a sparse layer's `mlp` becomes an MoE block (`use_experts`)
+#   forward hooks     the model's pre-hook takes this extension's keywords, its hook adds the loss
+#   token_sum_fn      the model's sum over all tokens of a forward (sp and cp split the tokens)
+# A pipeline stage declares what it passes on in `side_tensors` (pp.py sends it with h).
+
+
+def layer_config(cfg: Any) -> MoEConfig:
+    """The sparse layers' MoEConfig from a model.LlamaConfig. Mixtral keeps the combine weights in
+    fp32; Qwen3-MoE and OLMoE cast them to the logits' dtype (`fp32_weights`)."""
+    return MoEConfig(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+                     num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                     renormalize=cfg.norm_topk_prob, fp32_weights=cfg.model_type == "mixtral",
+                     aux_loss_coef=cfg.router_aux_loss_coef)
+
+
+def use_experts(model: nn.Module) -> nn.Module:
+    """Make a model.Llama a mixture of experts, in place. The MLP of each layer that
+    `config.is_sparse` names becomes an MoE block. With `config.output_router_logits` the loss adds
+    the router losses of the whole forward (`RouterLosses`). Call it inside the device context that
+    built the model (model.build: meta). Returns the model."""
+    cfg = model.config
+    for name, layer in model.model.layers.items():
+        if cfg.is_sparse(int(name)):
+            layer.mlp = MoE(layer_config(cfg))
+    losses = RouterLosses(layer_config(cfg))
+    model.register_forward_pre_hook(losses.take_keys, with_kwargs=True)
+    model.register_forward_hook(losses.add, with_kwargs=True)
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        router.register_forward_hook(losses.keep)
+    if cfg.output_router_logits:  # a stage before the last passes its routers' statistics on
+        model.side_tensors = {"router_stats": ((2 * cfg.num_experts + 2,), torch.float32)}
+    return model
+
+
+class RouterLosses:
+    """The load-balancing (and z) loss of a whole forward, as transformers' *ForCausalLM: the loss
+    adds coef · load_balancing_loss, every layer's tokens pooled. Three forward hooks make it.
+      take_keys  (model pre-hook) takes `router_stats`, the earlier pipeline stages' statistics,
+                 and `real_tokens` (B, S) bool: False marks padding (sft.py's rows), which then
+                 counts in no statistic (transformers' attention_mask of load_balancing_loss_func)
+      keep       (router hook) keeps each router's logits of this forward, one slot per router
+      add        (model hook) sums the statistics (`router_stats`) over all tokens
+                 (model.token_sum_fn) and the earlier stages. The last stage adds the loss; a stage
+                 before it returns (h, statistics): `side_tensors`, so autograd reaches every router.
+    Activation checkpointing reruns a router in backward, after `add`: `keep` then records nothing,
+    so no router counts twice. Off (config.output_router_logits false), the hooks only drop the keys."""
+
+    def __init__(self, cfg: MoEConfig):
+        self.cfg = cfg
+        self.logits: dict[nn.Module, torch.Tensor] | None = None  # open only during a forward
+        self.earlier: torch.Tensor | None = None
+        self.real_tokens: torch.Tensor | None = None
+
+    def take_keys(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        self.earlier, self.real_tokens = kwargs.pop("router_stats", None), kwargs.pop("real_tokens", None)
+        if self.real_tokens is not None and kwargs.get("cache") is not None:
+            raise ValueError("a KVCache takes plain rows: no real_tokens")
+        self.logits = {} if model.config.output_router_logits else None
+        return args, kwargs
+
+    def keep(self, router: nn.Module, args: tuple, out: tuple) -> None:
+        if self.logits is not None:
+            self.logits[router] = out[0]  # (N, E)
+
+    def add(self, model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        logits, self.logits = self.logits, None
+        call = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
+        call.apply_defaults()
+        labels, reduction = call.arguments["labels"], call.arguments["reduction"]
+        if logits is None or call.arguments["cache"] is not None or (labels is None and model.lm_head is not None):
+            return None  # no statistics: generation, or logits only
+        routers = [logits[m] for m in model.modules() if m in logits]  # in layer order
+        own = model.token_sum_fn(router_stats(routers, self.cfg.num_experts, self.cfg.top_k,
+                                              self.real_tokens, device=out.device))  # (2E + 2,)
+        stats = own if self.earlier is None else self.earlier + own
+        if model.lm_head is None:
+            return out, stats
+        # a summed loss gets the term once per target token, so sum / count is transformers' loss
+        return out + stats_loss(stats, self.cfg) * ((labels != -100).sum() if reduction == "sum" else 1)
 
 
 # --- refinement: the router losses and recording the routers' logits ---

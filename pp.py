@@ -18,7 +18,7 @@ The stage: what it receives and returns
       kwargs  the micro-batch's other keys (position_ids, ...), the same on every stage
       returns (B, S, H) hidden states; the last stage with labels: the SUM of its token losses
               (run_pipeline divides by the step's target count), without labels: logits (B, S, V)
-      extras  what a stage passes on besides its hidden states (model.Llama.stage_extras: an MoE
+      extras  what a stage passes on besides its hidden states (its `side_tensors`: an MoE
               model's router statistics, for the load-balancing loss that pools every stage's
               routers). It returns (h, *extras); the next stage takes them as keywords; their
               gradients come back with the activation's, so autograd does the rest.
@@ -421,9 +421,9 @@ def _hidden_size(chunk: nn.Module) -> int:
 
 
 def _extras(chunk: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What a stage passes on besides its hidden states (model.Llama.stage_extras: the routers'
-    statistics of an MoE model with the load-balancing loss); a Stage passes nothing else."""
-    return {} if isinstance(chunk, Stage) else chunk.stage_extras()
+    """What a stage passes on besides its hidden states: its `side_tensors` attribute (moe.py sets the
+    routers' statistics there); none if absent."""
+    return getattr(chunk, "side_tensors", {})
 
 
 def _with_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:

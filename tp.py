@@ -583,7 +583,7 @@ def apply_tp(model: nn.Module, tp_group: Group, sequence_parallel: bool = False,
                 a.register_forward_pre_hook(partial(_full_sequence_rope, rotary=model.model.rotary_emb))
                 if i in sparse:  # ... but a sparse layer routes this rank's S/tp tokens
                     _sequence_parallel_moe(layer, tp_group)
-                    model.router_stats_fn = partial(reduce_from_region, group=tp_group)
+                    model.token_sum_fn = partial(reduce_from_region, group=tp_group)
             else:  # f once per block: see _enter_region
                 a.register_forward_pre_hook(partial(_enter_region, group=tp_group))
                 if i not in sparse:  # whole experts on replicated tokens: dL/dx is complete
@@ -792,7 +792,7 @@ def _full_sequence_rope(attn: nn.Module, args: tuple, *, rotary: nn.Module) -> t
 # maps (B, S/tp, H) to (B, S/tp, H), and the router's and experts' weights enter through f (as a
 # sequence-parallel norm's, by moe.py's weight_fn seams), so their gradients are summed over tp
 # inside autograd. The aux loss
-# pools all tokens of the forward: the router statistics are all-reduced (model.router_stats_fn,
+# pools all tokens of the forward: the router statistics are all-reduced (model.token_sum_fn,
 # g: each rank's copy of the loss passes its gradient straight back to its own rows).
 # OLMoE's q/k norm spans the whole projection, all heads: ShardedRMSNorm.
 def _sequence_parallel_moe(layer: nn.Module, group: Group) -> None:

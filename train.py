@@ -424,8 +424,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
               + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
         if args.pp > 1:
             print(pipeline_summary(args, cfg), flush=True)
+    drop = () if cfg.num_experts else ("real_tokens",)  # sft.py's padding mask: only moe.py's hooks read it
     load = (lambda rows: [{"rows": rows}]) if rl else (  # GRPO: the prompt rows stay on the host
-        lambda rows: feed.host_batch(ds, rows, args.micro_batches, grid))
+        lambda rows: [{k: v for k, v in mb.items() if k not in drop}
+                      for mb in feed.host_batch(ds, rows, args.micro_batches, grid)])
     prefetch = feed.Prefetcher(load, sampler, max(args.steps - start, 0), grid.device)
     if rl and eval_set and start == 0:  # GRPO's "before": the same eval on the starting policy
         before = {"step": 0, **held_out_eval(model, opt, eval_set, tpl, args, grid, 0)}
