@@ -81,7 +81,7 @@ from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm 
 
 # ----------------------------------------------------------------------------------------- config
 # The families: transformers' model_type → (its CausalLM class, the switches the family fixes).
-# One model serves all four; a switch the family leaves out is read from config.json.
+# One model serves them all. A switch the family leaves out is read from config.json.
 #   llama    attention_bias (q, k, v and o), mlp_bias
 #   qwen2    q/k/v biases, no o bias (qkv_bias); a sliding window on the layers layer_types names
 #   qwen3    a per-head RMSNorm of q and k before RoPE (qk_norm), head_dim explicit (default 128);
@@ -90,27 +90,10 @@ from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm 
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False, sliding_window=None, layer_types=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, qk_norm=False, attention_bias=False, mlp_bias=False)),
-    "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, mlp_bias=False)),
+    "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False, mlp_bias=False)),
     "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False,
                                            mlp_bias=False, layer_types=None)),
-    # the mixtures of experts (moe.MoE replaces the MLP where `is_sparse` says so):
-    #   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
-    #   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
-    #              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
-    #   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
-    "mixtral": ("MixtralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
-                                           layer_types=None, norm_topk_prob=True, mlp_only_layers=(),
-                                           decoder_sparse_step=1)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False,
-                                              mlp_bias=False, layer_types=None)),
-    "olmoe": ("OlmoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True, mlp_bias=False,
-                                       sliding_window=None, layer_types=None, mlp_only_layers=(),
-                                       decoder_sparse_step=1)),
 }
-for _dense in ("llama", "qwen2", "qwen3", "mistral"):  # a stray num_experts key is ignored, as by transformers
-    FAMILIES[_dense][1]["num_experts"] = 0
-FAMILIES["qwen3"][1]["qk_norm_whole"] = False
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # transformers' class defaults of the keys a config.json may omit, where they differ by family
 _DEFAULTS = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
@@ -118,20 +101,33 @@ _DEFAULTS = {
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
     "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
                     sliding_window=4096),
-    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
-                    rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
-                    router_aux_loss_coef=0.001),
-    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, num_experts=128,
-                      num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
-    "olmoe": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                  num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01),
 }
+# How a family reads its window from config.json (`_read_window`):
+#   None      no window: transformers ignores the keys
+#   "every"   every layer slides whenever sliding_window is set; layer_types is refused
+#   "use"     every layer slides with use_sliding_window; layer_types is refused
+#   "layers"  with use_sliding_window, the layers from max_window_layers on (or those layer_types names)
+_WINDOW = {"llama": None, "qwen2": "layers", "qwen3": "layers", "mistral": "every"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class FamilyKeys:
+    """The seam for families with config keys of their own (the end of this file): how to read
+    them (config.json dict, errors → fields), write them back (config, dict), check them (raise),
+    and the parameters they change (config, global shapes → global shapes)."""
+    read: Callable[[dict, list[str]], dict]
+    write: Callable[["LlamaConfig", dict], None]
+    check: Callable[["LlamaConfig"], None]
+    shapes: Callable[["LlamaConfig", dict], dict]
+
+
+FAMILY_KEYS: dict[str, FamilyKeys] = {}  # model_type → its own keys
 
 
 @dataclass
 class LlamaConfig:
-    """One config for the four FAMILIES (the name is the first of them). The family switches:
+    """One config for the FAMILIES (the name is the first of them). The family switches:
     qkv_bias (q/k/v biases without attention_bias's o bias), qk_norm (per-head q/k RMSNorm),
     sliding_window with layer_types (which layers slide; None: all of them)."""
     vocab_size: int = 32000
@@ -154,11 +150,11 @@ class LlamaConfig:
     model_type: str = "llama"  # a key of FAMILIES: what export writes back
     qkv_bias: bool = False  # q, k, v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of every q and k head, before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # qk_norm over the whole projection, all heads at once
     sliding_window: int | None = None  # a query sees the last sliding_window positions, its own included
     layer_types: tuple[str, ...] | None = None  # per layer one of LAYER_TYPES; None: all slide (Mistral)
-    # mixture of experts (MOE_FAMILIES; num_experts 0: dense). See moe.py and `is_sparse`.
-    qk_norm_whole: bool = False  # the q/k RMSNorm over the whole projection, all heads at once (OLMoE)
-    num_experts: int = 0
+    # ---- refinement: the fields of a mixture of experts (read, written and checked at the end of this file)
+    num_experts: int = 0  # 0: dense
     num_experts_per_tok: int = 2  # top-k
     moe_intermediate_size: int = 0  # per expert (Qwen3-MoE's key; Mixtral/OLMoE: intermediate_size)
     norm_topk_prob: bool = False  # renormalize the k weights (Mixtral always)
@@ -167,11 +163,17 @@ class LlamaConfig:
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: dense layers
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (moe.py). Qwen3-MoE's rule; the other
+        families have mlp_only_layers () and decoder_sparse_step 1."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
-        """Read an HF `config.json` dict of a family in FAMILIES (transformers 4.x and 5 spellings, the
-        family's defaults for omitted keys); missing keys, wrong types and unsupported values raise one
-        error naming them all, each with its key and value."""
+        """Read an HF `config.json` dict of a family in FAMILIES: transformers 4.x and 5 spellings,
+        and the family's defaults for omitted keys. Missing keys, wrong types and unsupported values
+        raise one error naming them all, each with its key and value."""
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         bad = _hf_type_errors(d)
@@ -200,7 +202,7 @@ class LlamaConfig:
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
-        moe = _read_moe(d, family, bad)
+        own = FAMILY_KEYS[family].read(d, bad) if family in FAMILY_KEYS else {}
         window, layer_types = _read_window(d, family, bad)
         if bad:
             raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
@@ -220,7 +222,7 @@ class LlamaConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
-            **{**read, **moe, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
+            **{**read, **own, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
         )
         cfg.validate()
         return cfg
@@ -239,23 +241,13 @@ class LlamaConfig:
             d["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
+        if _WINDOW[self.model_type] in ("every", "use"):
             d["sliding_window"] = self.sliding_window
-        if self.model_type in ("mixtral", "qwen3_moe"):
-            d["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen3_moe":
-            d |= {"use_sliding_window": self.sliding_window is not None, "attention_bias": self.attention_bias,
-                  "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                  "mlp_only_layers": list(self.mlp_only_layers), "decoder_sparse_step": self.decoder_sparse_step}
-        if self.model_type == "olmoe":
-            d |= {"attention_bias": self.attention_bias, "norm_topk_prob": self.norm_topk_prob}
-            del d["head_dim"]  # OLMoE derives it (hidden_size / heads)
-        if self.num_experts:
-            d |= {"num_experts" if self.model_type == "olmoe" else "num_local_experts": self.num_experts,
-                  "num_experts_per_tok": self.num_experts_per_tok,
-                  "router_aux_loss_coef": self.router_aux_loss_coef,
-                  "output_router_logits": self.output_router_logits}
-        if self.model_type in ("qwen2", "qwen3"):  # transformers derives the window from these four
+        if _WINDOW[self.model_type] == "use":
+            d["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type in FAMILY_KEYS:
+            FAMILY_KEYS[self.model_type].write(self, d)
+        if _WINDOW[self.model_type] == "layers":  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
             d |= {"use_sliding_window": bool(sliding),
@@ -272,15 +264,9 @@ class LlamaConfig:
         return "sliding_attention" if self.layer_types is None else self.layer_types[layer]
 
     def window(self, layer: int) -> int | None:
-        """Decoder layer `layer`'s sliding window (a query attends to the positions p - window < j <= p,
-        transformers' sliding mask), or None: plain causal attention."""
+        """Decoder layer `layer`'s sliding window, or None: plain causal attention. A query attends
+        to the positions p - window < j <= p (transformers' sliding mask)."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether decoder layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's rule; the other
-        MoE families have no dense layer: mlp_only_layers (), decoder_sparse_step 1)."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -302,14 +288,8 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
-        if self.model_type in MOE_FAMILIES and not (1 <= self.num_experts_per_tok <= self.num_experts
-                                                    and self.moe_intermediate_size >= 1):
-            raise ValueError(f"{self.model_type}: need 1 <= num_experts_per_tok={self.num_experts_per_tok} <= "
-                             f"num_experts={self.num_experts} and moe_intermediate_size="
-                             f"{self.moe_intermediate_size} >= 1")
-        if self.model_type == "olmoe" and self.head_dim * self.num_attention_heads != self.hidden_size:
-            raise ValueError(f"olmoe: head_dim={self.head_dim} × num_attention_heads={self.num_attention_heads} "
-                             f"must be hidden_size={self.hidden_size} (its q norm spans hidden_size)")
+        if self.model_type in FAMILY_KEYS:
+            FAMILY_KEYS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
@@ -320,23 +300,18 @@ class LlamaConfig:
 
 
 def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding_window, layer_types) as transformers' family class derives them from config.json.
-    Mistral: every layer slides whenever sliding_window is set. Qwen2/3: only with use_sliding_window,
-    and then the layers from max_window_layers on (or those layer_types names)."""
-    types = d.get("layer_types")
-    if family == "llama":  # LlamaConfig has no window: transformers ignores these keys
+    """(sliding_window, layer_types) as transformers' family class derives them from config.json,
+    by the family's rule in _WINDOW."""
+    rule, types = _WINDOW[family], d.get("layer_types")
+    if rule is None:
         return None, None
-    if family == "olmoe":  # transformers' OLMoE has no window
-        return None, None
-    if family == "qwen3_moe":  # every layer slides with use_sliding_window; it reads no layer_types
-        if types is not None:
-            bad.append(f"layer_types={types} (transformers' Qwen3-MoE ignores it)")
-        return (d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None), None
-    if family in ("mistral", "mixtral"):
-        if types is not None:
-            bad.append(f"layer_types={types} (transformers' Mistral ignores it: a Ministral checkpoint?)")
+    if rule != "layers" and types is not None:
+        bad.append(f"layer_types={types} (transformers' {FAMILIES[family][0]} ignores it)")
+    if rule == "every":
         return d.get("sliding_window", _DEFAULTS[family]["sliding_window"]), None
     window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    if rule == "use":
+        return window, None
     if types is None:
         first = d.get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
@@ -350,33 +325,6 @@ def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tupl
     if window is None or "sliding_attention" not in types:
         return None, None
     return window, tuple(types)
-
-
-def _read_moe(d: dict, family: str, bad: list[str]) -> dict:
-    """The MoE fields of LlamaConfig from config.json (empty for a dense family), with the family's
-    defaults; what is not implemented goes to `bad`, naming the key and its value."""
-    if family not in MOE_FAMILIES:
-        return {}
-    defaults = _DEFAULTS[family]
-    # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
-    given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
-    if len(given) > 1:
-        bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
-    if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
-        bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
-    if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
-        bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
-    if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
-        bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
-    return dict(num_experts=given.pop() if given else defaults["num_experts"],
-                num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
-                moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
-                                       if family == "qwen3_moe" else d["intermediate_size"]),
-                norm_topk_prob=d.get("norm_topk_prob", False),
-                router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
-                output_router_logits=d.get("output_router_logits", False),
-                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                decoder_sparse_step=d.get("decoder_sparse_step", 1))
 
 
 # config.json keys read here: (required, type check, what the check means)
@@ -399,14 +347,6 @@ _HF_KEYS = {
     "sliding_window": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
     "max_window_layers": (False, lambda v: _ID[0](v) and v is not None, "an integer >= 0"),
     "layer_types": (False, lambda v: v is None or isinstance(v, list), "a list or null"),
-    "num_experts": (False, *_INT), "num_local_experts": (False, *_INT), "num_experts_per_tok": (False, *_INT),
-    "moe_intermediate_size": (False, *_INT), "decoder_sparse_step": (False, *_INT),
-    "norm_topk_prob": (False, *_BOOL), "output_router_logits": (False, *_BOOL),
-    "router_aux_loss_coef": (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                             "a number >= 0"),
-    "mlp_only_layers": (False, lambda v: v is None or isinstance(v, list) and all(_ID[0](x) and x is not None
-                                                                                  for x in v),
-                        "a list of layer indices or null"),
     "eos_token_id": (False, lambda v: _ID[0](v) or isinstance(v, list) and len(v) > 0
                      and all(_ID[0](x) and x is not None for x in v), "a token id, a list of them or null"),
 }
@@ -447,14 +387,9 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        if cfg.is_sparse(n):  # transformers 5's fused in-memory layout (weights.py writes one per expert)
-            e, mi = cfg.num_experts, cfg.moe_intermediate_size
-            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * mi, h),
-                       p + "mlp.experts.down_proj": (e, h, mi)}
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)}
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
         if cfg.attention_bias or cfg.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -463,13 +398,13 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (q,) if cfg.qk_norm_whole else (hd,),
                        p + "self_attn.k_norm.weight": (kv,) if cfg.qk_norm_whole else (hd,)}
-        if cfg.mlp_bias and not cfg.is_sparse(n):
+        if cfg.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
                        p + "mlp.down_proj.bias": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    return FAMILY_KEYS[cfg.model_type].shapes(cfg, shapes) if cfg.model_type in FAMILY_KEYS else shapes
 
 
 # ----------------------------------------------------------------------------------------- modules
@@ -882,3 +817,117 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
     finally:
         model.train(was_training)
     return out
+
+
+# ----------------------------------------------------------------------------------------- refinement: mixtures of experts
+# Three families, read through the FamilyKeys seam: moe.py swaps their sparse layers' MLP for an
+# MoE block (`build`), and its hooks add the router losses.
+#   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
+#   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
+#              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
+#   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+for _dense in FAMILIES:  # a stray num_experts key is ignored, as by transformers
+    FAMILIES[_dense][1]["num_experts"] = 0
+FAMILIES |= {
+    "mixtral": ("MixtralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
+                                           layer_types=None, norm_topk_prob=True, mlp_only_layers=(),
+                                           decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False,
+                                              mlp_bias=False, layer_types=None)),
+    "olmoe": ("OlmoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True, mlp_bias=False,
+                                       sliding_window=None, layer_types=None, mlp_only_layers=(),
+                                       decoder_sparse_step=1)),
+}
+_DEFAULTS |= {
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
+                    rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
+    "olmoe": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01),
+}
+_WINDOW |= {"mixtral": "every", "qwen3_moe": "use", "olmoe": None}
+_HF_KEYS |= {
+    "num_experts": (False, *_INT), "num_local_experts": (False, *_INT), "num_experts_per_tok": (False, *_INT),
+    "moe_intermediate_size": (False, *_INT), "decoder_sparse_step": (False, *_INT),
+    "norm_topk_prob": (False, *_BOOL), "output_router_logits": (False, *_BOOL),
+    "router_aux_loss_coef": (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                             "a number >= 0"),
+    "mlp_only_layers": (False, lambda v: v is None or isinstance(v, list) and all(_ID[0](x) and x is not None
+                                                                                  for x in v),
+                        "a list of layer indices or null"),
+}
+
+
+def _read_experts(family: str) -> Callable[[dict, list[str]], dict]:
+    """FamilyKeys.read of an MoE family: its fields with the family's defaults. What is not
+    implemented goes to `bad`, naming the key and its value."""
+    def read(d: dict, bad: list[str]) -> dict:
+        defaults = _DEFAULTS[family]
+        # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
+        given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
+        if len(given) > 1:
+            bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
+        if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
+            bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
+        if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
+            bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
+        if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
+            bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
+        return dict(num_experts=given.pop() if given else defaults["num_experts"],
+                    num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+                    moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+                                           if family == "qwen3_moe" else d["intermediate_size"]),
+                    norm_topk_prob=d.get("norm_topk_prob", False),
+                    router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+                    output_router_logits=d.get("output_router_logits", False),
+                    mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                    decoder_sparse_step=d.get("decoder_sparse_step", 1))
+    return read
+
+
+def _write_experts(cfg: LlamaConfig, d: dict) -> None:
+    """FamilyKeys.write: the MoE keys of cfg's family into config.json's dict d."""
+    if cfg.model_type == "qwen3_moe":
+        d |= {"attention_bias": cfg.attention_bias, "moe_intermediate_size": cfg.moe_intermediate_size,
+              "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": list(cfg.mlp_only_layers),
+              "decoder_sparse_step": cfg.decoder_sparse_step}
+    if cfg.model_type == "olmoe":
+        d |= {"attention_bias": cfg.attention_bias, "norm_topk_prob": cfg.norm_topk_prob}
+        del d["head_dim"]  # OLMoE derives it (hidden_size / heads)
+    d |= {"num_experts" if cfg.model_type == "olmoe" else "num_local_experts": cfg.num_experts,
+          "num_experts_per_tok": cfg.num_experts_per_tok, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+          "output_router_logits": cfg.output_router_logits}
+
+
+def _check_experts(cfg: LlamaConfig) -> None:
+    """FamilyKeys.check: the sizes of the experts, and OLMoE's head size."""
+    if not (1 <= cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size >= 1):
+        raise ValueError(f"{cfg.model_type}: need 1 <= num_experts_per_tok={cfg.num_experts_per_tok} <= "
+                         f"num_experts={cfg.num_experts} and moe_intermediate_size="
+                         f"{cfg.moe_intermediate_size} >= 1")
+    if cfg.model_type == "olmoe" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"olmoe: head_dim={cfg.head_dim} × num_attention_heads={cfg.num_attention_heads} "
+                         f"must be hidden_size={cfg.hidden_size} (its q norm spans hidden_size)")
+
+
+def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """FamilyKeys.shapes: a sparse layer's MLP entries become its router's and experts', in their
+    place. transformers 5's fused in-memory layout (weights.py writes one tensor per expert)."""
+    e, h, mi = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = {}
+    for name, shape in shapes.items():
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        if not (rest.startswith("mlp.") and cfg.is_sparse(int(layer))):
+            out[name] = shape
+        elif rest == "mlp.gate_proj.weight":  # the other MLP entries are dropped
+            p = f"model.layers.{layer}.mlp."
+            out |= {p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * mi, h),
+                    p + "experts.down_proj": (e, h, mi)}
+    return out
+
+
+FAMILY_KEYS |= {f: FamilyKeys(_read_experts(f), _write_experts, _check_experts, _expert_shapes)
+                for f in MOE_FAMILIES}
