@@ -2,64 +2,50 @@
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
-    lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
-    spellings) of four families, `model_type` llama, qwen2, qwen3 and mistral: one model, with a
-    named switch for each difference (FAMILIES) — q/k/v biases without the o bias (qwen2), a
-    per-head q/k RMSNorm before RoPE (qwen3), a sliding window on the layers that have one (mistral;
-    qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
-    safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
-    ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
-    Three mixtures of experts, `model_type` mixtral, qwen3_moe and olmoe (MOE_FAMILIES): the MLP of a
-    sparse layer (`LlamaConfig.is_sparse`) is moe.MoE; OLMoE's q/k RMSNorm spans the whole
-    projection (qk_norm_whole). With `output_router_logits` the loss adds `router_aux_loss_coef` ·
-    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM; a
-    pipeline stage passes its routers' statistics on with its hidden states (`stage_extras`).
+    lm_head, in plain PyTorch. `LlamaConfig.from_hf` reads HF configs, in transformers 4.x and 5
+    spellings. Four families share one model, `model_type` llama, qwen2, qwen3 and mistral. Each
+    difference is a named switch (FAMILIES). Qwen2 has q/k/v biases without the o bias. Qwen3
+    normalizes each q and k head before RoPE. Mistral slides a window over every layer; Qwen2/3
+    slide on the layers that say so. Files live in weights.py (`load_config`, `materialize`,
+    `save_hf`, `load_hf`). So `save_pretrained` output loads here, and ours loads back in
+    `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
-    (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
-    Jiang et al. 2024 (Mixtral), Muennighoff et al. 2024 (OLMoE); numerics follow
-    transformers/models/{llama,qwen2,qwen3,mistral,mixtral,qwen3_moe,olmoe}/modeling_*.py.
+    (SwiGLU), Jiang et al. 2023 (Mistral), Qwen team 2024/2025 (Qwen2, Qwen3). The numerics follow
+    transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py, moe.py — causal attention within packed documents; the
-    layer's elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits
-    (the default `loss_fn`); the MoE block, its router losses and the recorder of router logits
+Builds on
+    attention.py (causal attention within packed documents), ops.py (the layer's elementwise ops as
+    lean autograd Functions), loss.py (lm_head and the loss without (T, V) logits).
 
 Invariants
-    - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
-      fills it once tp/pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
-    - The model is unaware of parallelism: head counts come from weight shapes, layers live in a
-      ModuleDict keyed by their global index (so a pipeline stage can drop the ones it does not own
-      and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
-      pipeline stage then maps hidden states to hidden states). Three plain attributes are the seams
-      tp.py uses: `loss_fn(hidden, weight, labels, reduction)` (lm_head and the loss in one: hidden
-      (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns full-vocab logits to the
-      user) for a vocab-sharded head; `router_stats_fn(stats)` turns a forward's router statistics
-      into those of all its rows (sequence and context parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
-      is the attention itself (attention.attend), for a file that swaps in another algorithm (cp.py's
-      ring attention) without editing this one.
-    - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
-      the cross-entropy over vocabulary chunks with a hand-written backward.
-    - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
-      per batch where the rows are) keeps attention inside each document; no S×S mask is built.
-    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
-      and a window shorter than the sequence (tests/test_families.py); the MoE families too, with and
-      without the load-balancing loss, packed rows whose padding (`real_tokens`) the routers'
-      statistics skip, an expert no token picks, AC (each router counted once), export bit-equal
-      (tests/test_moe_models.py).
-    - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
-      -100 is ignored.
-    - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
-      KVCache (prefill, then one position per step; a tp rank caches its own heads): token for token
-      the uncached decode's, every family, tp1 and tp2; prompts of different lengths in one batch
-      decode as each would alone (tests/test_generate.py).
-    - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
-      (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
-      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks,
-      everything between the layers and each MoE block (between two graphs of its layer) stay eager.
+    - `build` makes the model on the meta device, with no memory. `weights.materialize` fills it
+      once tp and pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
+    - The model is unaware of parallelism. Head counts come from weight shapes. Layers live in a
+      ModuleDict keyed by their global index, so a pipeline stage drops the ones it does not own.
+      `embed_tokens`, `norm` and `lm_head` may be None: a middle stage maps hidden states to
+      hidden states.
+    - Plain attributes are the seams other files plug into. `loss_fn(hidden, weight, labels,
+      reduction)` is lm_head and the loss in one; `logits_fn(logits)` returns full-vocab logits
+      (tp.py's vocab-sharded head). `token_sum_fn` turns a sum over this rank's tokens into the sum
+      over all tokens (tp.py's sp, cp.py). `Attention.attn_fn(q, k, v, docs)` is the attention
+      itself (cp.py's ring swaps it). Families with keys of their own plug in as `FamilyKeys`.
+    - The training loss never holds (T, V) logits (`loss.linear_cross_entropy`).
+    - Packed rows: position_ids restart per document, and `docs` (attention.Documents) keeps
+      attention inside each document. No S×S mask is built.
+    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense, packed and
+      windowed (tests/test_families.py). Labels are already shifted (labels[t] is the token after
+      input[t]); -100 is ignored.
+    - `generate` decodes batched, greedy or sampled, with a KVCache. It gives the uncached decode's
+      tokens, every family, tp1 and tp2, prompts of different lengths too (tests/test_generate.py).
+    - RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions: lean in eager, fused when compiled
+      (`compile_layers`). In fp32 the forward is HF's to the bit.
+    - Refinement at the end: three mixtures of experts (mixtral, qwen3_moe, olmoe). moe.py swaps
+      their sparse layers' MLP and adds the router losses by forward hooks (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -112,17 +98,19 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
-class FamilyKeys:
-    """The seam for families with config keys of their own (the end of this file): how to read
-    them (config.json dict, errors → fields), write them back (config, dict), check them (raise),
-    and the parameters they change (config, global shapes → global shapes)."""
-    read: Callable[[dict, list[str]], dict]
+class Extension:
+    """The seam for a family that adds keys and modules (the MoE families at the end of this file).
+    read(config.json dict, family, errors) → its fields. write(config, dict) adds its keys to the
+    dict. check(config) raises on bad values. shapes(config, global shapes) → the shapes it changes.
+    modules(model) swaps in its modules, in place, and returns the model (`build`)."""
+    read: Callable[[dict, str, list[str]], dict]
     write: Callable[["LlamaConfig", dict], None]
     check: Callable[["LlamaConfig"], None]
     shapes: Callable[["LlamaConfig", dict], dict]
+    modules: Callable[["Llama"], "Llama"]
 
 
-FAMILY_KEYS: dict[str, FamilyKeys] = {}  # model_type → its own keys
+EXTENSIONS: dict[str, Extension] = {}  # model_type → what its family adds
 
 
 @dataclass
@@ -153,7 +141,7 @@ class LlamaConfig:
     qk_norm_whole: bool = False  # qk_norm over the whole projection, all heads at once
     sliding_window: int | None = None  # a query sees the last sliding_window positions, its own included
     layer_types: tuple[str, ...] | None = None  # per layer one of LAYER_TYPES; None: all slide (Mistral)
-    # ---- refinement: the fields of a mixture of experts (read, written and checked at the end of this file)
+    # ---- refinement: a mixture of experts' fields (the Extension at the end of this file)
     num_experts: int = 0  # 0: dense
     num_experts_per_tok: int = 2  # top-k
     moe_intermediate_size: int = 0  # per expert (Qwen3-MoE's key; Mixtral/OLMoE: intermediate_size)
@@ -202,7 +190,7 @@ class LlamaConfig:
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
-        own = FAMILY_KEYS[family].read(d, bad) if family in FAMILY_KEYS else {}
+        own = EXTENSIONS[family].read(d, family, bad) if family in EXTENSIONS else {}
         window, layer_types = _read_window(d, family, bad)
         if bad:
             raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
@@ -245,8 +233,8 @@ class LlamaConfig:
             d["sliding_window"] = self.sliding_window
         if _WINDOW[self.model_type] == "use":
             d["use_sliding_window"] = self.sliding_window is not None
-        if self.model_type in FAMILY_KEYS:
-            FAMILY_KEYS[self.model_type].write(self, d)
+        if self.model_type in EXTENSIONS:
+            EXTENSIONS[self.model_type].write(self, d)
         if _WINDOW[self.model_type] == "layers":  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -288,8 +276,8 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
-        if self.model_type in FAMILY_KEYS:
-            FAMILY_KEYS[self.model_type].check(self)
+        if self.model_type in EXTENSIONS:
+            EXTENSIONS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
@@ -404,7 +392,7 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return FAMILY_KEYS[cfg.model_type].shapes(cfg, shapes) if cfg.model_type in FAMILY_KEYS else shapes
+    return EXTENSIONS[cfg.model_type].shapes(cfg, shapes) if cfg.model_type in EXTENSIONS else shapes
 
 
 # ----------------------------------------------------------------------------------------- modules
@@ -437,9 +425,9 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 class Rotary(nn.Module):
-    """The RoPE tables of the positions, (B, S, hd) each, computed once per forward and shared by all
-    layers (and their backward): cos as HF's, and sin with rotate_half's sign folded in — HF's
-    sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (see `RoPEFunction`)."""
+    """The RoPE tables of the positions, (B, S, hd) each. They are computed once per forward and
+    shared by all layers and their backward. cos is HF's. sin has rotate_half's sign folded in:
+    HF's sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (`RoPEFunction`)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -467,8 +455,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
-        # Qwen3: one (hd,) weight shared by every head (tp replicates it; each rank's heads add to its grad);
-        # OLMoE (qk_norm_whole): one weight over the whole projection, its statistics over all heads
+        # Qwen3: one (hd,) weight shared by every head. tp replicates it; each rank's heads add to its grad.
+        # qk_norm_whole: one weight over the whole projection, its statistics over all heads
         self.qk_norm_whole = cfg.qk_norm_whole
         qn, kn = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_whole else (hd, hd)
         self.q_norm = RMSNorm(qn, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -489,7 +477,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
-        if self.q_norm is not None and self.qk_norm_whole:  # over all heads at once (OLMoE)
+        if self.q_norm is not None and self.qk_norm_whole:  # over all heads at once
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         elif self.q_norm is not None:  # over hd, per head
             q, k = self.q_norm(q), self.k_norm(k)
@@ -500,8 +488,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """The MLP's activation as a module of its own (no parameters, so no name in the state_dict):
-    a cheap op ac.py's selective mode can rerun in backward instead of keeping its output."""
+    """The MLP's activation as a module of its own, with no parameters (no state_dict name). It is
+    a cheap op: ac.py's selective mode reruns it in backward instead of keeping its output."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate, up)
@@ -565,7 +553,7 @@ class Llama(nn.Module):
                 docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """input_ids (B, S) token ids, or hidden states (B, S, H) on a stage without embeddings.
         position_ids (B, S): None means 0..S-1 with plain causal attention. Given, attention stays
-        within each document: a new one starts wherever the position does not continue.
+        within each document. A new document starts wherever the position does not continue.
         docs: those boundaries as attention.Documents, computed once where the rows are built.
         Else they are derived here from position_ids, a host copy per call. A dense (B, 1, S, S)
         bool mask also works (attention.attention_mask, the reference).
@@ -585,9 +573,9 @@ class Llama(nn.Module):
 
     def positions(self, h: torch.Tensor, position_ids: torch.Tensor | None, docs: Documents | torch.Tensor | None,
                   cache: "KVCache | None", labels: torch.Tensor | None) -> tuple[torch.Tensor, Documents | None]:
-        """The call's positions (B, S) and document boundaries. With a cache, each row continues
-        from its cached end. The cache keeps each row's keys and values. Only each row's last
-        position is then returned (the prefill's rows may be right-padded: KVCache's lengths)."""
+        """The call's positions (B, S) and document boundaries. With a cache (generation), each row
+        continues from its cached end, and the cache appends the row's keys and values. The forward
+        then returns only each row's last position (a prefill's rows may be right-padded)."""
         B, S = h.shape[:2]
         if cache is not None:
             if position_ids is not None or docs is not None or labels is not None:
@@ -610,10 +598,10 @@ class Llama(nn.Module):
 
 # ----------------------------------------------------------------------------------------- compile
 def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """attn_fn for a compiled layer: attention.attend on plain rows is traced; packed rows
-    (Documents: host lengths that change every batch, which would recompile) and any other attention
-    plugged into the seam (cp.py's ring, whose custom op is not checked under compile here) run
-    eagerly between two compiled graphs."""
+    """attn_fn for a compiled layer. attention.attend on plain rows is traced. Packed rows run
+    eagerly between two compiled graphs: Documents hold host lengths that change every batch, which
+    would recompile. So does any other attention in the seam (cp.py's ring: its custom op is not
+    checked under compile here)."""
     eager, traced = torch.compiler.disable(attn_fn), attn_fn is attend
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -677,7 +665,7 @@ def build(cfg: LlamaConfig) -> Llama:
     cfg.validate()
     with torch.device("meta"):
         model = Llama(cfg)
-        return moe.use_experts(model) if cfg.num_experts else model  # the module swap (moe.py)
+        return EXTENSIONS[cfg.model_type].modules(model) if cfg.model_type in EXTENSIONS else model
 
 
 # ----------------------------------------------------------------------------------------- generation
@@ -733,9 +721,9 @@ class LayerCache:
 
     @torch.compiler.disable  # host-side state: runs eagerly between a compiled layer's graphs
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """Append k, v (B, S, nkv, hd) at each row's end and attend the S new queries q (B, S, nh, hd)
+        """Append k, v (B, S, nkv, hd) at each row's end. Then attend the S new queries q (B, S, nh, hd)
         to the row's keys up to each query: causal, within attn's window. The first call (the
-        prefill) is the layer's own attention (attn.attn_fn), the uncached forward's to the bit."""
+        prefill) is the layer's own attention (attn.attn_fn): the uncached forward's to the bit."""
         B, S = k.shape[:2]
         P = self.cache.length
         if P + S > self.cache.capacity:
@@ -771,15 +759,15 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None = None, *,
              temperature: float = 0.0, top_k: int | None = None, seeds: Sequence[int] | None = None,
              use_cache: bool | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
-    """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens: greedy at temperature 0,
-    else sampled (next_token) with one seed per row, so a row's reply depends on its prompt and seed
-    only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
+    """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens. Greedy at temperature
+    0, else sampled (next_token) with one seed per row. A row's reply then depends on its prompt and
+    seed only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
     lengths: prompts of different lengths, right-padded: row b's prompt is input_ids[b, :lengths[b]].
     Its reply then starts at lengths[b], over the padding, and the cells after it hold eos_id (0
     without one). None: every prompt is all S tokens.
-    use_cache: prefill once, then one position per step (KVCache); False reruns the whole prefix
-    every step (the reference: the same tokens in fp32, tests/test_generate.py); None: the cache
-    whenever model.forward takes one (any causal model mapping ids (B, S) to logits runs uncached).
+    use_cache: prefill once, then one position per step (KVCache). False reruns the whole prefix
+    every step: the reference, the same tokens in fp32 (tests/test_generate.py). None: the cache
+    whenever model.forward takes one. Any causal model mapping ids (B, S) to logits runs uncached.
     Under tp every rank sees the same gathered logits and seeds, hence draws the same tokens."""
     B, S = input_ids.shape
     if temperature < 0 or (top_k is not None and top_k < 1):
@@ -820,7 +808,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
 
 
 # ----------------------------------------------------------------------------------------- refinement: mixtures of experts
-# Three families, read through the FamilyKeys seam: moe.py swaps their sparse layers' MLP for an
+# Three families, through the Extension seam: moe.py swaps their sparse layers' MLP for an
 # MoE block (`build`), and its hooks add the router losses.
 #   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
 #   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
@@ -861,35 +849,33 @@ _HF_KEYS |= {
 }
 
 
-def _read_experts(family: str) -> Callable[[dict, list[str]], dict]:
-    """FamilyKeys.read of an MoE family: its fields with the family's defaults. What is not
+def _read_experts(d: dict, family: str, bad: list[str]) -> dict:
+    """Extension.read: an MoE family's fields, with the family's defaults. What is not
     implemented goes to `bad`, naming the key and its value."""
-    def read(d: dict, bad: list[str]) -> dict:
-        defaults = _DEFAULTS[family]
-        # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
-        given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
-        if len(given) > 1:
-            bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
-        if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
-            bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
-        if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
-            bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
-        if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
-            bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
-        return dict(num_experts=given.pop() if given else defaults["num_experts"],
-                    num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
-                    moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
-                                           if family == "qwen3_moe" else d["intermediate_size"]),
-                    norm_topk_prob=d.get("norm_topk_prob", False),
-                    router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
-                    output_router_logits=d.get("output_router_logits", False),
-                    mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                    decoder_sparse_step=d.get("decoder_sparse_step", 1))
-    return read
+    defaults = _DEFAULTS[family]
+    # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
+    given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
+    if len(given) > 1:
+        bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
+    if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
+        bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
+    if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
+        bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
+    if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
+        bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
+    return dict(num_experts=given.pop() if given else defaults["num_experts"],
+                num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+                moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+                                       if family == "qwen3_moe" else d["intermediate_size"]),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+                output_router_logits=d.get("output_router_logits", False),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1))
 
 
 def _write_experts(cfg: LlamaConfig, d: dict) -> None:
-    """FamilyKeys.write: the MoE keys of cfg's family into config.json's dict d."""
+    """Extension.write: the MoE keys of cfg's family into config.json's dict d."""
     if cfg.model_type == "qwen3_moe":
         d |= {"attention_bias": cfg.attention_bias, "moe_intermediate_size": cfg.moe_intermediate_size,
               "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": list(cfg.mlp_only_layers),
@@ -903,7 +889,7 @@ def _write_experts(cfg: LlamaConfig, d: dict) -> None:
 
 
 def _check_experts(cfg: LlamaConfig) -> None:
-    """FamilyKeys.check: the sizes of the experts, and OLMoE's head size."""
+    """Extension.check: the sizes of the experts, and OLMoE's head size."""
     if not (1 <= cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size >= 1):
         raise ValueError(f"{cfg.model_type}: need 1 <= num_experts_per_tok={cfg.num_experts_per_tok} <= "
                          f"num_experts={cfg.num_experts} and moe_intermediate_size="
@@ -914,7 +900,7 @@ def _check_experts(cfg: LlamaConfig) -> None:
 
 
 def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """FamilyKeys.shapes: a sparse layer's MLP entries become its router's and experts', in their
+    """Extension.shapes: a sparse layer's MLP entries become its router's and experts', in their
     place. transformers 5's fused in-memory layout (weights.py writes one tensor per expert)."""
     e, h, mi = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     out = {}
@@ -929,5 +915,5 @@ def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict
     return out
 
 
-FAMILY_KEYS |= {f: FamilyKeys(_read_experts(f), _write_experts, _check_experts, _expert_shapes)
-                for f in MOE_FAMILIES}
+EXTENSIONS |= {f: Extension(_read_experts, _write_experts, _check_experts, _expert_shapes, moe.use_experts)
+               for f in MOE_FAMILIES}
