@@ -102,15 +102,16 @@ class Extension:
     """The seam for a family that adds keys and modules (the MoE families at the end of this file).
     read(config.json dict, family, errors) → its fields. write(config, dict) adds its keys to the
     dict. check(config) raises on bad values. shapes(config, global shapes) → the shapes it changes.
-    modules(model) swaps in its modules, in place, and returns the model (`build`)."""
-    read: Callable[[dict, str, list[str]], dict]
-    write: Callable[["LlamaConfig", dict], None]
-    check: Callable[["LlamaConfig"], None]
-    shapes: Callable[["LlamaConfig", dict], dict]
-    modules: Callable[["Llama"], "Llama"]
+    modules(model) swaps in its modules, in place, and returns the model (`build`).
+    The defaults add nothing: a plain family's extension."""
+    read: Callable[[dict, str, list[str]], dict] = lambda d, family, bad: {}
+    write: Callable[["LlamaConfig", dict], None] = lambda cfg, d: None
+    check: Callable[["LlamaConfig"], None] = lambda cfg: None
+    shapes: Callable[["LlamaConfig", dict], dict] = lambda cfg, shapes: shapes
+    modules: Callable[["Llama"], "Llama"] = lambda model: model
 
 
-EXTENSIONS: dict[str, Extension] = {}  # model_type → what its family adds
+EXTENSIONS: dict[str, Extension] = {family: Extension() for family in FAMILIES}  # model_type → what it adds
 
 
 @dataclass
@@ -190,7 +191,7 @@ class LlamaConfig:
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
-        own = EXTENSIONS[family].read(d, family, bad) if family in EXTENSIONS else {}
+        own = EXTENSIONS[family].read(d, family, bad)
         window, layer_types = _read_window(d, family, bad)
         if bad:
             raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
@@ -233,8 +234,7 @@ class LlamaConfig:
             d["sliding_window"] = self.sliding_window
         if _WINDOW[self.model_type] == "use":
             d["use_sliding_window"] = self.sliding_window is not None
-        if self.model_type in EXTENSIONS:
-            EXTENSIONS[self.model_type].write(self, d)
+        EXTENSIONS[self.model_type].write(self, d)
         if _WINDOW[self.model_type] == "layers":  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -276,8 +276,7 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
-        if self.model_type in EXTENSIONS:
-            EXTENSIONS[self.model_type].check(self)
+        EXTENSIONS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
@@ -392,7 +391,7 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return EXTENSIONS[cfg.model_type].shapes(cfg, shapes) if cfg.model_type in EXTENSIONS else shapes
+    return EXTENSIONS[cfg.model_type].shapes(cfg, shapes)
 
 
 # ----------------------------------------------------------------------------------------- modules
@@ -621,7 +620,7 @@ def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
     compile's own policy path. Apply before the optimizer. Layers of one shape share one compiled
     graph (the parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
     A submodule that sets `compile_eager = True` runs eagerly between two graphs of its layer
-    (moe.MoE: its shapes depend on the data). Returns what is left eager, for train.py's log.
+    (a block whose shapes depend on the data). Returns what is left eager, for train.py's log.
     First the name of each layer left eager whole: a checkpointed layer would break the graph
     inside the checkpoint, and dynamo then runs the whole checkpoint eagerly. That happens when its
     attention runs eagerly (`packed` rows, i.e. Documents, or another attn_fn such as cp.py's ring)
@@ -664,8 +663,7 @@ def build(cfg: LlamaConfig) -> Llama:
     """The model on the meta device: no memory, no init yet (see `weights.materialize`)."""
     cfg.validate()
     with torch.device("meta"):
-        model = Llama(cfg)
-        return EXTENSIONS[cfg.model_type].modules(model) if cfg.model_type in EXTENSIONS else model
+        return EXTENSIONS[cfg.model_type].modules(Llama(cfg))
 
 
 # ----------------------------------------------------------------------------------------- generation
