@@ -460,11 +460,9 @@ class Attention(nn.Module):
         qn, kn = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_whole else (hd, hd)
         self.q_norm = RMSNorm(qn, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(kn, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # this layer's sliding window (None: causal); attn_fn honours it, and so must any file that
-        # swaps attn_fn (cp.py reads `window` to refuse what its ring cannot mask)
+        # this layer's sliding window (None: causal). attn_fn honours it, as must any swapped attn_fn.
         self.window = cfg.window(layer)
-        # the seam for other attention algorithms (ring attention): (q, k, v, docs) → output, all
-        # (B, S, heads, hd) with RoPE applied; see attention.attend
+        # the seam for other attention algorithms (cp.py's ring): (q, k, v, docs) → (B, S, nh, hd)
         self.attn_fn: Callable[..., torch.Tensor] = (attend if self.window is None
                                                       else functools.partial(attend, window=self.window))
 
@@ -551,13 +549,11 @@ class Llama(nn.Module):
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
                 docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """input_ids (B, S) token ids, or hidden states (B, S, H) on a stage without embeddings.
-        position_ids (B, S): None means 0..S-1 with plain causal attention. Given, attention stays
-        within each document. A new document starts wherever the position does not continue.
-        docs: those boundaries as attention.Documents, computed once where the rows are built.
-        Else they are derived here from position_ids, a host copy per call. A dense (B, 1, S, S)
-        bool mask also works (attention.attention_mask, the reference).
-        Returns the loss if labels are given, else logits (B, S, V). A stage without lm_head returns
-        hidden states. cache: a KVCache (generation, below); see `positions`."""
+        position_ids (B, S): None means 0..S-1. Given, attention stays within each document: a new
+        one starts wherever the position does not continue. docs: those boundaries, built once
+        where the rows are (attention.Documents), or a dense (B, 1, S, S) bool mask (the reference).
+        Returns the loss with labels, else logits (B, S, V); hidden states on a stage without
+        lm_head. cache: a KVCache (generation, below)."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
         position_ids, docs = self.positions(h, position_ids, docs, cache, labels)
@@ -572,9 +568,8 @@ class Llama(nn.Module):
 
     def positions(self, h: torch.Tensor, position_ids: torch.Tensor | None, docs: Documents | torch.Tensor | None,
                   cache: "KVCache | None", labels: torch.Tensor | None) -> tuple[torch.Tensor, Documents | None]:
-        """The call's positions (B, S) and document boundaries. With a cache (generation), each row
-        continues from its cached end, and the cache appends the row's keys and values. The forward
-        then returns only each row's last position (a prefill's rows may be right-padded)."""
+        """The call's positions (B, S) and documents. Without docs, they come from position_ids (a
+        host copy per call). With a cache, each row continues from its cached end."""
         B, S = h.shape[:2]
         if cache is not None:
             if position_ids is not None or docs is not None or labels is not None:
