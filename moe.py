@@ -469,7 +469,8 @@ class RouterLosses:
                  stage before it returns (h, statistics), as `side_tensors` declares.
     Autograd thus reaches every router. Activation checkpointing reruns a router in backward, after
     `add`: `keep` then records nothing, so no router counts twice. With
-    config.output_router_logits false, the hooks only drop the two keywords."""
+    config.output_router_logits false, the hooks only drop the two keywords. The hooks live on the
+    model and its Router modules: a file that replaces a Router must move its hooks too."""
 
     def __init__(self, cfg: MoEConfig):
         self.cfg = cfg
@@ -496,10 +497,11 @@ class RouterLosses:
         labels, reduction = call.arguments["labels"], call.arguments["reduction"]
         if logits is None or call.arguments["cache"] is not None or (labels is None and model.lm_head is not None):
             return None  # no statistics: generation, or logits only
+        earlier, real_tokens, self.earlier, self.real_tokens = self.earlier, self.real_tokens, None, None
         routers = [logits[m] for m in model.modules() if m in logits]  # in layer order
         own = model.token_sum_fn(router_stats(routers, self.cfg.num_experts, self.cfg.top_k,
-                                              self.real_tokens, device=out.device))  # (2E + 2,)
-        stats = own if self.earlier is None else self.earlier + own
+                                              real_tokens, device=out.device))  # (2E + 2,)
+        stats = own if earlier is None else earlier + own
         if model.lm_head is None:
             return out, stats
         # a summed loss gets the term once per target token, so sum / count is transformers' loss
