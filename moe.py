@@ -491,13 +491,13 @@ class RouterLosses:
             self.logits[router] = out[0]  # (N, E)
 
     def add(self, model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-        logits, self.logits = self.logits, None
+        logits, earlier, real_tokens = self.logits, self.earlier, self.real_tokens
+        self.logits = self.earlier = self.real_tokens = None  # this call's, used once
         call = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
         call.apply_defaults()
         labels, reduction = call.arguments["labels"], call.arguments["reduction"]
         if logits is None or call.arguments["cache"] is not None or (labels is None and model.lm_head is not None):
             return None  # no statistics: generation, or logits only
-        earlier, real_tokens, self.earlier, self.real_tokens = self.earlier, self.real_tokens, None, None
         routers = [logits[m] for m in model.modules() if m in logits]  # in layer order
         own = model.token_sum_fn(router_stats(routers, self.cfg.num_experts, self.cfg.top_k,
                                               real_tokens, device=out.device))  # (2E + 2,)
