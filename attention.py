@@ -1,22 +1,21 @@
 """Causal attention over packed documents without an S×S mask.
 
 What it does
-    A packed row holds several documents back to back (sft.py's FFD rows); a token may attend only to
-    earlier tokens of its own document. `Documents.from_position_ids` finds the boundaries ONCE per
-    batch, on the host where the rows are built (a document starts wherever the position does not
-    continue the previous one, and at every row start), and keeps them as host lengths plus
-    `cu_seqlens`, flash attention's cumulative boundaries over the flattened B·S tokens. `attend` is
-    the model's attention (model.Attention.attn_fn, a seam another file may swap, e.g. for ring
-    attention):
-      docs None                    plain causal SDPA (unpacked rows; GQA in fp32 on CUDA: k/v
-                                   expanded first, see `expand_kv`)
-      Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask at all
-      Documents, otherwise (CPU)   documents grouped by length; one causal SDPA per group (below)
-      (B, 1, S, S) bool tensor     `attention_mask`, the dense reference: S² memory, a float bias
-                                   per layer call; for tests and custom masks, never for training
-    A sliding window (`attend(..., window=W)`, Mistral's: query i sees keys i - W < j <= i) applies on
-    every path: flash's window_size (W - 1, 0) on CUDA (plain rows become one document each); on CPU
-    a (W-band) mask per length group longer than W, or over the row (S², CPU only).
+    A packed row holds several documents back to back (sft.py's FFD rows). A token may attend only
+    to earlier tokens of its own document. `Documents.from_position_ids` finds the boundaries once
+    per batch, on the host where the rows are built. A document starts at every row start and
+    wherever the position does not continue. Documents keeps them as host lengths plus
+    `cu_seqlens`: flash attention's cumulative boundaries over the flattened B·S tokens.
+    `attend` is the model's attention (model.Attention.attn_fn, a seam cp.py's ring swaps):
+      docs None                    plain causal SDPA. GQA in fp32 on CUDA expands k/v first
+                                   (`expand_kv`).
+      Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask
+      Documents, otherwise (CPU)   documents grouped by length, one causal SDPA per group (below)
+      (B, 1, S, S) bool tensor     `attention_mask`, the dense reference. S² memory and a float
+                                   bias per layer call: for tests, never for training.
+    A sliding window (`attend(..., window=W)`: query i sees keys i - W < j <= i) applies on every
+    path. On CUDA it is flash's window_size (W - 1, 0), and plain rows become one document each. On
+    CPU it is a W-band mask per length group longer than W, or over the row.
 
 Run
     torchrun --nproc_per_node 1 train.py --sft      (FFD-packed chats: feed.get_batch builds Documents)
@@ -27,31 +26,27 @@ Reference
     (masking_utils.find_packed_sequence_indices: the same boundary rule).
 
 Why varlen_attn and not FlexAttention
-    varlen_attn takes exactly what packing produces (cu_seqlens, max length), runs the flash kernel
-    with GQA and needs no compilation. FlexAttention needs torch.compile to be fast, a BlockMask
-    built per batch (O(S²/128²) blocks), and has no CPU backward in torch 2.13.
-    varlen_attn runs only on CUDA with bf16/fp16. No GPU runs in CI: tests/test_cuda_paths.py runs
-    that branch on the meta device under a contract of the kernel's argument rules, and bench/bench_gpu.py
-    checks its numbers on one GPU. It shares everything else — the boundaries, their derivation, the
-    seam — with the tested CPU path.
+    varlen_attn takes exactly what packing produces (cu_seqlens, max length). It runs the flash
+    kernel with GQA and needs no compilation. FlexAttention needs torch.compile to be fast and a
+    BlockMask per batch (O(S²/128²) blocks). It has no CPU backward in torch 2.13.
+    varlen_attn runs only on CUDA with bf16/fp16, and no GPU runs in CI. tests/test_cuda_paths.py
+    runs that branch on the meta device, under a contract of the kernel's argument rules.
+    bench/bench_gpu.py checks its numbers on one GPU. The boundaries and the seam are shared with
+    the tested CPU path.
 
 The CPU path: length groups
-    Each document's length L is rounded up to a bucket Lb (`bucket`), documents of one
-    bucket are gathered into a dense (n, Lb) batch, run through SDPA with is_causal=True, and the
-    outputs scattered back. Exact: a document's slots L..Lb-1 come AFTER all of its real tokens, so
-    causality hides them from every real query; their own outputs are dropped, hence get a zero
-    gradient, so they add exact zeros to every gradient (they repeat the document's last token:
-    any real index works). Cost grows with Σ Lb² over documents, not with S² per row; the kernel
-    calls per layer grow with the number of distinct buckets (8 per octave of length). What backward
-    keeps is O(S): the gathered q, k, v, the output and the log-sum-exp, and the index tensors (built
-    once per batch, shared by all layers).
+    Each document's length L is rounded up to a bucket Lb (`bucket`). The documents of one bucket
+    are gathered into a dense (n, Lb) batch, run through causal SDPA, and scattered back. It is
+    exact: a document's slots L..Lb-1 come after all of its real tokens. So causality hides them
+    from every real query. Their own outputs are dropped, so their gradients are exact zeros.
+    Cost grows with Σ Lb² over documents, not with S² per row, and its kernel calls with the
+    buckets. Backward keeps O(S): the gathered q, k, v, the output, the log-sum-exp, the indices.
 
 Invariants
     - A document never crosses a row: boundaries always include every row start.
-    - Loss and gradients equal the dense block-diagonal mask's (1e-6 in fp32; only the kernels'
-      summation order differs) and transformers' on packed position_ids (tests/test_model.py).
-    - Nothing S²-sized is built or saved on the Documents paths (tests measure it with
-      ac.SavedActivationMeter).
+    - Loss and gradients equal the dense block-diagonal mask's (1e-6 in fp32, the kernels'
+      summation order) and transformers' on packed position_ids (tests/test_model.py).
+    - Nothing S²-sized is built or saved on the Documents paths (ac.SavedActivationMeter).
 """
 from __future__ import annotations
 
@@ -77,12 +72,12 @@ def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def bucket(n: int) -> int:
-    """A document of n tokens runs in a slot of bucket(n) >= n tokens on the CPU path: n rounded up
-    to a multiple of max(GRANULE, 2^(floor(log2 n) - 3)), so at most 8 buckets per octave of length
-    and at most 1/8 (or GRANULE tokens) of padding: fewer kernel calls against less padded work.
-    Measured on the default SFT set at seq 1024 (tiny model, one layer's attention forward + backward,
-    one thread, CPU time): steps of 8 or 16 8.3-9.2 ms, 32 9.5-10.5, 64 12.0-12.7, exact lengths
-    9.2-9.5; the same conversations padded to the batch's longest 14 ms."""
+    """The slot of a document of n tokens on the CPU path: bucket(n) >= n tokens. n is rounded up to
+    a multiple of max(GRANULE, 2^(floor(log2 n) - 3)). So there are at most 8 buckets per octave of
+    length, and at most 1/8 (or GRANULE tokens) of padding. That trades kernel calls against padded
+    work. Measured on the default SFT set at seq 1024, one layer's attention forward + backward
+    (tiny model, one thread, CPU time): steps of 8 or 16 8.3-9.2 ms, 32 9.5-10.5, 64 12.0-12.7.
+    Exact lengths take 9.2-9.5 ms; the same conversations padded to the batch's longest, 14 ms."""
     step = max(GRANULE, 1 << max(n.bit_length() - 4, 0))
     return -(-n // step) * step
 
@@ -114,9 +109,9 @@ class Documents:
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor,
                           device: torch.device | str | None = None) -> "Documents":
-        """A document starts at every row start and wherever the position does not continue the
-        previous one (packed rows restart at 0). Reads position_ids on the host: call it where the
-        rows are built (a CUDA tensor here costs a device→host copy)."""
+        """A document starts at every row start and wherever the position does not continue (packed
+        rows restart at 0). It reads position_ids on the host. So call it where the rows are built:
+        a CUDA tensor here costs a device→host copy."""
         pos = position_ids.detach().cpu()  # (B, S)
         start = torch.ones_like(pos, dtype=torch.bool)
         start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
@@ -125,8 +120,8 @@ class Documents:
         return cls(lengths.tolist(), tuple(pos.shape), position_ids.device if device is None else device)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Documents":
-        """The same boundaries with cu_seqlens on `device` (non_blocking: from pinned memory, as the
-        batch's tensors are copied: the host does not wait)."""
+        """The same boundaries with cu_seqlens on `device`. non_blocking copies from pinned memory,
+        as the batch's tensors are copied: the host does not wait."""
         if self.cu_seqlens.device == torch.device(device):
             return self
         return self._with(self.cu_seqlens.to(device, non_blocking=non_blocking))
@@ -140,9 +135,9 @@ class Documents:
         return out
 
     def plan(self, device: torch.device) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
-        """The CPU path's plan, built once per batch and device: groups [(n documents, bucket Lb)],
-        `gather` (Σ n·Lb,) flat token index of every slot (group after group, document after
-        document), `scatter` (B·S,) the slot holding each token's output."""
+        """The CPU path's plan, built once per batch and device. groups: [(n documents, bucket Lb)].
+        `gather` (Σ n·Lb,): the flat token index of every slot, group after group, document after
+        document. `scatter` (B·S,): the slot holding each token's output."""
         if device not in self._plans:
             lens = torch.tensor(self.lengths)  # (D,)
             starts = torch.tensor((0, *self.lengths[:-1])).cumsum(0)  # (D,)
@@ -171,11 +166,11 @@ def use_varlen(q: torch.Tensor) -> bool:
 
 def expand_kv(q: torch.Tensor) -> bool:
     """GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half precision
-    only, and torch 2.13's memory-efficient kernel (fp32) does not take enable_gqa (cuda/sdp_utils.cpp
-    can_use_mem_efficient_attention: check_batch_size_and_num_heads_dense without GQA support; pytorch
-    PR 191085 adds it later): SDPA would fall back to its math backend, which saves (B, nh, S, S)
-    fp32 probabilities per layer. Expanded, the efficient kernel runs: 2·(nh − nkv)·hd more
-    elements per token saved, nothing S²-sized."""
+    only. torch 2.13's memory-efficient kernel (fp32) does not take enable_gqa. (See
+    cuda/sdp_utils.cpp, can_use_mem_efficient_attention; pytorch PR 191085 adds it later.)
+    SDPA would then fall back to its math backend, which saves (B, nh, S, S) fp32 probabilities
+    per layer. Expanded, the efficient kernel runs. It saves 2·(nh − nkv)·hd more elements per
+    token, and nothing S²-sized."""
     return q.is_cuda and q.dtype == torch.float32
 
 
@@ -192,8 +187,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def window_mask(n: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(n, n) bool, the sliding window within one sequence: query i sees keys i - window < j <= i
-    (transformers' sliding mask; flash's window_size (window - 1, 0))."""
+    """(n, n) bool, the sliding window within one sequence. Query i sees keys i - window < j <= i:
+    transformers' sliding mask, flash's window_size (window - 1, 0)."""
     i = torch.arange(n, device=device)
     gap = i[:, None] - i[None, :]  # (n, n) query index - key index
     return (gap >= 0) & (gap < window)
@@ -203,8 +198,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            docs: Documents | torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """Causal attention within documents. q (B, S, nh, hd), k and v (B, S, nkv, hd), RoPE applied;
     returns (B, S, nh, hd). docs: None (one document per row), Documents, or a dense boolean
-    (B, 1, S, S) mask (the reference path). window: a sliding window (model.Attention binds its
-    layer's), applied on every path; one at least as long as every document changes nothing."""
+    (B, 1, S, S) mask (the reference path). window: a sliding window, applied on every path.
+    model.Attention binds its layer's. One at least as long as every document changes nothing."""
     B, S, nh, hd = q.shape
     if window is not None and window >= (docs.max_len if isinstance(docs, Documents) else S):
         window = None  # no query reaches past its window: plain causal attention, bit for bit

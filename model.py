@@ -2,68 +2,53 @@
 
 What it does
     Token embedding → L × (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU MLP) → RMSNorm →
-    lm_head, in plain PyTorch. Reads HF configs (`LlamaConfig.from_hf`: transformers 4.x and 5
-    spellings) of four families, `model_type` llama, qwen2, qwen3 and mistral: one model, with a
-    named switch for each difference (FAMILIES) — q/k/v biases without the o bias (qwen2), a
-    per-head q/k RMSNorm before RoPE (qwen3), a sliding window on the layers that have one (mistral;
-    qwen2/3 with use_sliding_window). Files live in weights.py (`load_config`, `materialize` from
-    safetensors or a seeded init, `save_hf`, `load_hf`), so `save_pretrained` output loads here and
-    ours loads in `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
-    Three mixtures of experts, `model_type` mixtral, qwen3_moe and olmoe (MOE_FAMILIES): the MLP of a
-    sparse layer (`LlamaConfig.is_sparse`) is moe.MoE; OLMoE's q/k RMSNorm spans the whole
-    projection (qk_norm_whole). With `output_router_logits` the loss adds `router_aux_loss_coef` ·
-    the load-balancing loss of the forward, all layers pooled, as transformers' *ForCausalLM; a
-    pipeline stage passes its routers' statistics on with its hidden states (`stage_extras`).
+    lm_head, in plain PyTorch. `LlamaConfig.from_hf` reads HF configs, in transformers 4.x and 5
+    spellings. Four families share one model, `model_type` llama, qwen2, qwen3 and mistral. Each
+    difference is a named switch (FAMILIES). Qwen2 has q/k/v biases without the o bias. Qwen3
+    normalizes each q and k head before RoPE. Mistral slides a window over every layer; Qwen2/3
+    slide on the layers that say so. Files live in weights.py (`load_config`, `materialize`,
+    `save_hf`, `load_hf`). So `save_pretrained` output loads here, and ours loads back in
+    `AutoModelForCausalLM.from_pretrained` as the same family (docs/models.md).
 
 Reference
     Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020
-    (SwiGLU), Jiang et al. 2023 (Mistral: the sliding window), Qwen team 2024/2025 (Qwen2, Qwen3);
-    Jiang et al. 2024 (Mixtral), Muennighoff et al. 2024 (OLMoE); numerics follow
-    transformers/models/{llama,qwen2,qwen3,mistral,mixtral,qwen3_moe,olmoe}/modeling_*.py.
+    (SwiGLU), Jiang et al. 2023 (Mistral), Qwen team 2024/2025 (Qwen2, Qwen3). The numerics follow
+    transformers/models/{llama,qwen2,qwen3,mistral}/modeling_*.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py, moe.py — causal attention within packed documents; the
-    layer's elementwise ops as lean autograd Functions; lm_head and the loss without (T, V) logits
-    (the default `loss_fn`); the MoE block, its router losses and the recorder of router logits
+Builds on
+    attention.py (causal attention within packed documents), ops.py (the layer's elementwise ops as
+    lean autograd Functions), loss.py (lm_head and the loss without (T, V) logits).
 
 Invariants
-    - `build` makes the model on the meta device (no memory); `weights.materialize` allocates and
-      fills it once tp/pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
-    - The model is unaware of parallelism: head counts come from weight shapes, layers live in a
-      ModuleDict keyed by their global index (so a pipeline stage can drop the ones it does not own
-      and state_dict keys stay HF's), and `embed_tokens`, `norm`, `lm_head` may be None (a middle
-      pipeline stage then maps hidden states to hidden states). Three plain attributes are the seams
-      tp.py uses: `loss_fn(hidden, weight, labels, reduction)` (lm_head and the loss in one: hidden
-      (B, S, H), weight = lm_head.weight) and `logits_fn(logits)` (returns full-vocab logits to the
-      user) for a vocab-sharded head; `token_sum_fn(sums)` turns sums over this rank's tokens
-      into those of all its rows (sequence and context parallelism). A fourth, `Attention.attn_fn(q, k, v, docs)`,
-      is the attention itself (attention.attend), for a file that swaps in another algorithm (cp.py's
-      ring attention) without editing this one.
-    - The training loss never holds (T, V) logits: `loss.linear_cross_entropy` computes lm_head and
-      the cross-entropy over vocabulary chunks with a hand-written backward.
-    - Packed rows: position_ids restart per document and `docs` (attention.Documents, built once
-      per batch where the rows are) keeps attention inside each document; no S×S mask is built.
-    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense and packed,
-      and a window shorter than the sequence (tests/test_families.py); the MoE families too, with and
-      without the load-balancing loss, packed rows whose padding (`real_tokens`) the routers'
-      statistics skip, an expert no token picks, AC (each router counted once), export bit-equal
-      (tests/test_moe_models.py).
-    - Labels are aligned with the logits (already shifted: labels[t] is the token after input[t]);
-      -100 is ignored.
-    - `generate` decodes batched, greedy or sampled (temperature, top-k, a seed per row), with a
-      KVCache (prefill, then one position per step; a tp rank caches its own heads): token for token
-      the uncached decode's, every family, tp1 and tp2; prompts of different lengths in one batch
-      decode as each would alone (tests/test_generate.py).
-    - Lean in eager, fused when compiled: RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions
-      (they keep only what their backward cannot cheaply recompute; in fp32 the forward is HF's to
-      the bit). `compile_layers` (train.py --compile) compiles each decoder layer; the layers' hooks,
-      everything between the layers and each MoE block (between two graphs of its layer) stay eager.
+    - `build` makes the model on the meta device, with no memory. `weights.materialize` fills it
+      once tp and pp have cut it. A `Shard` says which slice of a global tensor a rank holds.
+    - The model is unaware of parallelism. Head counts come from weight shapes. Layers live in a
+      ModuleDict keyed by their global index, so a pipeline stage drops the ones it does not own.
+      `embed_tokens`, `norm` and `lm_head` may be None: a middle stage maps hidden states to
+      hidden states.
+    - Plain attributes are the seams other files plug into. `loss_fn(hidden, weight, labels,
+      reduction)` is lm_head and the loss in one; `logits_fn(logits)` returns full-vocab logits
+      (tp.py's vocab-sharded head). `token_sum_fn` turns a sum over this rank's tokens into the sum
+      over all tokens (tp.py's sp, cp.py). `Attention.attn_fn(q, k, v, docs)` is the attention
+      itself (cp.py's ring swaps it). Families with keys of their own plug in as `FamilyKeys`.
+    - The training loss never holds (T, V) logits (`loss.linear_cross_entropy`).
+    - Packed rows: position_ids restart per document, and `docs` (attention.Documents) keeps
+      attention inside each document. No S×S mask is built.
+    - Each family equals transformers' class: logits, loss and grads within 1e-5, dense, packed and
+      windowed (tests/test_families.py). Labels are already shifted (labels[t] is the token after
+      input[t]); -100 is ignored.
+    - `generate` decodes batched, greedy or sampled, with a KVCache. It gives the uncached decode's
+      tokens, every family, tp1 and tp2, prompts of different lengths too (tests/test_generate.py).
+    - RMSNorm, RoPE and SwiGLU run ops.py's autograd Functions: lean in eager, fused when compiled
+      (`compile_layers`). In fp32 the forward is HF's to the bit.
+    - Refinement at the end: three mixtures of experts (mixtral, qwen3_moe, olmoe). moe.py swaps
+      their sparse layers' MLP and adds the router losses by forward hooks (docs/moe.md).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
@@ -76,13 +61,13 @@ import torch.nn as nn
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 from loss import linear_cross_entropy
-from moe import MoE, MoEConfig, record_router_logits, stats_loss, router_stats as router_stats_of
+import moe
 from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
 # ----------------------------------------------------------------------------------------- config
 # The families: transformers' model_type → (its CausalLM class, the switches the family fixes).
-# One model serves all four; a switch the family leaves out is read from config.json.
+# One model serves them all. A switch the family leaves out is read from config.json.
 #   llama    attention_bias (q, k, v and o), mlp_bias
 #   qwen2    q/k/v biases, no o bias (qkv_bias); a sliding window on the layers layer_types names
 #   qwen3    a per-head RMSNorm of q and k before RoPE (qk_norm), head_dim explicit (default 128);
@@ -91,27 +76,10 @@ from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm 
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False, sliding_window=None, layer_types=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, qk_norm=False, attention_bias=False, mlp_bias=False)),
-    "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, mlp_bias=False)),
+    "qwen3": ("Qwen3ForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False, mlp_bias=False)),
     "mistral": ("MistralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False,
                                            mlp_bias=False, layer_types=None)),
-    # the mixtures of experts (moe.MoE replaces the MLP where `is_sparse` says so):
-    #   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
-    #   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
-    #              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
-    #   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
-    "mixtral": ("MixtralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
-                                           layer_types=None, norm_topk_prob=True, mlp_only_layers=(),
-                                           decoder_sparse_step=1)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False,
-                                              mlp_bias=False, layer_types=None)),
-    "olmoe": ("OlmoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True, mlp_bias=False,
-                                       sliding_window=None, layer_types=None, mlp_only_layers=(),
-                                       decoder_sparse_step=1)),
 }
-for _dense in ("llama", "qwen2", "qwen3", "mistral"):  # a stray num_experts key is ignored, as by transformers
-    FAMILIES[_dense][1]["num_experts"] = 0
-FAMILIES["qwen3"][1]["qk_norm_whole"] = False
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # transformers' class defaults of the keys a config.json may omit, where they differ by family
 _DEFAULTS = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
@@ -119,20 +87,36 @@ _DEFAULTS = {
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
     "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
                     sliding_window=4096),
-    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
-                    rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
-                    router_aux_loss_coef=0.001),
-    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, num_experts=128,
-                      num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
-    "olmoe": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                  num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01),
 }
+# How a family reads its window from config.json (`_read_window`):
+#   None      no window: transformers ignores the keys
+#   "every"   every layer slides whenever sliding_window is set; layer_types is refused
+#   "use"     every layer slides with use_sliding_window; layer_types is refused
+#   "layers"  with use_sliding_window, the layers from max_window_layers on (or those layer_types names)
+_WINDOW = {"llama": None, "qwen2": "layers", "qwen3": "layers", "mistral": "every"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The seam for a family that adds keys and modules (the MoE families at the end of this file).
+    read(config.json dict, family, errors) → its fields. write(config, dict) adds its keys to the
+    dict. check(config) raises on bad values. shapes(config, global shapes) → the shapes it changes.
+    modules(model) swaps in its modules, in place, and returns the model (`build`).
+    The defaults add nothing: a plain family's extension."""
+    read: Callable[[dict, str, list[str]], dict] = lambda d, family, bad: {}
+    write: Callable[["LlamaConfig", dict], None] = lambda cfg, d: None
+    check: Callable[["LlamaConfig"], None] = lambda cfg: None
+    shapes: Callable[["LlamaConfig", dict], dict] = lambda cfg, shapes: shapes
+    modules: Callable[["Llama"], "Llama"] = lambda model: model
+
+
+EXTENSIONS: dict[str, Extension] = {family: Extension() for family in FAMILIES}  # model_type → what it adds
 
 
 @dataclass
 class LlamaConfig:
-    """One config for the four FAMILIES (the name is the first of them). The family switches:
+    """One config for the FAMILIES (the name is the first of them). The family switches:
     qkv_bias (q/k/v biases without attention_bias's o bias), qk_norm (per-head q/k RMSNorm),
     sliding_window with layer_types (which layers slide; None: all of them)."""
     vocab_size: int = 32000
@@ -155,11 +139,11 @@ class LlamaConfig:
     model_type: str = "llama"  # a key of FAMILIES: what export writes back
     qkv_bias: bool = False  # q, k, v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of every q and k head, before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # qk_norm over the whole projection, all heads at once
     sliding_window: int | None = None  # a query sees the last sliding_window positions, its own included
     layer_types: tuple[str, ...] | None = None  # per layer one of LAYER_TYPES; None: all slide (Mistral)
-    # mixture of experts (MOE_FAMILIES; num_experts 0: dense). See moe.py and `is_sparse`.
-    qk_norm_whole: bool = False  # the q/k RMSNorm over the whole projection, all heads at once (OLMoE)
-    num_experts: int = 0
+    # ---- refinement: a mixture of experts' fields (the Extension at the end of this file)
+    num_experts: int = 0  # 0: dense
     num_experts_per_tok: int = 2  # top-k
     moe_intermediate_size: int = 0  # per expert (Qwen3-MoE's key; Mixtral/OLMoE: intermediate_size)
     norm_topk_prob: bool = False  # renormalize the k weights (Mixtral always)
@@ -168,11 +152,17 @@ class LlamaConfig:
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: dense layers
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (moe.py). Qwen3-MoE's rule; the other
+        families have mlp_only_layers () and decoder_sparse_step 1."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
-        """Read an HF `config.json` dict of a family in FAMILIES (transformers 4.x and 5 spellings, the
-        family's defaults for omitted keys); missing keys, wrong types and unsupported values raise one
-        error naming them all, each with its key and value."""
+        """Read an HF `config.json` dict of a family in FAMILIES: transformers 4.x and 5 spellings,
+        and the family's defaults for omitted keys. Missing keys, wrong types and unsupported values
+        raise one error naming them all, each with its key and value."""
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         bad = _hf_type_errors(d)
@@ -201,7 +191,7 @@ class LlamaConfig:
             bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
-        moe = _read_moe(d, family, bad)
+        own = EXTENSIONS[family].read(d, family, bad)
         window, layer_types = _read_window(d, family, bad)
         if bad:
             raise ValueError(f"unsupported {family} config values: " + "; ".join(bad))
@@ -221,7 +211,7 @@ class LlamaConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
-            **{**read, **moe, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
+            **{**read, **own, **FAMILIES[family][1]},  # what the family fixes, transformers ignores in the file
         )
         cfg.validate()
         return cfg
@@ -240,23 +230,12 @@ class LlamaConfig:
             d["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
+        if _WINDOW[self.model_type] in ("every", "use"):
             d["sliding_window"] = self.sliding_window
-        if self.model_type in ("mixtral", "qwen3_moe"):
-            d["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen3_moe":
-            d |= {"use_sliding_window": self.sliding_window is not None, "attention_bias": self.attention_bias,
-                  "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                  "mlp_only_layers": list(self.mlp_only_layers), "decoder_sparse_step": self.decoder_sparse_step}
-        if self.model_type == "olmoe":
-            d |= {"attention_bias": self.attention_bias, "norm_topk_prob": self.norm_topk_prob}
-            del d["head_dim"]  # OLMoE derives it (hidden_size / heads)
-        if self.num_experts:
-            d |= {"num_experts" if self.model_type == "olmoe" else "num_local_experts": self.num_experts,
-                  "num_experts_per_tok": self.num_experts_per_tok,
-                  "router_aux_loss_coef": self.router_aux_loss_coef,
-                  "output_router_logits": self.output_router_logits}
-        if self.model_type in ("qwen2", "qwen3"):  # transformers derives the window from these four
+        if _WINDOW[self.model_type] == "use":
+            d["use_sliding_window"] = self.sliding_window is not None
+        EXTENSIONS[self.model_type].write(self, d)
+        if _WINDOW[self.model_type] == "layers":  # transformers derives the window from these four
             types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
             d |= {"use_sliding_window": bool(sliding),
@@ -273,23 +252,9 @@ class LlamaConfig:
         return "sliding_attention" if self.layer_types is None else self.layer_types[layer]
 
     def window(self, layer: int) -> int | None:
-        """Decoder layer `layer`'s sliding window (a query attends to the positions p - window < j <= p,
-        transformers' sliding mask), or None: plain causal attention."""
+        """Decoder layer `layer`'s sliding window, or None: plain causal attention. A query attends
+        to the positions p - window < j <= p (transformers' sliding mask)."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether decoder layer `layer`'s MLP is a mixture of experts (Qwen3-MoE's rule; the other
-        MoE families have no dense layer: mlp_only_layers (), decoder_sparse_step 1)."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
-
-    def moe_config(self) -> MoEConfig:
-        """The sparse layers' moe.MoEConfig. Mixtral keeps the combine weights in fp32, Qwen3-MoE and
-        OLMoE cast them to the logits' dtype (moe.py's `fp32_weights`)."""
-        return MoEConfig(hidden=self.hidden_size, intermediate=self.moe_intermediate_size,
-                         num_experts=self.num_experts, top_k=self.num_experts_per_tok,
-                         renormalize=self.norm_topk_prob, fp32_weights=self.model_type == "mixtral",
-                         aux_loss_coef=self.router_aux_loss_coef)
 
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -311,14 +276,7 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
-        if self.model_type in MOE_FAMILIES and not (1 <= self.num_experts_per_tok <= self.num_experts
-                                                    and self.moe_intermediate_size >= 1):
-            raise ValueError(f"{self.model_type}: need 1 <= num_experts_per_tok={self.num_experts_per_tok} <= "
-                             f"num_experts={self.num_experts} and moe_intermediate_size="
-                             f"{self.moe_intermediate_size} >= 1")
-        if self.model_type == "olmoe" and self.head_dim * self.num_attention_heads != self.hidden_size:
-            raise ValueError(f"olmoe: head_dim={self.head_dim} × num_attention_heads={self.num_attention_heads} "
-                             f"must be hidden_size={self.hidden_size} (its q norm spans hidden_size)")
+        EXTENSIONS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types}: one of {LAYER_TYPES} per layer "
@@ -329,23 +287,18 @@ class LlamaConfig:
 
 
 def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding_window, layer_types) as transformers' family class derives them from config.json.
-    Mistral: every layer slides whenever sliding_window is set. Qwen2/3: only with use_sliding_window,
-    and then the layers from max_window_layers on (or those layer_types names)."""
-    types = d.get("layer_types")
-    if family == "llama":  # LlamaConfig has no window: transformers ignores these keys
+    """(sliding_window, layer_types) as transformers' family class derives them from config.json,
+    by the family's rule in _WINDOW."""
+    rule, types = _WINDOW[family], d.get("layer_types")
+    if rule is None:
         return None, None
-    if family == "olmoe":  # transformers' OLMoE has no window
-        return None, None
-    if family == "qwen3_moe":  # every layer slides with use_sliding_window; it reads no layer_types
-        if types is not None:
-            bad.append(f"layer_types={types} (transformers' Qwen3-MoE ignores it)")
-        return (d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None), None
-    if family in ("mistral", "mixtral"):
-        if types is not None:
-            bad.append(f"layer_types={types} (transformers' Mistral ignores it: a Ministral checkpoint?)")
+    if rule != "layers" and types is not None:
+        bad.append(f"layer_types={types} (transformers' {FAMILIES[family][0]} ignores it)")
+    if rule == "every":
         return d.get("sliding_window", _DEFAULTS[family]["sliding_window"]), None
     window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    if rule == "use":
+        return window, None
     if types is None:
         first = d.get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
@@ -359,33 +312,6 @@ def _read_window(d: dict, family: str, bad: list[str]) -> tuple[int | None, tupl
     if window is None or "sliding_attention" not in types:
         return None, None
     return window, tuple(types)
-
-
-def _read_moe(d: dict, family: str, bad: list[str]) -> dict:
-    """The MoE fields of LlamaConfig from config.json (empty for a dense family), with the family's
-    defaults; what is not implemented goes to `bad`, naming the key and its value."""
-    if family not in MOE_FAMILIES:
-        return {}
-    defaults = _DEFAULTS[family]
-    # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
-    given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
-    if len(given) > 1:
-        bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
-    if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
-        bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
-    if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
-        bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
-    if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
-        bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
-    return dict(num_experts=given.pop() if given else defaults["num_experts"],
-                num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
-                moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
-                                       if family == "qwen3_moe" else d["intermediate_size"]),
-                norm_topk_prob=d.get("norm_topk_prob", False),
-                router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
-                output_router_logits=d.get("output_router_logits", False),
-                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                decoder_sparse_step=d.get("decoder_sparse_step", 1))
 
 
 # config.json keys read here: (required, type check, what the check means)
@@ -408,14 +334,6 @@ _HF_KEYS = {
     "sliding_window": (False, lambda v: v is None or _INT[0](v), "a positive integer or null"),
     "max_window_layers": (False, lambda v: _ID[0](v) and v is not None, "an integer >= 0"),
     "layer_types": (False, lambda v: v is None or isinstance(v, list), "a list or null"),
-    "num_experts": (False, *_INT), "num_local_experts": (False, *_INT), "num_experts_per_tok": (False, *_INT),
-    "moe_intermediate_size": (False, *_INT), "decoder_sparse_step": (False, *_INT),
-    "norm_topk_prob": (False, *_BOOL), "output_router_logits": (False, *_BOOL),
-    "router_aux_loss_coef": (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                             "a number >= 0"),
-    "mlp_only_layers": (False, lambda v: v is None or isinstance(v, list) and all(_ID[0](x) and x is not None
-                                                                                  for x in v),
-                        "a list of layer indices or null"),
     "eos_token_id": (False, lambda v: _ID[0](v) or isinstance(v, list) and len(v) > 0
                      and all(_ID[0](x) and x is not None for x in v), "a token id, a list of them or null"),
 }
@@ -456,14 +374,9 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        if cfg.is_sparse(n):  # transformers 5's fused in-memory layout (weights.py writes one per expert)
-            e, mi = cfg.num_experts, cfg.moe_intermediate_size
-            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * mi, h),
-                       p + "mlp.experts.down_proj": (e, h, mi)}
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)}
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
         if cfg.attention_bias or cfg.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -472,13 +385,13 @@ def global_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (q,) if cfg.qk_norm_whole else (hd,),
                        p + "self_attn.k_norm.weight": (kv,) if cfg.qk_norm_whole else (hd,)}
-        if cfg.mlp_bias and not cfg.is_sparse(n):
+        if cfg.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
                        p + "mlp.down_proj.bias": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    return EXTENSIONS[cfg.model_type].shapes(cfg, shapes)
 
 
 # ----------------------------------------------------------------------------------------- modules
@@ -511,9 +424,9 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 class Rotary(nn.Module):
-    """The RoPE tables of the positions, (B, S, hd) each, computed once per forward and shared by all
-    layers (and their backward): cos as HF's, and sin with rotate_half's sign folded in — HF's
-    sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (see `RoPEFunction`)."""
+    """The RoPE tables of the positions, (B, S, hd) each. They are computed once per forward and
+    shared by all layers and their backward. cos is HF's. sin has rotate_half's sign folded in:
+    HF's sin = cat(s, s) becomes cat(-s, s), so rotating needs no rotate_half (`RoPEFunction`)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -541,17 +454,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
-        # Qwen3: one (hd,) weight shared by every head (tp replicates it; each rank's heads add to its grad);
-        # OLMoE (qk_norm_whole): one weight over the whole projection, its statistics over all heads
+        # Qwen3: one (hd,) weight shared by every head. tp replicates it; each rank's heads add to its grad.
+        # qk_norm_whole: one weight over the whole projection, its statistics over all heads
         self.qk_norm_whole = cfg.qk_norm_whole
         qn, kn = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_whole else (hd, hd)
         self.q_norm = RMSNorm(qn, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(kn, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # this layer's sliding window (None: causal); attn_fn honours it, and so must any file that
-        # swaps attn_fn (cp.py reads `window` to refuse what its ring cannot mask)
+        # this layer's sliding window (None: causal). attn_fn honours it, as must any swapped attn_fn.
         self.window = cfg.window(layer)
-        # the seam for other attention algorithms (ring attention): (q, k, v, docs) → output, all
-        # (B, S, heads, hd) with RoPE applied; see attention.attend
+        # the seam for other attention algorithms (cp.py's ring): (q, k, v, docs) → (B, S, nh, hd)
         self.attn_fn: Callable[..., torch.Tensor] = (attend if self.window is None
                                                       else functools.partial(attend, window=self.window))
 
@@ -563,7 +474,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, nh, hd)
         k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
         v = self.v_proj(x).view(B, S, -1, hd)  # (B, S, nkv, hd)
-        if self.q_norm is not None and self.qk_norm_whole:  # over all heads at once (OLMoE)
+        if self.q_norm is not None and self.qk_norm_whole:  # over all heads at once
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         elif self.q_norm is not None:  # over hd, per head
             q, k = self.q_norm(q), self.k_norm(k)
@@ -574,8 +485,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """The MLP's activation as a module of its own (no parameters, so no name in the state_dict):
-    a cheap op ac.py's selective mode can rerun in backward instead of keeping its output."""
+    """The MLP's activation as a module of its own, with no parameters (no state_dict name). It is
+    a cheap op: ac.py's selective mode reruns it in backward instead of keeping its output."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate, up)
@@ -600,7 +511,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg.moe_config()) if cfg.is_sparse(layer) else MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Documents | torch.Tensor | None, *, cache: "LayerCache | None" = None) -> torch.Tensor:
@@ -630,94 +541,61 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn: Callable[..., torch.Tensor] = linear_cross_entropy
         self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
-        # a sum over this rank's tokens → the sum over all tokens of the forward's rows: tp.py's
-        # sequence parallelism and cp.py all-reduce it (each rank holds some of the tokens)
-        self.token_sum_fn: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums
-
-    def stage_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """What a pipeline stage (pp.py) passes on with its hidden states, {keyword: (shape, dtype)}:
-        with the load-balancing loss on, the routers' statistics of the stages so far (2E + 2,) fp32.
-        A model without lm_head then returns (hidden states, router_stats); one without embeddings
-        takes the earlier stages' as the keyword `router_stats`. The loss is then one function of
-        every stage's routers, and autograd brings each its exact gradient."""
-        if not (self.config.output_router_logits and self.config.num_experts > 0):
-            return {}
-        return {"router_stats": ((2 * self.config.num_experts + 2,), torch.float32)}
-
-    @property
-    def side_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """pp.py's name for `stage_extras` (the stage contract's declared side tensors)."""
-        return self.stage_extras()
+        # a sum over this rank's tokens → the sum over all tokens of the forward's rows. tp.py (sp)
+        # and cp.py all-reduce it: each rank holds only some of the tokens.
+        self.token_sum_fn: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, reduction: str = "mean", *,
-                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None,
-                router_stats: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (B, S) token ids — or hidden states (B, S, H) on a stage without embeddings.
-        position_ids (B, S): None means 0..S-1 with plain causal attention; given, attention stays
-        within each document (a new one starts wherever the position does not continue).
-        docs: those boundaries as attention.Documents, computed once where the rows are built (else
-        they are derived here from position_ids, a host copy per call); or a dense (B, 1, S, S) bool
-        mask (attention.attention_mask, the reference). Returns the loss if labels are given, else
-        logits (B, S, V), or hidden states on a stage without lm_head.
-        cache: a KVCache (generation, below): each row of input_ids continues that row's cached
-        positions, the keys and values are appended, and only each row's last position's logits
-        (B, 1, V) are returned (the prefill's rows may be right-padded prompts: KVCache's lengths).
-        router_stats: the earlier pipeline stages' router statistics (`stage_extras`).
-        real_tokens (B, S) bool: False marks padding (sft.py's rows), which then counts in no router
-        statistic: transformers' load_balancing_loss_func with that attention_mask. None: every token
-        counts. It masks nothing else: attention stays docs' business, the token loss the labels'."""
+                docs: Documents | torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+        """input_ids (B, S) token ids, or hidden states (B, S, H) on a stage without embeddings.
+        position_ids (B, S): None means 0..S-1. Given, attention stays within each document: a new
+        one starts wherever the position does not continue. docs: those boundaries, built once
+        where the rows are (attention.Documents), or a dense (B, 1, S, S) bool mask (the reference).
+        Returns the loss with labels, else logits (B, S, V); hidden states on a stage without
+        lm_head. cache: a KVCache (generation, below)."""
         m = self.model
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids  # (B, S, H)
-        B, S = h.shape[:2]
-        if cache is not None:
-            if position_ids is not None or docs is not None or labels is not None or real_tokens is not None:
-                raise ValueError("a KVCache takes plain rows: no position_ids, docs, labels or real_tokens")
-            position_ids = cache.positions(B, S, h.device)  # (B, S): each row from its own end
-        elif position_ids is None:
-            if docs is not None:
-                raise ValueError("docs (document boundaries) need the position_ids restarting per document")
-            position_ids = torch.arange(S, device=h.device).expand(B, S)
-        elif docs is None:
-            docs = Documents.from_position_ids(position_ids)
+        position_ids, docs = self.positions(h, position_ids, docs, cache, labels)
         cos, sin = m.rotary_emb(position_ids, h.dtype)  # (B, S, hd) each
-        # the aux loss's statistics: for the loss, or for the next pipeline stage (no lm_head)
-        aux = bool(self.stage_extras()) and cache is None and (labels is not None or self.lm_head is None)
-        with record_router_logits(self) if aux else contextlib.nullcontext() as router_logits:
-            for name, layer in m.layers.items():
-                if cache is None:
-                    h = layer(h, cos, sin, docs)
-                else:
-                    h = layer(h, cos, sin, docs, cache=cache.layer(name))
+        for name, layer in m.layers.items():
+            h = layer(h, cos, sin, docs) if cache is None else layer(h, cos, sin, docs, cache=cache.layer(name))
         if cache is not None:
             h = cache.advance(h)  # (B, 1, H): generation reads each row's next token only
-        if aux:  # this stage's layers' statistics (2E + 2,), after the earlier stages'
-            moe_cfg = self.config.moe_config()
-            own = self.token_sum_fn(router_stats_of([t for t in router_logits if t is not None],
-                                                       moe_cfg.num_experts, moe_cfg.top_k, real_tokens,
-                                                       device=h.device))
-            stats = own if router_stats is None else router_stats + own
         if m.norm is not None:
             h = m.norm(h)
+        return self.head(h, labels, reduction)
+
+    def positions(self, h: torch.Tensor, position_ids: torch.Tensor | None, docs: Documents | torch.Tensor | None,
+                  cache: "KVCache | None", labels: torch.Tensor | None) -> tuple[torch.Tensor, Documents | None]:
+        """The call's positions (B, S) and documents. Without docs, they come from position_ids (a
+        host copy per call). With a cache, each row continues from its cached end."""
+        B, S = h.shape[:2]
+        if cache is not None:
+            if position_ids is not None or docs is not None or labels is not None:
+                raise ValueError("a KVCache takes plain rows: no position_ids, docs or labels")
+            return cache.positions(B, S, h.device), None
+        if position_ids is None:
+            if docs is not None:
+                raise ValueError("docs (document boundaries) need the position_ids restarting per document")
+            return torch.arange(S, device=h.device).expand(B, S), None
+        return position_ids, Documents.from_position_ids(position_ids) if docs is None else docs
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None, reduction: str) -> torch.Tensor:
+        """h (B, S, H) → the loss with labels, else logits (B, S, V); h itself on a stage without lm_head."""
         if self.lm_head is None:
-            return (h, stats) if aux else h
+            return h
         if labels is None:
             return self.logits_fn(self.lm_head(h))  # (B, S, V)
-        loss = self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
-        if not aux:
-            return loss
-        # transformers: mean token loss + coef · load-balancing loss of this forward (all layers pooled);
-        # a summed loss gets the term once per target token, so sum / count is transformers' loss
-        return loss + stats_loss(stats, moe_cfg) * ((labels != -100).sum() if reduction == "sum" else 1)
+        return self.loss_fn(h, self.lm_head.weight, labels, reduction)  # lm_head inside, in chunks
 
 
 # ----------------------------------------------------------------------------------------- compile
 def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """attn_fn for a compiled layer: attention.attend on plain rows is traced; packed rows
-    (Documents: host lengths that change every batch, which would recompile) and any other attention
-    plugged into the seam (cp.py's ring, whose custom op is not checked under compile here) run
-    eagerly between two compiled graphs."""
+    """attn_fn for a compiled layer. attention.attend on plain rows is traced. Packed rows run
+    eagerly between two compiled graphs: Documents hold host lengths that change every batch, which
+    would recompile. So does any other attention in the seam (cp.py's ring: its custom op is not
+    checked under compile here)."""
     eager, traced = torch.compiler.disable(attn_fn), attn_fn is attend
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -727,32 +605,30 @@ def _eager_where_needed(attn_fn: Callable[..., torch.Tensor]) -> Callable[..., t
 
 
 def compile_layers(model: Llama, packed: bool = False, **options) -> list[str]:
-    """torch.compile each decoder layer's forward (torchtitan does the same): inductor fuses the
+    """torch.compile each decoder layer's forward (torchtitan does the same). Inductor fuses the
     elementwise ops between the matmuls (norms, RoPE, SwiGLU, residual adds) and their backward.
-    What runs inside the layer's `__call__` but outside its forward stays eager: hooks on the layer
-    (ZeRO-3's gathers, the output-gradient hooks), and everything outside the layers (embedding,
-    head, loss, the pipeline executor, dp/ZeRO's gradient hooks, which fire on AccumulateGrad).
-    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac (the layer's
-    checkpoint is then traced too: full AC as compile's recomputation, selective AC through compile's
-    own policy path), before the optimizer. Layers of one shape share one compiled graph (the
-    parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
-    A mixture-of-experts block (moe.MoE) runs eagerly between two graphs of its layer: its
-    dispatch has data-dependent shapes (the rows per expert) and, under EP, a host sync (`.tolist()`
-    of the exchanged counts), either of which breaks the graph.
-    Returns what is left eager, for the caller's log (train.py): the name of each layer left eager
-    whole — a checkpointed layer whose attention runs eagerly (`packed` rows, i.e. Documents, or
-    another attn_fn such as cp.py's ring) or that holds an MoE block would break the graph inside
-    the checkpoint, and dynamo then runs the whole checkpoint eagerly: compiling it would only add
-    tracing — then "<layer>.<path>" of each MoE block that runs eagerly inside a compiled layer."""
+    What runs in the layer's `__call__` but outside its forward stays eager: hooks on the layer
+    (ZeRO-3's gathers, the output-gradient hooks). So does everything outside the layers: embedding,
+    head, loss, the pipeline executor, dp/ZeRO's gradient hooks (they fire on AccumulateGrad).
+    Apply after tp (its comm ops inside the layer are traced) and after ac.apply_ac. The layer's
+    checkpoint is then traced too: full AC as compile's recomputation, selective AC through
+    compile's own policy path. Apply before the optimizer. Layers of one shape share one compiled
+    graph (the parameters are graph inputs). ac.remove_ac removes the compiled forward with the AC one.
+    A submodule that sets `compile_eager = True` runs eagerly between two graphs of its layer
+    (a block whose shapes depend on the data). Returns what is left eager, for train.py's log.
+    First the name of each layer left eager whole: a checkpointed layer would break the graph
+    inside the checkpoint, and dynamo then runs the whole checkpoint eagerly. That happens when its
+    attention runs eagerly (`packed` rows, i.e. Documents, or another attn_fn such as cp.py's ring)
+    or it holds an eager submodule. Then "<layer>.<path>" of each eager submodule of a compiled layer."""
     eager, blocks = [], []
     for name, layer in model.model.layers.items():
         own = layer.__dict__.get("forward")  # ac.py's closure, if checkpointed
-        moes = [(f"{name}.{path}", m) for path, m in layer.named_modules() if isinstance(m, MoE)]
-        if own is not None and (packed or layer.self_attn.attn_fn is not attend or moes):
+        kept = [(f"{name}.{path}", m) for path, m in layer.named_modules() if getattr(m, "compile_eager", False)]
+        if own is not None and (packed or layer.self_attn.attn_fn is not attend or kept):
             eager.append(name)
             continue
         layer.self_attn.attn_fn = _eager_where_needed(layer.self_attn.attn_fn)
-        for path, block in moes:  # an instance forward (a wrapper) as it is; else as below, no cycle
+        for path, block in kept:  # an instance forward (a wrapper) as it is; else as below, no cycle
             forward = block.__dict__.get("forward") or (
                 lambda *args, fn=type(block).forward, ref=weakref.ref(block), **kwargs: fn(ref(), *args, **kwargs))
             block.forward = torch.compiler.disable(forward)  # the whole wrapper: dynamo skips its frame
@@ -782,7 +658,7 @@ def build(cfg: LlamaConfig) -> Llama:
     """The model on the meta device: no memory, no init yet (see `weights.materialize`)."""
     cfg.validate()
     with torch.device("meta"):
-        return Llama(cfg)
+        return EXTENSIONS[cfg.model_type].modules(Llama(cfg))
 
 
 # ----------------------------------------------------------------------------------------- generation
@@ -838,9 +714,9 @@ class LayerCache:
 
     @torch.compiler.disable  # host-side state: runs eagerly between a compiled layer's graphs
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """Append k, v (B, S, nkv, hd) at each row's end and attend the S new queries q (B, S, nh, hd)
+        """Append k, v (B, S, nkv, hd) at each row's end. Then attend the S new queries q (B, S, nh, hd)
         to the row's keys up to each query: causal, within attn's window. The first call (the
-        prefill) is the layer's own attention (attn.attn_fn), the uncached forward's to the bit."""
+        prefill) is the layer's own attention (attn.attn_fn): the uncached forward's to the bit."""
         B, S = k.shape[:2]
         P = self.cache.length
         if P + S > self.cache.capacity:
@@ -876,15 +752,15 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None = None, *,
              temperature: float = 0.0, top_k: int | None = None, seeds: Sequence[int] | None = None,
              use_cache: bool | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
-    """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens: greedy at temperature 0,
-    else sampled (next_token) with one seed per row, so a row's reply depends on its prompt and seed
-    only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
+    """Batched decoding, input_ids (B, S) → (B, S + n), n <= max_new_tokens. Greedy at temperature
+    0, else sampled (next_token) with one seed per row. A row's reply then depends on its prompt and
+    seed only, not on its batch. Rows that emitted eos_id keep emitting it; decoding stops when all have.
     lengths: prompts of different lengths, right-padded: row b's prompt is input_ids[b, :lengths[b]].
     Its reply then starts at lengths[b], over the padding, and the cells after it hold eos_id (0
     without one). None: every prompt is all S tokens.
-    use_cache: prefill once, then one position per step (KVCache); False reruns the whole prefix
-    every step (the reference: the same tokens in fp32, tests/test_generate.py); None: the cache
-    whenever model.forward takes one (any causal model mapping ids (B, S) to logits runs uncached).
+    use_cache: prefill once, then one position per step (KVCache). False reruns the whole prefix
+    every step: the reference, the same tokens in fp32 (tests/test_generate.py). None: the cache
+    whenever model.forward takes one. Any causal model mapping ids (B, S) to logits runs uncached.
     Under tp every rank sees the same gathered logits and seeds, hence draws the same tokens."""
     B, S = input_ids.shape
     if temperature < 0 or (top_k is not None and top_k < 1):
@@ -922,3 +798,115 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
     finally:
         model.train(was_training)
     return out
+
+
+# ----------------------------------------------------------------------------------------- refinement: mixtures of experts
+# Three families, through the Extension seam: moe.py swaps their sparse layers' MLP for an
+# MoE block (`build`), and its hooks add the router losses.
+#   mixtral    every layer sparse, the k weights always renormalized; the window as mistral
+#   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
+#              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
+#   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+for _dense in FAMILIES:  # a stray num_experts key is ignored, as by transformers
+    FAMILIES[_dense][1]["num_experts"] = 0
+FAMILIES |= {
+    "mixtral": ("MixtralForCausalLM", dict(qkv_bias=False, qk_norm=False, attention_bias=False, mlp_bias=False,
+                                           layer_types=None, norm_topk_prob=True, mlp_only_layers=(),
+                                           decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=False,
+                                              mlp_bias=False, layer_types=None)),
+    "olmoe": ("OlmoeForCausalLM", dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True, mlp_bias=False,
+                                       sliding_window=None, layer_types=None, mlp_only_layers=(),
+                                       decoder_sparse_step=1)),
+}
+_DEFAULTS |= {
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
+                    rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
+    "olmoe": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01),
+}
+_WINDOW |= {"mixtral": "every", "qwen3_moe": "use", "olmoe": None}
+_HF_KEYS |= {
+    "num_experts": (False, *_INT), "num_local_experts": (False, *_INT), "num_experts_per_tok": (False, *_INT),
+    "moe_intermediate_size": (False, *_INT), "decoder_sparse_step": (False, *_INT),
+    "norm_topk_prob": (False, *_BOOL), "output_router_logits": (False, *_BOOL),
+    "router_aux_loss_coef": (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                             "a number >= 0"),
+    "mlp_only_layers": (False, lambda v: v is None or isinstance(v, list) and all(_ID[0](x) and x is not None
+                                                                                  for x in v),
+                        "a list of layer indices or null"),
+}
+
+
+def _read_experts(d: dict, family: str, bad: list[str]) -> dict:
+    """Extension.read: an MoE family's fields, with the family's defaults. What is not
+    implemented goes to `bad`, naming the key and its value."""
+    defaults = _DEFAULTS[family]
+    # transformers maps num_experts and num_local_experts to one attribute: either spelling is read
+    given = {d[k] for k in ("num_experts", "num_local_experts") if k in d}
+    if len(given) > 1:
+        bad.append(f"num_experts={d['num_experts']} != num_local_experts={d['num_local_experts']}")
+    if d.get("router_jitter_noise", 0.0):  # Mixtral's training-time input jitter
+        bad.append(f"router_jitter_noise={d['router_jitter_noise']} (only 0.0)")
+    if d.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
+        bad.append(f"clip_qkv={d['clip_qkv']} (only null)")
+    if family == "olmoe" and d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
+        bad.append(f"head_dim={d['head_dim']} (OLMoE's q/k norms assume hidden_size / num_attention_heads)")
+    return dict(num_experts=given.pop() if given else defaults["num_experts"],
+                num_experts_per_tok=d.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+                moe_intermediate_size=(d.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+                                       if family == "qwen3_moe" else d["intermediate_size"]),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+                output_router_logits=d.get("output_router_logits", False),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1))
+
+
+def _write_experts(cfg: LlamaConfig, d: dict) -> None:
+    """Extension.write: the MoE keys of cfg's family into config.json's dict d."""
+    if cfg.model_type == "qwen3_moe":
+        d |= {"attention_bias": cfg.attention_bias, "moe_intermediate_size": cfg.moe_intermediate_size,
+              "norm_topk_prob": cfg.norm_topk_prob, "mlp_only_layers": list(cfg.mlp_only_layers),
+              "decoder_sparse_step": cfg.decoder_sparse_step}
+    if cfg.model_type == "olmoe":
+        d |= {"attention_bias": cfg.attention_bias, "norm_topk_prob": cfg.norm_topk_prob}
+        del d["head_dim"]  # OLMoE derives it (hidden_size / heads)
+    d |= {"num_experts" if cfg.model_type == "olmoe" else "num_local_experts": cfg.num_experts,
+          "num_experts_per_tok": cfg.num_experts_per_tok, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+          "output_router_logits": cfg.output_router_logits}
+
+
+def _check_experts(cfg: LlamaConfig) -> None:
+    """Extension.check: the sizes of the experts, and OLMoE's head size."""
+    if not (1 <= cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size >= 1):
+        raise ValueError(f"{cfg.model_type}: need 1 <= num_experts_per_tok={cfg.num_experts_per_tok} <= "
+                         f"num_experts={cfg.num_experts} and moe_intermediate_size="
+                         f"{cfg.moe_intermediate_size} >= 1")
+    if cfg.model_type == "olmoe" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"olmoe: head_dim={cfg.head_dim} × num_attention_heads={cfg.num_attention_heads} "
+                         f"must be hidden_size={cfg.hidden_size} (its q norm spans hidden_size)")
+
+
+def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Extension.shapes: a sparse layer's MLP entries become its router's and experts', in their
+    place. transformers 5's fused in-memory layout (weights.py writes one tensor per expert)."""
+    e, h, mi = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = {}
+    for name, shape in shapes.items():
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        if not (rest.startswith("mlp.") and cfg.is_sparse(int(layer))):
+            out[name] = shape
+        elif rest == "mlp.gate_proj.weight":  # the other MLP entries are dropped
+            p = f"model.layers.{layer}.mlp."
+            out |= {p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * mi, h),
+                    p + "experts.down_proj": (e, h, mi)}
+    return out
+
+
+EXTENSIONS |= {f: Extension(_read_experts, _write_experts, _check_experts, _expert_shapes, moe.use_experts)
+               for f in MOE_FAMILIES}

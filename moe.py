@@ -1,61 +1,55 @@
 """Mixture of experts: a top-k router, dropless SwiGLU experts and expert parallelism (EP).
 
 What it does
-    `MoE` replaces a decoder layer's MLP. A linear router scores every token against E experts; each
-    token goes to its top-k experts, and the experts' outputs come back weighted by the router's
+    `MoE` replaces a decoder layer's MLP. A linear router scores every token against E experts.
+    Each token goes to its top-k experts. Their outputs come back weighted by the router's
     probabilities. Nothing is dropped: an expert takes however many tokens chose it.
-      route        fp32 softmax over the logits, top-k, optional renormalization of the k weights
-      dispatch     the N·k (token, expert) pairs sorted by expert (a stable sort), so each expert's
-                   tokens are one contiguous block; int32 offsets mark the blocks
-      experts      SwiGLU per expert on its block: one `grouped_mm` for all experts where the kernel
-                   runs (`grouped_mm_runs`), a plain loop of matmuls otherwise; the same numbers
-      combine      each output row times its weight, back in token order, summed over the k
-    The weights are laid out as transformers 5 keeps them in memory: `gate.weight` (E, H),
-    `experts.gate_up_proj` (E, 2I, H) with gate rows first, `experts.down_proj` (E, H, I). A
+      route      fp32 softmax over the logits, top-k, optionally renormalized k weights
+      dispatch   the N·k (token, expert) pairs sorted by expert (a stable sort). Each expert's
+                 tokens are then one contiguous block; int32 offsets mark the blocks.
+      experts    SwiGLU per expert on its block. One `grouped_mm` for all experts where the
+                 kernel runs (`grouped_mm_runs`), else a loop of matmuls: the same numbers.
+      combine    each output row times its weight, back in token order, summed over the k
+    The weights keep transformers 5's in-memory layout: `gate.weight` (E, H),
+    `experts.gate_up_proj` (E, 2I, H) with gate rows first, `experts.down_proj` (E, H, I). So a
     transformers block's state_dict loads into `MoE` as a copy.
-    Losses: `load_balancing_loss` (Switch: E·Σ_i f_i·P_i, pooled over layers exactly as
-    transformers' `load_balancing_loss_func`) and `router_z_loss` (ST-MoE); `router_loss` applies
-    the config's coefficients. Both are made of `router_stats`, sums over rows that add up across
-    pipeline stages and sequence shards. `record_router_logits` collects every router's logits of a
-    forward.
-    Expert parallelism (`shard_experts`): the E experts are split over the ep ranks of a group. A
-    layer sends each (token, expert) row to the rank that holds the expert by an all-to-all with
-    variable splits (the counts travel first), runs its local experts, and sends the rows back.
 
 Core idea
     Sorting by expert turns "each token picks k experts" into "each expert multiplies one
-    contiguous block": grouped GEMMs, no padding, no capacity factor. Under EP the sort by global
-    expert id also sorts by destination rank (rank p holds experts [p·E/ep, (p+1)·E/ep)), so the
-    send buffer needs no second permutation.
+    contiguous block". That gives grouped GEMMs, with no padding and no capacity factor. Under EP,
+    rank p holds experts [p·E/ep, (p+1)·E/ep). The sort by expert then also sorts by destination
+    rank, so the send buffer needs no second permutation.
+
+Refinements, each below its banner
+    - Expert parallelism (`shard_experts`) splits the E experts over the ep ranks of a group. One
+      all-to-all sends each (token, expert) row to its expert's rank; a second brings it back.
+    - The model: `use_experts` swaps a model.Llama's sparse MLPs for MoE blocks. Its forward
+      hooks add the router losses to the loss (`RouterLosses`).
+    - The losses: `load_balancing_loss` (Switch) and `router_z_loss` (ST-MoE), made of
+      `router_stats`. These are sums over rows, so pipeline stages and sequence shards add up.
 
 Reference
-    Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021, "Switch Transformers" (eq. 4-6,
-    the load-balancing loss); Zoph et al. 2022, "ST-MoE" (router z-loss); Lepikhin et al. 2020,
-    "GShard" (expert parallelism by all-to-all); Gale et al. 2022, "MegaBlocks" (dropless). Numerics
-    follow transformers/models/{mixtral,qwen3_moe,olmoe}/modeling_*.py.
+    Shazeer et al. 2017 (sparsely-gated MoE); Fedus et al. 2021, "Switch Transformers" (eq. 4-6);
+    Zoph et al. 2022, "ST-MoE" (z-loss); Lepikhin et al. 2020, "GShard" (EP by all-to-all); Gale et
+    al. 2022, "MegaBlocks" (dropless). Numerics follow transformers/models/{mixtral,qwen3_moe,olmoe}.
 
 Run
     python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
 
 Invariants
-    - fp32: output, router logits and every gradient equal transformers' Mixtral, Qwen3-MoE and
-      OLMoE sparse blocks within 1e-6, an expert with no token included (test_block_matches_hf);
-      bf16: bit-equal to their grouped_mm path (test_bf16_bit_equal_to_hf_grouped_mm).
-    - The grouped_mm and loop experts agree, forward and backward, also for a stride-0 incoming
-      gradient (test_grouped_mm_equals_loop).
-    - load_balancing_loss equals transformers' over several layers, with and without a padding
-      mask (test_load_balancing_loss_matches_hf); recomputation under activation checkpointing
-      does not count a router twice (test_router_logits_once_under_checkpoint).
-    - ep = 2 and ep = 4 give ep = 1's outputs and gradients (no 2x expert gradient), and the
-      router's gradients are identical on every rank (test_ep_matches_single_process).
-    - Host syncs per layer: ep = 1 with grouped_mm none; the loop one (the counts size its slices);
-      ep > 1 exactly one in forward (the exchanged counts size the all-to-all buffers), none in
-      backward (the splits are kept) (counted in test_ep_matches_single_process).
-    - ep = 1 is the same code path: `shard_experts` at degree 1 changes no number.
+    - fp32: output, router logits and every gradient equal transformers' three sparse blocks within
+      1e-6, an expert with no token included. bf16: bit-equal to their grouped_mm path.
+    - The grouped_mm and loop experts agree, forward and backward (test_grouped_mm_equals_loop).
+    - load_balancing_loss equals transformers', with and without a padding mask. Activation
+      checkpointing does not count a router twice (test_router_logits_once_under_checkpoint).
+    - ep = 2 and ep = 4 give ep = 1's outputs and gradients (test_ep_matches_single_process).
+    - Host syncs per layer: none at ep = 1 with grouped_mm; one for the loop. At ep > 1 exactly one
+      in forward (the counts size the buffers), none in backward. ep = 1 is the same code path.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -193,8 +187,8 @@ class _SwiGLU(torch.autograd.Function):
 
 def experts_grouped(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert's block of x (M, H), rows sorted by expert with counts (E,) rows each,
-    as two grouped GEMMs. No host sync: the int32 offsets stay on the device."""
+    """SwiGLU of each expert's block of x (M, H), as two grouped GEMMs. The rows are sorted by
+    expert, counts (E,) rows each. No host sync: the int32 offsets stay on the device."""
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's block
     h = _ContiguousGrad.apply(_grouped_mm(x, gate_up.transpose(1, 2), offs=offs))  # (M, 2I)
     a = _SwiGLU.apply(h)  # (M, I)
@@ -237,8 +231,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor,
                 host_counts: list[int] | None = None) -> torch.Tensor:
-        """x (M, H) sorted by local expert, counts (E_local,) on the device; host_counts the same
-        as ints when the caller already has them (EP), so the loop costs no extra sync."""
+        """x (M, H) sorted by local expert, counts (E_local,) on the device. host_counts: the same
+        as ints, when the caller already has them (EP). The loop then costs no extra sync."""
         gate_up, down = self.weight_fn(self.gate_up_proj), self.weight_fn(self.down_proj)
         if self.use_grouped(x):
             return experts_grouped(x, counts, gate_up, down)
@@ -255,8 +249,8 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     """out = x[index // k], index a permutation of range(len(x)·k). Backward gathers the gradient
-    by the inverse permutation and sums each source row's k copies: no zero-filled scatter-add
-    (what indexing's backward does, not knowing the index is a permutation)."""
+    by the inverse permutation and sums each source row's k copies. Indexing's own backward would
+    scatter-add into zeros: it does not know the index is a permutation."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
@@ -275,8 +269,8 @@ class _Gather(torch.autograd.Function):
 
 
 def permutation(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, inverse) of the flattened (N·k,) expert ids: order sorts them by expert (stable:
-    ties keep token order), inverse undoes it."""
+    """(order, inverse) of the flattened (N·k,) expert ids. order sorts them by expert, and ties
+    keep token order (a stable sort). inverse undoes it."""
     order = torch.argsort(experts.reshape(-1), stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -286,6 +280,7 @@ def permutation(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class MoE(nn.Module):
     """The sparse MoE block: x (..., H) -> (..., H). `gate` and `experts` are named as in
     transformers' `*SparseMoeBlock`, so `load_state_dict(hf_block.state_dict())` is a copy."""
+    compile_eager = True  # model.compile_layers: data-dependent shapes and, under EP, a host sync
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -317,8 +312,8 @@ class MoE(nn.Module):
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits; the backward sends the gradient the reverse way
-    (swapped splits, kept from forward: no host sync in backward)."""
+    """all_to_all_single with variable splits. The backward sends the gradient the reverse way, with
+    the splits swapped. They are kept from forward: no host sync in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -338,8 +333,8 @@ class _AllToAll(torch.autograd.Function):
 
 def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts, ep: int,
                      group: Group) -> torch.Tensor:
-    """rows (M, H) sorted by global expert, counts (E,): send each row to the rank holding its
-    expert, run the local experts there, bring the results back in the same order (M, H).
+    """rows (M, H) sorted by global expert, counts (E,) → (M, H) in the same order. Each row goes
+    to the rank holding its expert, the local experts run there, and the results come back.
     One host sync: the exchanged counts must reach the host to size the receive buffer."""
     local = counts.numel() // ep
     send = counts.view(ep, local)  # (ep, E_local) my rows for each rank's experts
@@ -359,8 +354,8 @@ def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
 
 @dataclass
 class EPGroups:
-    """ep: the ranks that exchange tokens (each holds 1/ep of the experts); replica: the ranks that
-    hold the same experts as this one (its expert gradients are summed there)."""
+    """ep: the ranks that exchange tokens, each holding 1/ep of the experts. replica: the ranks
+    that hold the same experts as this one. Its expert gradients are summed there."""
     ep: Group
     replica: Group
     ep_size: int
@@ -368,9 +363,9 @@ class EPGroups:
 
 
 def ep_groups(ep: int, group: Group = None) -> EPGroups:
-    """Split `group` (None: the default group) of n ranks into n/ep blocks of ep consecutive ranks
-    (the token exchange; consecutive ranks share a node on GPUs) and ep strided replica groups.
-    Collective: every rank of `group` must call it, in the same order."""
+    """Split `group` (None: the default group) of n ranks into n/ep blocks of ep consecutive ranks.
+    These exchange tokens; consecutive ranks share a node on GPUs. ep strided groups are the
+    replicas. Collective: every rank of `group` must call it, in the same order."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(
         range(dist.get_world_size()))
     n, me = len(ranks), ranks.index(dist.get_rank())
@@ -428,20 +423,105 @@ def grad_reduce_plan(model: nn.Module, groups: EPGroups) -> Callable[[str], tupl
     return lambda name: (groups.replica, groups.ep) if name in names else None
 
 
+# --- refinement: the MoE in a decoder (model.Llama): the module swap and the router losses ---
+# Three seams of model.py carry it, and its forward has no line about experts:
+#   the module swap   a sparse layer's `mlp` becomes an MoE block (`use_experts`)
+#   forward hooks     the model's pre-hook takes this extension's keywords, its hook adds the loss
+#   token_sum_fn      the model's sum over all tokens of a forward (sp and cp split the tokens)
+# A pipeline stage declares what it passes on in `side_tensors` (pp.py sends it with h).
+
+
+def layer_config(cfg: Any) -> MoEConfig:
+    """The sparse layers' MoEConfig from a model.LlamaConfig. Mixtral keeps the combine weights in
+    fp32; Qwen3-MoE and OLMoE cast them to the logits' dtype (`fp32_weights`)."""
+    return MoEConfig(hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+                     num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                     renormalize=cfg.norm_topk_prob, fp32_weights=cfg.model_type == "mixtral",
+                     aux_loss_coef=cfg.router_aux_loss_coef)
+
+
+def use_experts(model: nn.Module) -> nn.Module:
+    """Make a model.Llama a mixture of experts, in place, and return it. The MLP of each layer that
+    `config.is_sparse` names becomes an MoE block. With `config.output_router_logits` the loss adds
+    the router losses of the whole forward (`RouterLosses`). model.build calls it on meta."""
+    cfg = model.config
+    for name, layer in model.model.layers.items():
+        if cfg.is_sparse(int(name)):
+            layer.mlp = MoE(layer_config(cfg))
+    losses = RouterLosses(layer_config(cfg))
+    model.register_forward_pre_hook(losses.take_keys, with_kwargs=True)
+    model.register_forward_hook(losses.add, with_kwargs=True)
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        router.register_forward_hook(losses.keep)
+    if cfg.output_router_logits:  # a stage before the last passes its routers' statistics on
+        model.side_tensors = {"router_stats": ((2 * cfg.num_experts + 2,), torch.float32)}
+    return model
+
+
+class RouterLosses:
+    """The load-balancing (and z) loss of a whole forward, as transformers' *ForCausalLM. The loss
+    adds coef · load_balancing_loss, every layer's tokens pooled. Three forward hooks make it.
+      take_keys  (model pre-hook) takes two keywords off the call. `router_stats`: the earlier
+                 pipeline stages' statistics. `real_tokens` (B, S) bool: False marks padding
+                 (sft.py's rows). Padding counts in no statistic, as transformers' attention_mask.
+      keep       (router hook) keeps each router's logits of this forward, one slot per router.
+      add        (model hook) sums the statistics (`router_stats`) over all tokens
+                 (model.token_sum_fn) and the earlier stages. The last stage adds the loss. A
+                 stage before it returns (h, statistics), as `side_tensors` declares.
+    Autograd thus reaches every router. Activation checkpointing reruns a router in backward, after
+    `add`: `keep` then records nothing, so no router counts twice. With
+    config.output_router_logits false, the hooks only drop the two keywords. The hooks live on the
+    model and its Router modules: a file that replaces a Router must move its hooks too."""
+
+    def __init__(self, cfg: MoEConfig):
+        self.cfg = cfg
+        self.logits: dict[nn.Module, torch.Tensor] | None = None  # open only during a forward
+        self.earlier: torch.Tensor | None = None
+        self.real_tokens: torch.Tensor | None = None
+
+    def take_keys(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        self.earlier, self.real_tokens = kwargs.pop("router_stats", None), kwargs.pop("real_tokens", None)
+        if self.real_tokens is not None and kwargs.get("cache") is not None:
+            raise ValueError("a KVCache takes plain rows: no real_tokens")
+        self.logits = {} if model.config.output_router_logits else None
+        return args, kwargs
+
+    def keep(self, router: nn.Module, args: tuple, out: tuple) -> None:
+        if self.logits is not None:
+            self.logits[router] = out[0]  # (N, E)
+
+    def add(self, model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        logits, earlier, real_tokens = self.logits, self.earlier, self.real_tokens
+        self.logits = self.earlier = self.real_tokens = None  # this call's, used once
+        call = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
+        call.apply_defaults()
+        labels, reduction = call.arguments["labels"], call.arguments["reduction"]
+        if logits is None or call.arguments["cache"] is not None or (labels is None and model.lm_head is not None):
+            return None  # no statistics: generation, or logits only
+        routers = [logits[m] for m in model.modules() if m in logits]  # in layer order
+        own = model.token_sum_fn(router_stats(routers, self.cfg.num_experts, self.cfg.top_k,
+                                              real_tokens, device=out.device))  # (2E + 2,)
+        stats = own if earlier is None else earlier + own
+        if model.lm_head is None:
+            return out, stats
+        # a summed loss gets the term once per target token, so sum / count is transformers' loss
+        return out + stats_loss(stats, self.cfg) * ((labels != -100).sum() if reduction == "sum" else 1)
+
+
 # --- refinement: the router losses and recording the routers' logits ---
 
 
 def router_stats(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
                  attention_mask: torch.Tensor | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
-    """What the router losses need from a forward's layers, each summed over all their rows:
+    """What the router losses need from a forward's layers, each summed over all their rows.
     (2E + 2,) fp32 = [P (E): the router probabilities | picks (E): the top-k picks | rows |
-    z: logsumexp(logits)²]. Only P and z carry gradients. Every entry is a sum over rows, so the
-    statistics of two pieces of one forward add up to the whole's: the stages of a pipeline (pp.py
-    carries them with the activations), the sequence shards of sp (tp.py all-reduces them).
+    z: logsumexp(logits)²]. Only P and z carry gradients. Every entry is a sum over rows. So the
+    statistics of two pieces of one forward add up to the whole's: pipeline stages, sequence shards.
     The softmax runs in the logits' dtype, as transformers' load_balancing_loss_func.
     attention_mask (B, S) of 0/1: padding rows count for nothing, in every layer. device: where
-    the statistics of no layer (an empty list: a pipeline stage of dense layers only) are made."""
+    the statistics of no layer are made (a pipeline stage of dense layers only)."""
     E = num_experts
     stats = torch.zeros(2 * E + 2, dtype=torch.float32,
                         device=router_logits[0].device if router_logits else device)
@@ -462,9 +542,9 @@ def router_stats(router_logits: Sequence[torch.Tensor], num_experts: int, top_k:
 
 
 def balance_loss_of(stats: torch.Tensor) -> torch.Tensor:
-    """Switch's E·Σ_i f_i·P_i from `router_stats`, as transformers: f_i (the picks) and P_i over the
-    rows of all layers together, so Σ f_i = k and a perfectly balanced router scores k. The picks
-    and the row count are constants: the gradient flows through P only."""
+    """Switch's E·Σ_i f_i·P_i from `router_stats`, as transformers. f_i (the picks) and P_i are over
+    the rows of all layers together. So Σ f_i = k, and a perfectly balanced router scores k. The
+    picks and the row count are constants: the gradient flows through P only."""
     E = (stats.numel() - 2) // 2
     prob, picks, rows = stats[:E], stats[E:2 * E].detach(), stats[2 * E].detach()
     return E * torch.sum((picks / rows) * (prob / rows))
@@ -477,8 +557,8 @@ def z_loss_of(stats: torch.Tensor) -> torch.Tensor:
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch's auxiliary loss E·Σ_i f_i·P_i, as transformers' load_balancing_loss_func: f_i is
-    the number of top-k picks of expert i and P_i the sum of its router probability, both summed
+    """Switch's auxiliary loss E·Σ_i f_i·P_i, as transformers' load_balancing_loss_func. f_i is
+    the number of top-k picks of expert i, P_i the sum of its router probability. Both are summed
     over every layer's rows and divided by the rows of all layers together (`balance_loss_of`)."""
     return balance_loss_of(router_stats(router_logits, num_experts, top_k, attention_mask))
 
@@ -506,9 +586,9 @@ def router_loss(router_logits: Sequence[torch.Tensor], cfg: MoEConfig,
 
 @contextlib.contextmanager
 def record_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
-    """Collect each router's logits of the forwards run inside, in module order: one slot per
-    router, which a later call of the same router overwrites. So the recompute of activation
-    checkpointing (a second forward of the layer, in backward) cannot count a router twice."""
+    """Collect each router's logits of the forwards run inside, in module order. Each router has one
+    slot, which its later calls overwrite. So activation checkpointing's recompute (a second
+    forward of the layer, in backward) cannot count a router twice."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
     slots: list[torch.Tensor | None] = [None] * len(routers)
 

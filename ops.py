@@ -1,30 +1,30 @@
 """The decoder layer's elementwise ops as lean autograd Functions: RMSNorm, RoPE, SwiGLU.
 
 What it does
-    Each op is one autograd node whose backward keeps only what it cannot cheaply recompute, and
-    computes only the gradients the backward pass asks for (`wanted_grads`):
-      rms_norm    aten's fused RMSNorm (F.rms_norm's kernel: one kernel forward, one backward on
-                  CUDA; on CPU HF's ops, the same bits as HF in fp32, and the backward formula
-                  here); keeps x, w and the per-token fp32 rstd — not HF's fp32 copy of x and
-                  x·rsqrt: 2h + 4 bytes per token in bf16 instead of 8h + 4
-      apply_rope  q and k in one node, HF's products and sum (the same bits) in 4 kernels instead of
-                  5 per tensor; keeps only the cos/sin tables shared by all layers (a rotation's
-                  gradient is the inverse rotation)
-      swiglu      silu(gate)·up keeping gate and up (autograd's two ops would also keep silu(gate));
-                  backward recomputes silu(gate)
-    Under torch.compile (model.compile_layers) inductor traces these Functions and fuses their
+    Each op is one autograd node. Its backward keeps only what it cannot cheaply recompute. It
+    computes only the gradients the backward pass asks for (`wanted_grads`).
+      rms_norm    aten's fused RMSNorm: one kernel forward and one backward on CUDA. On CPU it
+                  runs HF's ops (HF's bits in fp32) and the backward formula here. It keeps x, w
+                  and the per-token fp32 rstd. HF keeps an fp32 copy of x and x·rsqrt: in bf16,
+                  8h + 4 bytes per token instead of 2h + 4.
+      apply_rope  q and k in one node: HF's products and sum (the same bits), in 4 kernels
+                  instead of 5 per tensor. It keeps only the cos/sin tables shared by all layers.
+                  A rotation's gradient is the inverse rotation.
+      swiglu      silu(gate)·up, keeping gate and up. Autograd's two ops would also keep
+                  silu(gate); the backward recomputes it.
+    Under torch.compile (model.compile_layers), inductor traces these Functions. It fuses their
     forward and backward kernels.
 
 Reference
-    Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU); numerics follow
-    transformers/models/llama/modeling_llama.py.
+    Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU). The numerics
+    follow transformers/models/llama/modeling_llama.py.
 
 Run
     torchrun --nproc_per_node 1 train.py --model small --compile
 
 Invariants
-    - fp32 forward outputs equal HF's bit for bit (tests/test_model.py compares logits); gradients
-      agree to rounding (the backward formulas are the analytic ones, in fp32).
+    - fp32 forward outputs equal HF's bit for bit (tests/test_model.py compares logits).
+      Gradients agree to rounding: the backward formulas are the analytic ones, in fp32.
     - Saved tensors: exactly those named above (ac.py's byte formulas count them).
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 def wanted_grads(ctx, n: int) -> tuple[bool, ...]:
     """Which of a custom autograd Function's first n inputs (its tensors) this backward pass will
-    use — what autograd's own nodes check before computing each output (task_should_compute_output).
-    A pipeline's B pass asks for input gradients only and its W pass for weight gradients only
-    (pp.py), and in between ZeRO-3 may free the weights again: a W pass must not read them. Under
-    torch.compile (traced once for every pass) and inside torch.autograd.grad (where the engine
-    cannot say): all that need a gradient."""
+    use. Autograd's own nodes check the same before computing each output.
+    Why: a pipeline's B pass asks for input gradients only, its W pass for weight gradients only
+    (pp.py). In between, ZeRO-3 may free the weights again: a W pass must not read them.
+    Under torch.compile (traced once for every pass) and inside torch.autograd.grad, the engine
+    cannot say. Then all inputs that need a gradient count."""
     if torch.compiler.is_compiling():
         return tuple(ctx.needs_input_grad[:n])
     try:
@@ -50,15 +50,15 @@ def wanted_grads(ctx, n: int) -> tuple[bool, ...]:
 
 
 def use_fused_rms_backward(x: torch.Tensor) -> bool:
-    """aten's one-kernel RMSNorm backward (CUDA); elsewhere the formula in RMSNormFunction. A
-    predicate of its own so that tests/cuda_contract.py can point it at the meta device."""
+    """aten's one-kernel RMSNorm backward (CUDA); elsewhere the formula in RMSNormFunction. It is a
+    predicate of its own, so that tests/cuda_contract.py can point it at the meta device."""
     return x.is_cuda
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = w · x / rms(x), in fp32 (as HF), by aten's fused RMSNorm: forward and backward one kernel
-    each on CUDA (HF's ops on CPU, where the backward is the formula below). Keeps x, w and the
-    per-token rstd (fp32): 2h + 4 bytes per token in bf16, where HF's op chain keeps 8h + 4."""
+    """y = w · x / rms(x), in fp32 (as HF), by aten's fused RMSNorm. On CUDA, forward and backward
+    are one kernel each. On CPU it runs HF's ops, and the backward is the formula below.
+    It keeps x, w and the per-token fp32 rstd: 2h + 4 bytes per token in bf16 (HF's: 8h + 4)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,18 +89,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """HF's x·cos + rotate_half(x)·sin as x·cos + swap(x)·sin, where swap exchanges the two halves
-    of the head dim (a roll by hd/2) and sin carries rotate_half's sign: the same products and sum
-    as HF's, so the same bits, in 4 kernels (HF: 5). sign = -1 rotates back: the transposed rotation
-    is x·cos − swap(x)·sin (swap is its own inverse and flips sin's sign). x (B, S, heads, hd),
-    cos/sin (B, S, 1, hd)."""
+    """HF's x·cos + rotate_half(x)·sin, computed as x·cos + swap(x)·sin. swap exchanges the two
+    halves of the head dim (a roll by hd/2), and sin carries rotate_half's sign. These are HF's
+    products and sum, so HF's bits, in 4 kernels (HF: 5). sign = -1 rotates back. The transposed
+    rotation is x·cos − swap(x)·sin: swap is its own inverse and flips sin's sign.
+    x (B, S, heads, hd), cos/sin (B, S, 1, hd)."""
     swapped = x.roll(x.shape[-1] // 2, dims=-1) * sin
     return x * cos + swapped if sign > 0 else x * cos - swapped
 
 
 class RoPEFunction(torch.autograd.Function):
     """Rotary position embedding of q and k in one autograd node. A rotation's gradient is the
-    inverse rotation of the output gradient, so nothing but cos/sin (shared by all layers) is kept."""
+    inverse rotation of the output gradient. So it keeps only cos/sin, shared by all layers."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -122,8 +122,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """silu(gate) · up, keeping only gate and up for backward (autograd's two ops would also keep
-    silu(gate): one more intermediate-sized tensor per token); backward recomputes silu(gate)."""
+    """silu(gate) · up, keeping only gate and up for backward. Autograd's two ops would also keep
+    silu(gate): one more intermediate-sized tensor per token. The backward recomputes it."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -282,8 +282,10 @@ def train(r: Run) -> int:
     """The steps from r.start to --steps. Each runs one step, logs it, evaluates, saves and checks
     for a stop. Returns the signal that stopped the run (0: it ran to the end)."""
     args, grid = r.args, r.grid
+    drop = unread_keys(r)
     load = (lambda rows: [{"rows": rows}]) if r.rl else (  # GRPO: the prompt rows stay on the host
-        lambda rows: feed.host_batch(r.ds, rows, args.micro_batches, grid))
+        lambda rows: [{k: v for k, v in mb.items() if k not in drop}
+                      for mb in feed.host_batch(r.ds, rows, args.micro_batches, grid)])
     prefetch = feed.Prefetcher(load, r.sampler, max(args.steps - r.start, 0), grid.device)
     if r.rl and r.eval_set and r.start == 0:  # GRPO's "before": the same eval on the starting policy
         write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)})
@@ -670,6 +672,12 @@ def expert_reduction(model: M.Llama, grid: G.Grid) -> Z.GroupOf:
     experts reduce over grid.replica_group, the ranks holding the same experts; the ep group holds
     the others. zero.py counts each expert once in the grad norm."""
     return MOE.grad_reduce_plan(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
+
+
+def unread_keys(r: Run) -> tuple[str, ...]:
+    """Row keys that no part of the model reads. sft.py's rows mark their padding (real_tokens) for
+    moe.py's router statistics; a dense model's forward takes no such keyword."""
+    return () if r.cfg.num_experts else ("real_tokens",)
 
 
 def active_text(cfg: M.LlamaConfig) -> str:

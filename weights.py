@@ -1,24 +1,24 @@
 """Weights: fill a meta-built Llama from safetensors or a seeded init, and write HF directories.
 
 What it does
-    `materialize` allocates a meta-device model (built by `model.build`, maybe already cut by pp.py
-    and tp.py) and fills every parameter: from an HF safetensors directory (single file or sharded
-    with `model.safetensors.index.json`), reading only this rank's slice of each tensor, or from the
-    parameter's own named generator. `param_reader` gives the same values piece by piece without
-    allocating the model — `read(name, start, stop)`, elements [start, stop) of a parameter's
-    flattened local values — so zero3.apply_zero(init=...) builds sharded state directly (reading
-    from safetensors only the rows that hold those elements); `materialize_buffers` then allocates
-    the buffers alone. `save_hf` writes full tensors as an HF directory that
-    `AutoModelForCausalLM.from_pretrained` loads as the same family (config.json with its
-    architectures and model_type, generation_config.json, safetensors, the tokenizer). MoE experts:
-    transformers 5 fuses them in memory (as model.py does) but save_pretrained writes one tensor per
-    expert and projection; `hf_pieces` maps one layout to the other, save_hf writes the per-expert
-    one and the reader takes either (only the experts a rank holds are read); `load_config`
-    reads a config.json of any of model.FAMILIES (one error naming the file and every bad key and
-    value) and `load_hf` the whole model. The pieces serve a streaming export too (export.py
-    writes each pipeline stage's shard on its own rank): `write_safetensors` streams tensors into a
-    file one at a time and returns its crc32 (checkpoint.py stores it), `begin_export` /
-    `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
+    `materialize` allocates a meta-device model and fills every parameter. The model comes from
+    `model.build`, maybe already cut by pp.py and tp.py. The values come from an HF safetensors
+    directory (one file, or sharded with `model.safetensors.index.json`), or from the parameter's
+    own named generator. Only this rank's slice of each tensor is read.
+    `param_reader` gives the same values piece by piece, without allocating the model.
+    `read(name, start, stop)` returns elements [start, stop) of a parameter's flattened local
+    values. So zero3.apply_zero(init=...) builds sharded state directly; `materialize_buffers`
+    then allocates the buffers alone.
+    `save_hf` writes full tensors as an HF directory that `AutoModelForCausalLM.from_pretrained`
+    loads as the same family: config.json, generation_config.json, safetensors, the tokenizer.
+    `load_config` reads a config.json of any of model.FAMILIES. One error names the file and
+    every bad key and value. `load_hf` reads the whole model.
+    Export streams too: export.py writes each pipeline stage's shard on its own rank.
+    `write_safetensors` streams tensors into a file one at a time and returns its crc32.
+    `begin_export` / `finish_hf` / `commit_export` stage an export beside its folder and swap it in.
+    MoE experts: transformers 5 fuses them in memory, as model.py does. save_pretrained writes one
+    tensor per expert and projection. `hf_pieces` maps one layout to the other. save_hf writes the
+    per-expert one, and the reader takes either (only the experts a rank holds).
 
 Reference
     The safetensors format (huggingface/safetensors) and transformers' sharded-checkpoint index
@@ -28,20 +28,20 @@ Run
     torchrun --nproc_per_node 2 train.py --tp 2 --init-from out/pretrained   # each rank reads its slices
 
 Invariants
-    - Init is a function of (seed, HF name) only: every parameter has its own generator, so the full
+    - Init is a function of (seed, HF name) only. Every parameter has its own generator, so the
       weights never depend on creation order or on how tp/pp/ZeRO slice the model. A `model.Shard`
-      map (from tp.py) says which slice of each global tensor a rank holds; only that slice is read.
-      A seeded init draws a parameter's whole tensor (the generator's stream is the whole tensor):
-      one parameter in full at a time, the most any build holds beyond its own state.
+      map (from tp.py) says which slice of each global tensor a rank holds. Only that slice is read.
+      A seeded init draws a parameter's whole tensor (the generator's stream): one parameter in
+      full at a time.
     - `to_empty` unties shared weights and leaves non-persistent buffers (RoPE `inv_freq`) as
-      garbage that is only ~100 ULP wrong: `materialize` re-ties the one and recomputes the other.
-    - A truncated, corrupt or mismatched file raises naming the file (or the tensor); a failed write
-      (a full disk says "no space left on device") names the file and leaves no partial file.
-    - An export owns its folder: it is written whole into `<dir>.tmp` and swapped in, so no file of
-      an older export (a stale index or shard) survives, and a crash leaves the older one complete.
-      A folder holding anything an export does not write is refused, never deleted.
+      garbage, only ~100 ULP wrong. `materialize` re-ties the one and recomputes the other.
+    - A truncated, corrupt or mismatched file raises, naming the file (or the tensor). A failed
+      write (a full disk) names the file and leaves no partial file.
+    - An export owns its folder. It is written whole into `<dir>.tmp` and swapped in. So no file of
+      an older export survives, and a crash leaves the older one complete. A folder holding
+      anything an export does not write is refused, never deleted.
     - An MoE export holds exactly save_pretrained's keys and loads bit-equal in transformers
-      (tests/test_moe_models.py::test_export_loads_bit_equal_with_transformers_keys).
+      (tests/test_moe_models.py).
 
 Builds on: model.py
 """
@@ -128,10 +128,10 @@ Piece = tuple[str, tuple]  # a disk tensor's name and where it sits in the in-me
 
 def hf_pieces(name: str, cfg: LlamaConfig) -> list[Piece]:
     """Where in-memory tensor `name` lives in transformers' on-disk layout (what save_pretrained
-    writes): [(name, ())] for every tensor but a sparse layer's. There the router is `gate.weight`
-    (Mixtral: under `block_sparse_moe`), and expert e of `gate_up_proj` (E, 2I, H) is two files'
-    tensors: rows [0, I) the gate (Mixtral `w1`, else `gate_proj`), rows [I, 2I) the up (`w3`,
-    `up_proj`); expert e of `down_proj` (E, H, I) is one (`w2`, `down_proj`), each (I, H) / (H, I)."""
+    writes). [(name, ())] for every tensor but a sparse layer's. There the router is `gate.weight`
+    (Mixtral: under `block_sparse_moe`). Expert e of `gate_up_proj` (E, 2I, H) is two files'
+    tensors, each (I, H). Rows [0, I) are the gate (Mixtral `w1`, else `gate_proj`). Rows [I, 2I)
+    are the up (`w3`, `up_proj`). Expert e of `down_proj` (E, H, I) is one (`w2`, `down_proj`)."""
     m = _FUSED.fullmatch(name)
     if m is None:
         return [(name, ())]
@@ -195,11 +195,11 @@ def _read_block(src: SafetensorsDir, name: str, full: tuple[int, ...], index: tu
 
 def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
                  shards: dict[str, Shard] | None = None) -> Callable[[str, int, int], torch.Tensor]:
-    """read(name, start, stop) → fp32 CPU tensor (stop - start,): elements [start, stop) of
-    parameter `name`'s flattened local values — this rank's tp slice (`shards`), zero past the
-    global size — from `hf_dir` (only the local rows holding them leave the file) or the seeded init
-    (the whole tensor is drawn, then cut). The model may stay on the meta device: only names and
-    shapes are read from it."""
+    """read(name, start, stop) → fp32 CPU tensor (stop - start,). It holds elements [start, stop)
+    of parameter `name`'s flattened local values: this rank's tp slice (`shards`), zero past the
+    global size. They come from `hf_dir` (only the local rows holding them leave the file). Or
+    from the seeded init: the whole tensor is drawn, then cut. The model may stay on the meta
+    device: only names and shapes are read from it."""
     shards = shards or {}
     cfg = model.config
     shapes = global_shapes(cfg)
@@ -271,9 +271,9 @@ Spec = tuple[str, tuple[int, ...], torch.dtype]  # what a file's header needs be
 def write_safetensors(path: str | os.PathLike, specs: list[Spec], tensors: Iterable[torch.Tensor],
                       metadata: dict[str, str] | None = None) -> dict[str, int]:
     """Stream `tensors` (in the order of `specs`, from any device) into a safetensors file, one at
-    a time: the header follows from the specs, so no tensor waits in memory for the others. Returns
-    {"bytes", "crc32"} of the whole file, the checksum taken from the bytes as they are written; the
-    file is fsynced. A tensor that does not match its spec raises before it is written."""
+    a time. The header follows from the specs, so no tensor waits in memory for the others.
+    Returns {"bytes", "crc32"} of the whole file, the checksum taken from the bytes as written.
+    The file is fsynced. A tensor that does not match its spec raises before it is written."""
     header, end = {}, 0
     for name, shape, dtype in specs:
         n = math.prod(shape) * dtype.itemsize
