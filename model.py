@@ -61,7 +61,6 @@ import torch.nn as nn
 
 from attention import Documents, attend, attention_mask  # noqa: F401 (attention_mask: the dense reference)
 from loss import linear_cross_entropy
-import moe
 from ops import apply_rope, rms_norm, swiglu  # noqa: F401 (tp.py uses rms_norm too)
 
 
@@ -807,6 +806,8 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
 #   qwen3_moe  qwen3's per-head q/k norm; layer i sparse unless in mlp_only_layers or
 #              (i + 1) % decoder_sparse_step != 0; the window on every layer with use_sliding_window
 #   olmoe      every layer sparse; the q/k RMSNorm spans the whole projection (all heads), no window
+import moe  # noqa: E402 (the refinement's own file: the core above needs none of it)
+
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 for _dense in FAMILIES:  # a stray num_experts key is ignored, as by transformers
     FAMILIES[_dense][1]["num_experts"] = 0
