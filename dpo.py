@@ -78,7 +78,7 @@ def dpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r:
     # In that difference Z cancels: the reward needs no model of its own.
     # Put the policy π in place of π* and maximize the log-likelihood of the data's preferences.
     # In this file's notation (summed log-probs) log(π(y)/π_ref(y)) is π − r.
-    # The gradient is −β·σ(−margin)·(∇π_c − ∇π_r):
+    # Let margin = β((π_c − r_c) − (π_r − r_r)). The gradient is −β·σ(−margin)·(∇π_c − ∇π_r):
     # it weighs most the pairs that the policy ranks wrong.
     # logsigmoid, not log(sigmoid): it never overflows at large margins.
     return -F.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))

@@ -37,9 +37,9 @@ Builds on: model.py (generate). The glue also uses sft.py and data.py (prompts, 
 Invariants (tests/test_grpo.py)
     - Advantages equal the formula. An all-equal group gives exactly 0 (test_advantages).
     - The loss equals the formula token by token, with and without KL (test_loss_formula).
-      Tokens outside the clip range get no gradient from the surrogate.
-    - rollout's replies are reproducible from the seeds. Their labels end at the end token
-      (test_rollout_and_reward).
+      A token whose ratio left the clip range on the side its advantage favours gets no
+      gradient from the surrogate.
+    - Replies are reproducible from the seeds; labels end at the end token (test_rollout_and_reward).
     - tp2 gives the single process's loss and gradients within 1e-5 on fixed rollouts
       (test_tp2_equals_single_process_on_fixed_rollouts). So do train.py's losses, logs and
       parameters at tp2 and dp2·zero1 (test_trainer_layouts_equal_single_process_on_fixed_rollouts).

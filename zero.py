@@ -79,7 +79,7 @@ def zero1_step(params: list[torch.Tensor], master: torch.Tensor, opt: torch.opti
     master.grad = torch.empty_like(master)
     dist.reduce_scatter_tensor(master.grad, grads, group=group)  # 1. the dp sum of my slice only
     opt.step()  # 2. AdamW on my slice only
-    full = torch.empty(master.numel() * n)  # (n·S,)
+    full = master.new_empty(master.numel() * n)  # (n·S,) on master's device
     dist.all_gather_into_tensor(full, master.detach(), group=group)  # 3. every rank's updated slice
     offset = 0
     with torch.no_grad():
