@@ -125,15 +125,15 @@ def token_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor)
 # ----------------------------------------------------------------------------------------- the rollout
 @dataclass
 class Rollout:
-    """One prompt's G replies. ids (G, S + n) hold the prompt (S tokens), then the replies.
-    n is the longest reply's length. A row past its end token holds only end tokens.
-    labels (G, S + n - 1) align with ids[:, :-1], as model.py expects. The targets are the reply
+    """One prompt's G replies. ids (G, L + m) hold the prompt (L tokens), then the replies.
+    m is the longest reply's length. A row past its end token holds only end tokens.
+    labels (G, L + m - 1) align with ids[:, :-1], as model.py expects. The targets are the reply
     tokens up to and including the end token. The rest is -100: the prompt, and after the end."""
     ids: torch.Tensor
     labels: torch.Tensor
 
     def replies(self) -> list[list[int]]:
-        keep = self.labels != IGNORE_INDEX  # (G, S + n - 1)
+        keep = self.labels != IGNORE_INDEX  # (G, L + m - 1)
         return [row[k].tolist() for row, k in zip(self.labels, keep)]
 
 
@@ -155,6 +155,7 @@ def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_ne
     out = generate(model, ids.repeat_interleave(group, dim=0), max_new_tokens, end_id, temperature=temperature,
                    top_k=top_k, seeds=seeds, lengths=lengths)  # (P·G, S + n): reply b from lengths[b]
     n = out.shape[1] - S  # the steps decoded
+    # reply b starts at its own prompt's length: generate writes it over that row's padding
     cols = torch.tensor(lengths, device=device)[:, None] + torch.arange(n, device=device)  # (P·G, n)
     after = _past_end(out.gather(1, cols), end_id)  # (P·G, n): past each reply's end token
     # each prompt's longest reply, its end token included: one host read for the whole batch
@@ -168,12 +169,12 @@ def _past_end(replies: torch.Tensor, end_id: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1) > 0
 
 
-def _labeled(ids: torch.Tensor, S: int, end_id: int) -> Rollout:
-    """ids (G, S + m): a prompt of S tokens and G replies → their Rollout. The caller cuts the rows
+def _labeled(ids: torch.Tensor, L: int, end_id: int) -> Rollout:
+    """ids (G, L + m): a prompt of L tokens and G replies → their Rollout. The caller cuts the rows
     after the longest reply's end token: the columns past every row's end hold nothing to learn."""
-    labels = ids[:, 1:].clone()  # (G, S + m - 1): position t predicts ids[t + 1]
-    labels[:, :S - 1] = IGNORE_INDEX
-    labels[:, S - 1:][_past_end(ids[:, S:], end_id)] = IGNORE_INDEX
+    labels = ids[:, 1:].clone()  # (G, L + m - 1): position t predicts ids[t + 1]
+    labels[:, :L - 1] = IGNORE_INDEX
+    labels[:, L - 1:][_past_end(ids[:, L:], end_id)] = IGNORE_INDEX
     return Rollout(ids, labels)
 
 
@@ -282,6 +283,7 @@ class GRPOLoss:
                              f"got {reduction!r}")
         logp = -self.base(hidden, weight, labels, "none").view(labels.shape)  # (B, S)
         b, mask = self.batch, labels != IGNORE_INDEX
+        # total_tokens 1: this returns Σ ℓ, and the pipeline divides by the step's reply tokens
         loss, stats = grpo_loss(logp, b["grpo_old"], b["grpo_adv"], mask, 1, self.clip_eps, self.kl_beta,
                                 b.get("grpo_ref"))
         n = mask.sum().double()  # on the device: the log's one all-reduce reads it (no host sync here)

@@ -302,7 +302,8 @@ class MoE(nn.Module):
             y = self.experts(rows, counts)  # (N·k, H)
         else:
             y = exchange_and_run(rows, counts, self.experts, self.ep_size, self.ep_group)
-        y = _Gather.apply(y, inverse, order, 1) * weights.reshape(-1, 1)  # (N·k, H) token order
+        # the same gather with order and inverse swapped un-sorts: back to (token, slot) order
+        y = _Gather.apply(y, inverse, order, 1) * weights.reshape(-1, 1)  # (N·k, H)
         # sum over the k slots in slot order: deterministic (index_add_ would race on CUDA), in the
         # weights' dtype (fp32 for Mixtral) before the cast back, as transformers' grouped_mm path
         return y.view(-1, k, shape[-1]).sum(dim=1).to(x.dtype).view(shape)
@@ -313,12 +314,13 @@ class MoE(nn.Module):
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with variable splits. The backward sends the gradient the reverse way, with
-    the splits swapped. They are kept from forward: no host sync in backward."""
+    the splits swapped. They are kept from forward: no host sync in backward.
+    The arguments follow all_to_all_single: the output's splits first, then the input's."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: Group) -> torch.Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
+        ctx.splits, ctx.group = (in_splits, out_splits), group  # backward's output is our input
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -338,12 +340,12 @@ def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
     One host sync: the exchanged counts must reach the host to size the receive buffer."""
     local = counts.numel() // ep
     send = counts.view(ep, local)  # (ep, E_local) my rows for each rank's experts
-    recv = torch.empty_like(send)  # (ep, E_local) each source's rows for my experts
+    recv = torch.empty_like(send)  # (ep, E_local): recv[s, e] rows come from rank s for my expert e
     dist.all_to_all_single(recv, send, group=group)  # the counts first
     per_expert = recv.sum(0)  # (E_local,)
     host = torch.cat([send.sum(1), recv.sum(1), per_expert]).tolist()  # the one sync
     send_splits, recv_splits, host_counts = host[:ep], host[ep:2 * ep], host[2 * ep:]
-    got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H) by (source, expert)
+    got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H), R = recv.sum(): by source, then expert
     # regroup by local expert: a stable sort keeps each source's rows in order
     ids = torch.arange(local, device=rows.device).repeat(ep)  # (ep·E_local,)
     ids = torch.repeat_interleave(ids, recv.reshape(-1), output_size=got.shape[0])  # (R,)

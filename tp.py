@@ -14,7 +14,7 @@ The core idea
     Two conjugate operators carry a block, each an autograd Function:
       f  copy_to_region      forward identity     backward all-reduce   (input of column layers)
       g  reduce_from_region  forward all-reduce   backward identity     (output of row layers)
-    So a block costs one all-reduce forward and one backward.
+    With f once at the block's input, a block costs one all-reduce each way (the refinement).
     Read `tp_mlp` first: the textbook MLP in a few lines. Production follows it.
     The embedding and the head split the vocab rows the same way.
 
@@ -107,9 +107,9 @@ def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: Group = N
 # ------------------------------------------------------------------------------------- f and g
 # Production's pair changes three things.
 # f's forward returns a view: nothing writes to it, so a copy is waste.
-# The all-reduce is a functional collective, into a new tensor.
-# (A Function must not change its input, or a gradient autograd hands it, in place.)
-# Selective AC keeps its output (ac.SAVE_OPS), so a recompute reuses it.
+# The all-reduce is a functional collective, into a new tensor, not dist.all_reduce in place:
+# a Function must not change its input, nor a gradient autograd hands it.
+# Selective AC can then keep its output, so a recompute reuses it.
 # On one rank each op returns its input object itself: no copy, no autograd node.
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     name = (group or dist.group.WORLD).group_name
