@@ -10,9 +10,7 @@ What it does
       experts    SwiGLU per expert on its block. One `grouped_mm` for all experts where the
                  kernel runs (`grouped_mm_runs`), else a loop of matmuls: the same numbers.
       combine    each output row times its weight, back in token order, summed over the k
-    The weights keep transformers 5's in-memory layout: `gate.weight` (E, H),
-    `experts.gate_up_proj` (E, 2I, H) with gate rows first, `experts.down_proj` (E, H, I). So a
-    transformers block's state_dict loads into `MoE` as a copy.
+    The weights keep transformers 5's layout (`Experts`), so its block's state_dict loads as a copy.
 
 Core idea
     Sorting by expert turns "each token picks k experts" into "each expert multiplies one
@@ -190,8 +188,9 @@ def experts_grouped(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor
     """SwiGLU of each expert's block of x (M, H), as two grouped GEMMs. The rows are sorted by
     expert, counts (E,) rows each. No host sync: the int32 offsets stay on the device."""
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's block
+    # _ContiguousGrad is the identity (CPU's grouped_mm backward needs a contiguous gradient)
     h = _ContiguousGrad.apply(_grouped_mm(x, gate_up.transpose(1, 2), offs=offs))  # (M, 2I)
-    a = _SwiGLU.apply(h)  # (M, I)
+    a = _SwiGLU.apply(h)  # (M, I): silu(gate)·up of h = [gate | up]
     return _ContiguousGrad.apply(_grouped_mm(a, down.transpose(1, 2), offs=offs))  # (M, H)
 
 
@@ -208,8 +207,9 @@ def experts_loop(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor,
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as two fused 3-D weights, transformers 5's in-memory layout. Under EP this
-    rank holds experts [first, first + E_local) and the weights' first dimension is E_local."""
+    """E SwiGLU experts as two fused 3-D weights, transformers 5's in-memory layout:
+    `gate_up_proj` (E, 2I, H) with the gate rows first, `down_proj` (E, H, I). Under EP this rank
+    holds experts [first, first + E_local), and the weights' first dimension is E_local."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
