@@ -148,6 +148,11 @@ def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_ne
     One model.generate call samples them all (the prompts right-padded, their lengths given).
     Reply i draws with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt
     and seed only, never on its batch. So each Rollout equals a call for its prompt alone."""
+    # The layout, for prompts of 2 and 3 tokens, G = 1, replies "a b END" and "c END":
+    #   ids  p p END     out  p p a b END END     cols  2 3 4     after  F F F
+    #        p p p            p p p c END END           3 4 5            F F T
+    # out's row b holds its reply from lengths[b] on; cols reads the replies; after marks what
+    # follows each end token. A prompt's rows are cut after its longest reply, end token included.
     S = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.tensor([p + [end_id] * (S - len(p)) for p in prompts], device=device)  # (P, S)

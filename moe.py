@@ -346,9 +346,11 @@ def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
     host = torch.cat([send.sum(1), recv.sum(1), per_expert]).tolist()  # the one sync
     send_splits, recv_splits, host_counts = host[:ep], host[ep:2 * ep], host[2 * ep:]
     got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H), R = recv.sum(): by source, then expert
-    # regroup by local expert: a stable sort keeps each source's rows in order
-    ids = torch.arange(local, device=rows.device).repeat(ep)  # (ep·E_local,)
-    ids = torch.repeat_interleave(ids, recv.reshape(-1), output_size=got.shape[0])  # (R,)
+    # got is [source 0: its rows for my expert 0, for expert 1, ...][source 1: ...] ...
+    # Label each row with its local expert, then sort stably: expert 0's rows of every source, then
+    # expert 1's... Example, ep 2, E_local 2, recv [[1, 2], [3, 0]]: labels 0 1 1 0 0 0 → 0 0 0 0 1 1.
+    ids = torch.arange(local, device=rows.device).repeat(ep)  # (ep·E_local,): 0 1 .. 0 1 ..
+    ids = torch.repeat_interleave(ids, recv.reshape(-1), output_size=got.shape[0])  # (R,) each row's label
     order, inverse = permutation(ids)  # (R,) each
     y = experts(_Gather.apply(got, order, inverse, 1), per_expert, host_counts)  # (R, H)
     return _AllToAll.apply(_Gather.apply(y, inverse, order, 1), send_splits, recv_splits, group)
