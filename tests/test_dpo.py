@@ -96,6 +96,18 @@ def test_formula_and_ln2():
     assert loss.stats(loss.reduce_log(torch.device("cpu"))) == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+def record_reference(model: torch.nn.Module, ds: dpo.PairDataset, beta: float) -> dpo.DPOLoss:
+    """The reference pass: model's DPO loss records each row's sums, and ds keeps them."""
+    loss = dpo.apply_dpo([model], beta=beta, cp_group=None)
+    loss.record = []
+    b = rows(ds)
+    with torch.no_grad():
+        model(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
+              dpo_ref=b["dpo_ref"])
+    ds.set_reference(list(range(len(ds))), loss.record[0])
+    return loss
+
+
 def test_textbook_equals_production():
     """dpo.textbook_dpo_loss (full logits, a reply per row) against DPOLoss on packed rows (no logits,
     the reference's sums precomputed): the loss and the policy's gradients within fp32 rounding."""
@@ -117,13 +129,7 @@ def test_textbook_equals_production():
     want.backward()
     grads = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
-    record = dpo.apply_dpo([reference], beta=0.5, cp_group=None)
-    record.record = []
-    b = rows(ds)
-    with torch.no_grad():
-        reference(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
-                  dpo_ref=b["dpo_ref"])
-    ds.set_reference(list(range(len(ds))), record.record[0])
+    record_reference(reference, ds, beta=0.5)
     dpo.apply_dpo([policy], beta=0.5, cp_group=None)
     b = rows(ds)
     got = policy(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
@@ -145,13 +151,7 @@ def test_sequence_logps_match_transformers(tmp_path):
     ps = pairs(5, seed=3)
     ds = dpo.PairDataset(ps, TPL, 200)
     assert len(ds) < 5  # pairs packed: rows hold several documents
-    loss = dpo.apply_dpo([ours], beta=0.1, cp_group=None)
-    loss.record = []
-    b = rows(ds)
-    with torch.no_grad():
-        ours(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"], dpo_seq=b["dpo_seq"],
-             dpo_ref=b["dpo_ref"])
-    ds.set_reference(list(range(len(ds))), loss.record[0])
+    loss = record_reference(ours, ds, beta=0.1)
     padded = dpo.PairDataset(ps, TPL, 200, packing="none")  # a reply per row, folded by DPOLoss
     assert len(padded) == len(padded.docs) > len(ds.docs) and "packing none" in padded.report()
     loss.rows_per_pair, loss.record = 2, []
