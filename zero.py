@@ -42,7 +42,8 @@ Invariants (all of them: docs/zero.md#invariants-and-their-tests)
       Test: tests/test_zero.py::test_zero_tied_embeddings_pp2_dp2.
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - A parameter that `group_of` places in a subgroup of dp is reduced and sharded there.
-      The grad norm still counts each element once. Its test: the seam's banner.
+      The grad norm still counts each element once.
+      Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
 
 Builds on: precision.py, dp.py
 """
