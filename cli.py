@@ -35,8 +35,8 @@ Invariants
     - validate returns messages and raises nothing: the user sees every problem at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
 
-Builds on: grid.py (a Grid's world size), grpo.py (its verifier), model.py, pp.py, sft.py, tp.py,
-weights.py.
+Builds on: grid.py, grpo.py, model.py, pp.py, sft.py, tp.py, weights.py
+    grid.py gives a Grid's world size; grpo.py checks its verifier.
 """
 from __future__ import annotations
 

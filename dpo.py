@@ -34,8 +34,9 @@ Run
 Reference
     Rafailov et al. 2023, "Direct Preference Optimization" (eq. 7). TRL's DPOTrainer data formats.
 
-Builds on: sft.py (JSONL chats, FFD packing), chat.py (masks), tp.py (f and g, under cp only)
-    The trainer's glue also uses data.py (the tokenizer), feed.py (batches) and pp.py (the forward).
+Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: data.py, feed.py, pp.py
+    sft.py: JSONL chats and FFD packing. chat.py: masks. tp.py: f and g. data.py: the tokenizer.
+    feed.py: batches. pp.py: the forward-only pipeline of the reference pass.
 
 Invariants (tests/test_dpo.py)
     - Policy = reference gives exactly ln 2 (fp32). The loss and the logged rewards equal the

@@ -29,17 +29,17 @@ Why
     The price: backward recomputes the blocks, one more head matmul per pass.
 
 Reference
-    Milakov & Gimelshein 2018, "Online normalizer calculation for softmax" (the merge).
-    Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models".
-    Shoeybi et al. 2019, "Megatron-LM" (the vocab-parallel cross-entropy).
+    Milakov & Gimelshein 2018, "Online normalizer calculation for softmax" (the merge). Wijmans
+    et al. 2024, "Cut Your Losses". Shoeybi et al. 2019, "Megatron-LM" (the vocab-parallel loss).
 
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
     torchrun --nproc_per_node 2 train.py --model tiny --tp 2 --steps 20   # vocab-parallel
 
+Builds on: ops.py (wanted_grads)
+
 Invariants (tests/test_loss.py)
-    - Labels are already shifted: labels[t] is the token after input[t].
-    - IGNORE_INDEX (-100) tokens get loss 0 and no gradient.
+    - Labels are already shifted (labels[t] is the token after input[t]). -100 counts nothing.
     - Reductions: 'sum' (training; precision.normalized_loss divides), 'mean' over targets, 'none'.
     - Rounding follows the unchunked loss. A block's logits are the matmul upcast to fp32 (as HF).
       dL/dh is summed in fp32 and rounded once. dL/dW's rows are one matmul over all tokens.

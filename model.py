@@ -18,9 +18,9 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on
-    attention.py (causal attention within packed documents), ops.py (the layer's elementwise ops as
-    lean autograd Functions), loss.py (lm_head and the loss without (T, V) logits).
+Builds on: attention.py, ops.py, loss.py, and moe.py for the refinement at the end
+    attention.py: causal attention within packed documents. ops.py: the elementwise ops as lean
+    autograd Functions. loss.py: lm_head and the loss without (T, V) logits. moe.py: the experts.
 
 Invariants
     - `build` makes the model on the meta device, with no memory. `weights.materialize` fills it

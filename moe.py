@@ -34,6 +34,8 @@ Reference
 Run
     python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
 
+Builds on: tp.py, only for tp's style of the block (imported when apply_tp calls it)
+
 Invariants
     - fp32: output, router logits and every gradient equal transformers' three sparse blocks within
       1e-6, an expert with no token included. bf16: bit-equal to their grouped_mm path.
