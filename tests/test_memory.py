@@ -308,8 +308,17 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     meter = MEM.PeakMeter("cpu")
     out["leak"] = collectives_leak(meter)
     set_c10_accounting(False)  # the control, last: the accounting is stale from here on
-    # gloo's worker drops the last reference only some of the time (a race): up to 5 rounds to see it
-    out["leak_without"] = next((b for b in (collectives_leak(meter) for _ in range(5)) if b > 0), 0)
+    # gloo's worker drops the last reference only some of the time (a race): up to 5 rounds, until
+    # every rank has seen it. The ranks agree on each further round: a rank that ran one alone would
+    # wait in its reduce-scatter forever.
+    seen = torch.zeros(1, dtype=torch.float64)
+    for _ in range(5):
+        seen = torch.maximum(seen, torch.tensor([float(collectives_leak(meter))], dtype=torch.float64))
+        everyone = (seen > 0).float()
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if everyone.item():
+            break
+    out["leak_without"] = int(seen.item())
     meter.close()
     return out
 
