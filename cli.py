@@ -82,7 +82,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
                                    "default: the Python stdlib sources, byte-tokenized")
-    a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
+    a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: --init-from's "
+                                        "own when it has one, else bytes; with a preset, sizes its vocab)")
+    a("--chat-template", default=None, choices=["builtin"],
+      help="--sft/--dpo/--grpo: render chats with attotron's built-in template (a tokenizer without a "
+           "chat_template is refused otherwise)")
+    a("--allow-random-init", action="store_true", help="--dpo/--grpo without --init-from: train a random model")
+    a("--overwrite", action="store_true", help="--export-hf into a folder that already holds files: replace them")
+    a("--data-column", default=None, help="the column of --data (parquet, JSON, arrow, JSONL) holding the text, "
+                                          "messages, pairs or prompts (default: by the mode's names)")
+    a("--cache-dir", default=None, help="where prepared data and tokenized chats are cached (default "
+                                        "~/.cache/attotron; on multi-node runs, storage every node shares)")
     a("--val-fraction", type=float, default=0.01,
       help="share of the documents held out (whole documents, spread over the corpus) when --data "
            "is prepared: the split of the validation loss")
@@ -264,6 +274,9 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(f"--io-timeout must be > 0 seconds, got {args.io_timeout}")
     if args.export_hf and (problem := W.export_problem(args.export_hf)):
         errors.append(f"--export-hf: {problem}")
+    elif args.export_hf and not args.overwrite and Path(args.export_hf).is_dir() and any(Path(args.export_hf).iterdir()):
+        errors.append(f"--export-hf {args.export_hf} already holds a model (or other files): pass --overwrite to "
+                      f"replace it, or name a new folder")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:

@@ -34,8 +34,8 @@ Run
 Reference
     Rafailov et al. 2023, "Direct Preference Optimization" (eq. 7). TRL's DPOTrainer data formats.
 
-Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: data.py, feed.py, pp.py
-    sft.py: JSONL chats and FFD packing. chat.py: masks. tp.py: f and g. data.py: the tokenizer.
+Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: pairing.py, feed.py, pp.py
+    sft.py: JSONL chats and FFD packing. chat.py: masks. tp.py: f and g. pairing.py: the tokenizer and template.
     feed.py: batches. pp.py: the forward-only pipeline of the reference pass.
 
 Invariants (tests/test_dpo.py)
@@ -381,8 +381,8 @@ def stats_text(s: dict[str, float]) -> str:
 def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTemplate, list]:
     """--data's pairs, or the built-in arithmetic ones, tokenized on every rank (no cache yet).
     The built-in pairs are the SFT demo's training chats, whatever --seed."""
-    import data
-    tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
+    import pairing  # the run's template: the tokenizer's own, or --chat-template builtin
+    tpl = pairing.chat_template(args)
     ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(), tpl,
                      args.seq_len, args.packing)
     if grid.rank == 0:

@@ -35,7 +35,7 @@ Invariants
     - Nothing here makes the training step wait for the device. A thread makes the batches on the
       host, pinned on CUDA and copied non_blocking. The loss comes back the same way.
 
-Builds on: grid.py, cp.py, data.py, dp.py, model.py, pp.py, precision.py, sft.py
+Builds on: grid.py, cp.py, data.py, dp.py, model.py, pairing.py, pp.py, precision.py, sft.py
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ import argparse
 import datetime
 import hashlib
 import json
+import os
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +58,7 @@ import data
 import dp
 import grid as G
 import model as M
+import pairing as PA
 import pp as PP
 import precision as P
 import sft
@@ -66,11 +69,30 @@ import sft
 DATA_WAIT = datetime.timedelta(hours=24)
 
 
+def cache_dir(args: argparse.Namespace) -> Path:
+    """--cache-dir, else $ATTOTRON_CACHE_DIR, else ~/.cache/attotron: where prepared data goes."""
+    root = getattr(args, "cache_dir", None) or os.environ.get("ATTOTRON_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "attotron"
+
+
+def cache_path(args: argparse.Namespace, suffix: str = ".attotron") -> Path:
+    """The cache folder of --data: its name and a hash of its absolute path, under cache_dir."""
+    source = Path(args.data).resolve()
+    tag = hashlib.sha256(str(source).encode()).hexdigest()[:12]
+    return cache_dir(args) / f"{source.name}-{tag}{suffix}"
+
+
+def cache_text(args: argparse.Namespace) -> str:
+    """The start-up line's cache folder."""
+    return f" · cache {cache_dir(args)}"
+
+
 def prepared_data(args: argparse.Namespace) -> Path:
     """Rank 0: the prepared folder of --data, prepared when missing or stale. Stale means another
     corpus content, tokenizer or --val-fraction (data.is_prepared)."""
     if args.data is None:
-        return data.default_corpus(val_fraction=args.val_fraction)
+        version = ".".join(map(str, sys.version_info[:3]))
+        return data.default_corpus(cache_dir(args) / f"stdlib-{version}-8000000", val_fraction=args.val_fraction)
     want = str(Path(args.tokenizer).resolve()) if args.tokenizer not in (None, "bytes") else None
     if (Path(args.data) / "meta.json").is_file():  # already prepared: used as is
         got = data.read_meta(Path(args.data)).get("tokenizer_path")
@@ -78,15 +100,14 @@ def prepared_data(args: argparse.Namespace) -> Path:
             raise ValueError(f"--data {args.data} was prepared with the tokenizer {got or 'bytes'}, not "
                              f"--tokenizer {args.tokenizer}: drop --tokenizer, or prepare the corpus again")
         return Path(args.data)
-    path = Path(str(args.data).rstrip("/") + ".attotron")  # prepared next to the corpus
+    path = cache_path(args)  # in the cache folder, never beside the user's data
     if not data.is_prepared(path, args.data, args.tokenizer, val_fraction=args.val_fraction):
         print(f"preparing {args.data} into {path}", flush=True)
         try:
             data.prepare(args.data, path, args.tokenizer, val_fraction=args.val_fraction)
         except PermissionError as e:
-            raise ValueError(f"cannot write the prepared data {path} next to the corpus ({e.strerror}): "
-                             f"prepare it where you can write (python -c \"import data; data.prepare("
-                             f"'{args.data}', 'OUT')\") and pass --data OUT") from None
+            raise ValueError(f"cannot write the prepared data {path} ({e.strerror}): pass --cache-dir "
+                             f"a folder you can write") from None
     return path
 
 
@@ -191,15 +212,15 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
     to --data, or in ~/.cache/attotron for the built-in set. A new data file, tokenizer or chat
     template remakes it."""
     tok = data.load_tokenizer(args.tokenizer)
-    tpl = sft.chat_template(tok, args.reply_end)
+    tpl = PA.chat_template(args, tok)  # the tokenizer's own, or the built-in one (--chat-template builtin)
     if args.data:
-        out = Path(str(args.data).rstrip("/") + ".attotron-sft")
+        out = cache_path(args, ".attotron-sft")
         key = lambda: {"sha256": sft.file_digest(args.data), "skip_bad": args.skip_bad}  # noqa: E731
         load = lambda: sft.load_jsonl(args.data, skip_bad=args.skip_bad)  # noqa: E731
         eval_set = []
     else:
         convs, eval_set = sft.arithmetic_chats()
-        out = Path.home() / ".cache" / "attotron" / "sft-arithmetic"
+        out = cache_dir(args) / "sft-arithmetic"
         key = lambda: hashlib.sha256(json.dumps(convs).encode()).hexdigest()  # noqa: E731
         load = lambda: (convs, 0)  # noqa: E731
     def prepare() -> Path:

@@ -32,7 +32,7 @@ Reference
     Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1). Schulman et al. 2017 (PPO's clipped surrogate).
     Schulman 2020, "Approximating KL Divergence" (k3). Yu et al. 2025, "DAPO" (token-level loss).
 
-Builds on: model.py (generate). The glue also uses sft.py and data.py (prompts, the template).
+Builds on: model.py (generate). The glue also uses sft.py and pairing.py (prompts, the template).
 
 Invariants (tests/test_grpo.py)
     - Advantages equal the formula. An all-equal group gives exactly 0 (test_advantages).
@@ -244,9 +244,9 @@ def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
     Also, for train.py's exact-match eval, the built-in set's held-out questions in every phrasing
     (sft.held_out_phrasings; none with --data). The built-in split is the SFT demo's, whatever --seed.
     So no held-out question is ever trained on."""
-    import data
+    import pairing  # the run's template: the tokenizer's own, or --chat-template builtin
     import sft
-    tpl = sft.chat_template(data.load_tokenizer(args.tokenizer))
+    tpl = pairing.chat_template(args)
     if args.data:
         items, eval_set = load_prompts(args.data), []
     else:

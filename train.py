@@ -79,6 +79,7 @@ import grpo as GR
 import memory as MEM
 import model as M
 import moe as MOE
+import pairing as PA
 import pp as PP
 import precision as P
 import preempt as PR
@@ -152,7 +153,8 @@ def configure(argv: list[str] | None, cleanup: contextlib.ExitStack) -> Run:
         cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     except (OSError, ValueError) as e:
         G.fail(str(e), grid)
-    errors = cli.validate(args, cfg, grid)
+    cfg, problems = PA.settle(args, cfg)  # the tokenizer: --init-from's own, checked; a preset sized to it
+    errors = problems + cli.validate(args, cfg, grid)
     if errors:
         G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
     args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
@@ -194,7 +196,7 @@ def build(r: Run) -> None:
         G.fail(str(e), grid)
     r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
     try:
-        r.export_tok = export_tokenizer(args, r.ds) if args.export_hf else None
+        r.export_tok = export_tokenizer(args, r.ds, r.tpl) if args.export_hf else None
     except (OSError, ValueError) as e:
         G.fail(f"--export-hf: the tokenizer to export: {e}", grid)
     r.actions = PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp, args.virtual_stages)
@@ -240,10 +242,11 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
                          init=init, device=grid.device, group_of=expert_reduction(model, grid))
 
 
-def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):
-    """The tokenizer the trained ids come from: SFT's --tokenizer, or the one --data was prepared with."""
+def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tpl: sft.ChatTemplate | None):
+    """The tokenizer the trained ids come from (--tokenizer, or the one --data was prepared with),
+    with the chat template the run trained with (pairing.export_tokenizer)."""
     path = ds.meta.get("tokenizer_path") if isinstance(ds, data.TokenDataset) else args.tokenizer
-    return data.load_tokenizer(path)
+    return PA.export_tokenizer(args, path, tpl)
 
 
 def choose_loss(r: Run) -> None:
@@ -273,7 +276,8 @@ def announce(r: Run) -> None:
           + f"zero {args.zero} · {r.numerics} on {grid.device.type}"
           + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
           + (" · compiled layers" + eager_text(args) if args.compile else "")
-          + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else ""), flush=True)
+          + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else "")
+          + f" · {getattr(args, 'tokenizer_note', 'tokenizer bytes')}" + feed.cache_text(args), flush=True)
     if args.pp > 1:
         print(pipeline_summary(args, cfg), flush=True)
 

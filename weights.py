@@ -439,6 +439,8 @@ def write_tokenizer(tok: object, out_dir: Path) -> None:
     for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
         if i is not None:
             conf[key] = name[i]
+    if getattr(tok, "chat_template", None):  # the template the model was trained with (pairing.py)
+        conf["chat_template"] = tok.chat_template
     _write_text(out_dir / "tokenizer_config.json", json.dumps(conf, indent=2))
 
 
