@@ -158,8 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--grpo-updates", type=int, default=None, help="--grpo: optimizer updates per rollout batch, DeepSeekMath's "
                                                      "μ (default 1); from the second the ratio leaves 1 and the "
                                                      "clip acts")
-    a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' of (reply, gold) → "
-                                       "float (default grpo:arithmetic_reward, exact match)")
+    a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' or 'path/file.py:function' "
+                                       "of (reply, gold) → float (default grpo:arithmetic_reward, exact match)")
     a("--timeout", type=float, default=600.0,
       help="seconds a collective may wait before the run stops with a message naming the stage")
     a("--io-timeout", type=float, default=3600.0,
@@ -274,7 +274,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(f"--io-timeout must be > 0 seconds, got {args.io_timeout}")
     if args.export_hf and (problem := W.export_problem(args.export_hf)):
         errors.append(f"--export-hf: {problem}")
-    elif args.export_hf and not args.overwrite and Path(args.export_hf).is_dir() and any(Path(args.export_hf).iterdir()):
+    elif args.export_hf and not args.overwrite and Path(args.export_hf).is_dir() and any(
+            Path(args.export_hf).iterdir()):
         errors.append(f"--export-hf {args.export_hf} already holds a model (or other files): pass --overwrite to "
                       f"replace it, or name a new folder")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:

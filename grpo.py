@@ -5,7 +5,7 @@ The algorithm
     prompt serve as the baseline instead.
     1. `rollout` samples G replies per prompt: model.generate, the KV cache, one seed per reply.
     2. A verifier scores each reply. `arithmetic_reward` is an exact match against the gold answer.
-       Any `fn(reply_text, gold) -> float` works, named by its import path (`load_verifier`).
+       Any `fn(reply_text, gold) -> float` works, named by its import path or its file (`load_verifier`).
     3. `group_advantages` favours the replies that beat their group's mean:
            A_i = (r_i − mean_g r) / (std_g r + ε)      population std of the G rewards, ε = 1e-4
        A group of equal rewards (all right or all wrong) teaches nothing. Its advantages are exactly 0.
@@ -51,6 +51,8 @@ Invariants (tests/test_grpo.py)
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -190,14 +192,32 @@ def arithmetic_reward(reply: str, gold: str) -> float:
 
 
 def load_verifier(path: str) -> Callable[[str, str], float]:
-    """'package.module:function' → the function (reply_text, gold) → reward. Raises naming what is missing."""
-    module, _, name = path.partition(":")
+    """'package.module:function' or 'path/to/file.py:function' → the function (reply_text, gold) →
+    reward. A file is run as a module of its own. Raises naming what is missing."""
+    module, _, name = path.rpartition(":")
     if not module or not name:
-        raise ValueError(f"verifier {path!r}: expected 'package.module:function'")
+        raise ValueError(f"verifier {path!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        if module.endswith(".py"):
+            if not os.path.isfile(module):
+                raise ValueError(f"verifier {path!r}: the file {module} does not exist")
+            spec = importlib.util.spec_from_file_location(f"verifier_{os.path.basename(module)[:-3]}", module)
+            found = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(found)
+        else:
+            found = importlib.import_module(module)
+        fn = getattr(found, name)
+    except ImportError as e:
+        where = "" if module.endswith(".py") else (
+            f"; a module is looked up on sys.path: put its folder on PYTHONPATH, or name its file "
+            f"(path/to/{module.rpartition('.')[2]}.py:{name})")
+        raise ValueError(f"verifier {path!r}: {e}{where}") from None
+    except AttributeError as e:
         raise ValueError(f"verifier {path!r}: {e}") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it loads
+        raise ValueError(f"verifier {path!r}: loading {module} raised {type(e).__name__}: {e}") from None
     if not callable(fn):
         raise ValueError(f"verifier {path!r} is not callable")
     return fn

@@ -60,16 +60,16 @@ def _ids(value: Any) -> set:
     return set(value) if isinstance(value, (list, tuple)) else {value}
 
 
-def disagreements(tok: Any, cfg: M.LlamaConfig) -> list[str]:
-    """How `tok` disagrees with a model's config: ids past its vocab, other bos or eos ids.
-    A model's vocab may be larger than its tokenizer's (padded rows), never smaller."""
+def disagreements(tok: Any, cfg: M.LlamaConfig, specials: bool = True) -> list[str]:
+    """How `tok` disagrees with a model's config: ids past its vocab, other bos or eos ids (with
+    `specials`). A model's vocab may be larger than its tokenizer's (padded rows), never smaller."""
     out = []
     if tok.vocab_size > cfg.vocab_size:
         out.append(f"its {tok.vocab_size} ids do not fit the model's vocab_size {cfg.vocab_size}")
     if is_bytes(tok) and cfg.vocab_size != BYTE_VOCAB:
         out.append(f"it is the byte tokenizer ({BYTE_VOCAB} ids) but the model's vocab_size is "
                    f"{cfg.vocab_size}: the model was trained with another tokenizer")
-    for name in ("bos", "eos"):
+    for name in ("bos", "eos") if specials else ():
         mine, theirs = getattr(tok, f"{name}_id"), getattr(cfg, f"{name}_token_id")
         if mine is not None and theirs is not None and mine not in _ids(theirs):
             out.append(f"its {name} id is {mine}, the model's {name}_token_id {theirs}")
@@ -104,8 +104,13 @@ def settle(args: argparse.Namespace, cfg: M.LlamaConfig) -> tuple[M.LlamaConfig,
     errors = []
     args.tokenizer_note = f"tokenizer {tok.name} ({tok.vocab_size:,} ids"
     if args.init_from:
-        bad = disagreements(tok, cfg)
-        if bad and explicit is None:
+        # the byte tokenizer by default: only its vocab must be the model's (transformers' configs
+        # carry bos/eos ids of their own family even when the model was trained on bytes)
+        bad = disagreements(tok, cfg, specials=explicit is not None)
+        if bad and explicit is None and args.tokenizer:
+            errors.append(f"--init-from {args.init_from}: its tokenizer disagrees with its config.json: "
+                          f"{'; '.join(bad)}")
+        elif bad and explicit is None:
             errors.append(f"--init-from {args.init_from} has no tokenizer files, and the byte tokenizer "
                           f"cannot serve it: {'; '.join(bad)}. Pass --tokenizer with the tokenizer the model "
                           f"was trained with")

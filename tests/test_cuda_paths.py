@@ -294,7 +294,7 @@ def test_log_line_names_eager_layers(capsys, tmp_path, mode):
     if mode == "--dpo":  # 8 built-in pairs, not 1000: the reference is computed before step 0
         (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n"
                                                       for c, r in dpo.arithmetic_pairs(8)))
-        data = ["--data", str(tmp_path / "pairs.jsonl"), "--model", "tiny", "--batch-size", "2"]
+        data = ["--data", str(tmp_path / "pairs.jsonl"), "--model", "tiny", "--batch-size", "2", "--allow-random-init"]
     train.main([mode, "--compile", "--ac", "--steps", "0", "--seq-len", "256", *data])
     line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
     assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line

@@ -401,7 +401,7 @@ def test_stale_prepared_corpus_is_prepared_again_by_the_trainer(tmp_path):
     src.write_text("abcdefghij" * 10, encoding="utf-8")  # same size
     assert feed.load_data(args, grid)[0].tolist() == utf8("abcdefghi")
     # a prepared folder is used as is, but not with another tokenizer than it was made with
-    bad = cli.parse_args(["--data", str(tmp_path / "c.txt.attotron"), "--tokenizer", str(tmp_path)])
+    bad = cli.parse_args(["--data", str(feed.cache_path(args)), "--tokenizer", str(tmp_path)])
     with pytest.raises(ValueError, match=r"was prepared with the tokenizer bytes, not --tokenizer"):
         feed.load_data(bad, grid)
 

@@ -73,7 +73,8 @@ def test_init_from_carries_the_tokenizer(tmp_path):
     argv = ["--sft", "--init-from", str(tmp_path / "m"), "--data", str(chats), "--export-hf", str(tmp_path / "sft"),
             *common]
     run_ranks(_main, 1, argv)
-    ids = lambda turns: tok(tok.apply_chat_template(turns, tokenize=False), add_special_tokens=False)["input_ids"]  # noqa: E731
+    def ids(turns: list) -> list[int]:
+        return tok(tok.apply_chat_template(turns, tokenize=False), add_special_tokens=False)["input_ids"]
     cached = sft.read_cache(feed.cache_path(cli.parse_args(argv), ".attotron-sft"))
     want = [i for c in CHATS for i in ids(c["messages"])[:-1]]  # each chat's inputs: its ids but the last
     assert cached.inputs.tolist() == want and max(want) >= 260  # BPE ids, not bytes
@@ -169,6 +170,27 @@ def test_export_refuses_to_replace_a_folder(tmp_path):
     """--export-hf into a folder that holds a model is refused unless --overwrite."""
     bpe_model(tmp_path / "m")
     errors = lambda *argv: cli.validate(cli.parse_args(list(argv)), M.PRESETS["tiny"], GRID)  # noqa: E731
-    assert [e for e in errors("--export-hf", str(tmp_path / "m")) if "already holds a model" in e and "--overwrite" in e]
+    refused = errors("--export-hf", str(tmp_path / "m"))
+    assert len(refused) == 1 and "already holds a model" in refused[0] and "--overwrite" in refused[0]
     assert errors("--export-hf", str(tmp_path / "m"), "--overwrite") == []
     assert errors("--export-hf", str(tmp_path / "new")) == []
+
+
+# ------------------------------------------------------------------------------ the verifier
+def test_verifier_by_file_or_module(tmp_path):
+    """--verifier path/to/file.py:fn loads the file; a module off sys.path names PYTHONPATH."""
+    import grpo
+    (tmp_path / "myrewards.py").write_text("def score(reply, gold):\n    return float(reply.strip() == gold)\n")
+    fn = grpo.load_verifier(f"{tmp_path / 'myrewards.py'}:score")
+    assert (fn(" 42 ", "42"), fn("41", "42")) == (1.0, 0.0)
+    with pytest.raises(ValueError, match=r"No module named 'myrewards'; .*PYTHONPATH.*myrewards.py:score"):
+        grpo.load_verifier("myrewards:score")
+    with pytest.raises(ValueError, match=r"the file .*nope.py does not exist"):
+        grpo.load_verifier(f"{tmp_path / 'nope.py'}:score")
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(ValueError, match=r"broken.py:score.*no_such_module_here"):
+        grpo.load_verifier(f"{tmp_path / 'broken.py'}:score")
+    with pytest.raises(ValueError, match=r"has no attribute 'nope'"):
+        grpo.load_verifier(f"{tmp_path / 'myrewards.py'}:nope")
+    args = cli.parse_args(["--grpo", "--verifier", f"{tmp_path / 'myrewards.py'}:score"])
+    assert not [e for e in cli.validate_grpo(args) if "--verifier" in e]

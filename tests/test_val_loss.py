@@ -66,7 +66,7 @@ def test_val_loss_equals_transformers_on_the_held_out_rows(setup_dirs, reference
     over the first 3 × 8 rows of the held-out split — documents that never appear in training."""
     from transformers import LlamaForCausalLM
     d = setup_dirs
-    prepared = Path(str(d / "c.jsonl") + ".attotron")
+    prepared = feed.cache_path(cli.parse_args(["--data", str(d / "c.jsonl")]))
     val = data.TokenDataset(prepared, 32, split="val")
     rows = torch.stack([val[i] for i in range(24)])  # (24, 33)
     hf = LlamaForCausalLM.from_pretrained(d / "export").eval()
@@ -102,6 +102,6 @@ def test_eval_needs_a_held_out_split(setup_dirs):
                              "--steps", "2", "--batch-size", "2"])
     grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
     args = cli.parse_args(["--data", str(d / "one.txt"), "--seq-len", "16", "--eval-every", "2"])
-    with pytest.raises(ValueError, match=r"--eval-every 2: .*one.txt.attotron has no held-out split: "
+    with pytest.raises(ValueError, match=r"--eval-every 2: .*one.txt-\w+.attotron has no held-out split: "
                                          r"1 documents × val_fraction 0.01 < 1 \(a .txt file is one"):
         feed.load_val(args, feed.load_data(args, grid), grid)

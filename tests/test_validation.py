@@ -160,7 +160,7 @@ def test_every_problem_in_one_message_before_any_work(tmp_path):
     assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
     for text in ("--export-hf", "--metrics", "--log-every", "--timeout", "--seq-len"):
         assert text in r.stderr
-    assert not (tmp_path / "c.txt.attotron").exists()
+    assert not feed.cache_path(cli.parse_args(["--data", str(tmp_path / "c.txt")])).exists()
 
 
 # ----------------------------------------------------------------------------------------- files
