@@ -1,8 +1,9 @@
 """Pretraining data: a byte tokenizer, corpus → one flat token memmap, and a lazy dataset of rows.
 
 What it does
-    `prepare` tokenizes a corpus: a .txt file (one document), a .jsonl file (one document per line,
-    its "text" field) or a folder of such files. It appends EOS after every document. It writes one
+    `prepare` tokenizes a corpus: a text file (.txt, .md ...: one document), a record file (JSONL,
+    JSON, parquet, arrow: one document per record, its "text" field or --data-column) or a folder
+    of such files (formats.py reads them). It appends EOS after every document. It writes one
     flat stream `tokens.bin` (uint16 when the vocab fits, else uint32) plus `meta.json`.
     With `val_fraction` > 0, that share of the DOCUMENTS goes to a second stream, `val.bin`.
     It is the held-out split of the validation loss.
@@ -20,7 +21,7 @@ Run
 
 Invariants
     - The streams are a pure function of (files, tokenizer, max_bytes, val_fraction). A folder's
-      .txt/.jsonl files come in sorted relative-path order (recursive), documents in file order.
+      data files come in sorted relative-path order (recursive), documents in file order.
       EOS follows each non-empty document. max_bytes keeps the first max_bytes bytes of text.
     - Document i (0-based, over the whole corpus) is held out iff floor((i+1)·f) > floor(i·f), with
       f = val_fraction. Whole documents are held out, so no row of one split shares a token with the
@@ -40,6 +41,8 @@ Invariants
     - Row i = tokens[i*S : i*S + S + 1]. Neighbouring rows share one boundary token, so each token is
       a target at most once. There is no shuffling here: the order is the sampler's job (dp.py).
     - Missing paths raise FileNotFoundError. Other bad input raises ValueError naming the file.
+
+Builds on: formats.py (the file formats of a corpus)
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from tqdm import tqdm
+
+import formats
 
 FORMAT_VERSION = 1
 SPLITS = {"train": ("tokens.bin", "num_tokens"), "val": ("val.bin", "num_val_tokens")}
@@ -156,23 +161,34 @@ def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
 
 
 # ------------------------------------------------------------------------------- corpus → tokens
-def _source_files(source: Path) -> list[Path]:
-    if source.is_file():
-        return [source]
-    if not source.is_dir():
+def _source_files(source: Path, report: bool = False) -> list[Path]:
+    """formats.files: a file, or a folder's text and record files (its other files named when
+    `report`)."""
+    if not source.exists():
         raise FileNotFoundError(f"corpus {source} does not exist")
-    files = [p for p in source.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl")]
-    if not files:
-        raise ValueError(f"corpus folder {source} holds no .txt or .jsonl files")
-    return sorted(files, key=lambda p: p.relative_to(source).as_posix())
+    files, skipped = formats.files(source)
+    if skipped and report:
+        print(f"note: --data {source}: {formats.skipped_text(skipped)}", flush=True)
+    return files
 
 
-def _documents(path: Path) -> Iterator[str]:
-    """A .jsonl file yields each line's "text". Any other file is one document, read byte-exact
-    (strict UTF-8, no newline translation)."""
+def _documents(path: Path, column: str | None = None, cache_dir: Path | None = None) -> Iterator[str]:
+    """A record file (formats.py: JSONL, JSON, parquet, arrow) yields each record's "text" (or
+    `column`). Any other file is one document, read byte-exact (strict UTF-8, no newline translation)."""
+    if formats.kind(path) in ("table", "saved") or (formats.kind(path) == "lines" and path.suffix != ".jsonl"):
+        for where, record in formats.records(path, cache_dir):
+            if isinstance(record, ValueError):
+                raise ValueError(f"{where}: {record}")
+            text = record.get(column or "text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f'{where}: record has no string "{column or "text"}" field'
+                                 + ("" if column else " (--data-column names another)"))
+            yield text
+        return
+    field = column or "text"
     try:
         if path.suffix != ".jsonl":
-            yield path.read_bytes().decode("utf-8")
+            yield formats.read_text(path)
             return
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -182,9 +198,9 @@ def _documents(path: Path) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{path}:{lineno}: line has no string "text" field')
-                yield record["text"]
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise ValueError(f'{path}:{lineno}: line has no string "{field}" field')
+                yield record[field]
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 (byte {e.start} of the chunk read)") from None
     except OSError as e:
@@ -220,6 +236,8 @@ def fingerprint(files: Sequence[Path], root: Path) -> str:
     The sample is the whole file up to SAMPLE_CHUNKS·CHUNK_BYTES. Beyond, it is SAMPLE_CHUNKS chunks
     evenly spaced from the first byte to the last. The module invariants say why not whole files."""
     h = hashlib.sha256()
+    # a datasets save_to_disk folder counts as its files
+    files = [f for p in files for f in ([p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file()))]
     for path in files:
         st = path.stat()
         h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
@@ -234,7 +252,7 @@ def fingerprint(files: Sequence[Path], root: Path) -> str:
 
 
 def source_key(source: str | Path, tokenizer_path: str | None = None, max_bytes: int | None = None,
-               val_fraction: float = 0.0) -> dict:
+               val_fraction: float = 0.0, column: str | None = None) -> dict:
     """What a folder prepared from `source` must record in meta.json to be current. It holds the
     source's and the tokenizer's fingerprints, and the options that shape the streams."""
     source = Path(source).resolve()
@@ -247,23 +265,23 @@ def source_key(source: str | Path, tokenizer_path: str | None = None, max_bytes:
     return {"source": str(source), "source_fingerprint": fingerprint(files, root),
             "tokenizer_path": None if tok is None else str(tok),
             "tokenizer_fingerprint": None if tok is None else fingerprint(tok_files, tok),
-            "max_bytes": max_bytes, "val_fraction": val_fraction}
+            "max_bytes": max_bytes, "val_fraction": val_fraction} | ({"data_column": column} if column else {})
 
 
 def is_prepared(out_dir: str | Path, source: str | Path, tokenizer_path: str | None = None,
-                max_bytes: int | None = None, val_fraction: float = 0.0) -> bool:
+                max_bytes: int | None = None, val_fraction: float = 0.0, column: str | None = None) -> bool:
     """out_dir holds a complete preparation of `source` as it is now. Same files, sizes, mtimes and
     sampled content, same tokenizer files, same options."""
     try:
         meta = read_meta(Path(out_dir))
     except (OSError, ValueError):
         return False
-    key = source_key(source, tokenizer_path, max_bytes, val_fraction)
-    return all(meta.get(k) == v for k, v in key.items())
+    key = source_key(source, tokenizer_path, max_bytes, val_fraction, column)
+    return all(meta.get(k) == v for k, v in key.items()) and meta.get("data_column") == column
 
 
 def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key: dict,
-           val_fraction: float = 0.0) -> Path:
+           val_fraction: float = 0.0, column: str | None = None, cache_dir: Path | None = None) -> Path:
     """Tokenize `files` into out_dir/tokens.bin (+ val.bin) + meta.json (see the module invariants)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
@@ -280,7 +298,7 @@ def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key
     try:
         with open(tmp["train"], "wb") as ft, open(tmp["val"], "wb") as fv, \
                 tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {Path(source).name}") as bar:
-            texts = (text for path in files for text in _documents(path))
+            texts = (text for path in files for text in _documents(path, column, cache_dir))
             for i, (text, n_bytes) in enumerate(_capped(texts, max_bytes)):
                 ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=np.int64)
                 if ids.min() < 0 or ids.max() >= tok.vocab_size:  # would wrap silently in uint16
@@ -318,18 +336,20 @@ def _write(files: Sequence[Path], out_dir: Path, tok, max_bytes: int | None, key
 
 
 def prepare(source: str | Path, out_dir: str | Path, tokenizer_path: str | None = None,
-            max_bytes: int | None = None, val_fraction: float = 0.0) -> Path:
-    """Tokenize a .txt / .jsonl file or a folder of them into out_dir, and return out_dir.
-    val_fraction of the documents go to the validation split."""
+            max_bytes: int | None = None, val_fraction: float = 0.0, column: str | None = None,
+            cache_dir: Path | None = None) -> Path:
+    """Tokenize a text or record file, or a folder of them (formats.py), into out_dir, and return
+    out_dir. val_fraction of the documents go to the validation split. `column`: the records'
+    text field (default "text"). cache_dir: where `datasets` may cache what it reads."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     source = Path(source)
-    files = _source_files(source)  # bad paths fail before the tokenizer is loaded
+    files = _source_files(source, report=True)  # bad paths fail before the tokenizer is loaded
     tok = load_tokenizer(tokenizer_path)
-    key = source_key(source, tokenizer_path, max_bytes, val_fraction)
-    return _write(files, Path(out_dir), tok, max_bytes, key, val_fraction)
+    key = source_key(source, tokenizer_path, max_bytes, val_fraction, column)
+    return _write(files, Path(out_dir), tok, max_bytes, key, val_fraction, column, cache_dir)
 
 
 def default_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_000,

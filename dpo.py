@@ -27,7 +27,7 @@ How it runs
       rank sums its share of a row's tokens, and DPOLoss all-reduces the partial sums.
 
 Run
-    python train.py --dpo --steps 50                          # built-in arithmetic pairs
+    python train.py --dpo --init-from out/sft --steps 50      # built-in arithmetic pairs
     torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --data pairs.jsonl --tp 2 --zero 2
     torchrun --nproc_per_node 4 train.py --dpo --init-from DIR --packing none --cp 2 --seq-len 1024
 

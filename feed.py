@@ -101,10 +101,12 @@ def prepared_data(args: argparse.Namespace) -> Path:
                              f"--tokenizer {args.tokenizer}: drop --tokenizer, or prepare the corpus again")
         return Path(args.data)
     path = cache_path(args)  # in the cache folder, never beside the user's data
-    if not data.is_prepared(path, args.data, args.tokenizer, val_fraction=args.val_fraction):
+    column = getattr(args, "data_column", None)
+    if not data.is_prepared(path, args.data, args.tokenizer, val_fraction=args.val_fraction, column=column):
         print(f"preparing {args.data} into {path}", flush=True)
         try:
-            data.prepare(args.data, path, args.tokenizer, val_fraction=args.val_fraction)
+            data.prepare(args.data, path, args.tokenizer, val_fraction=args.val_fraction, column=column,
+                         cache_dir=cache_dir(args))
         except PermissionError as e:
             raise ValueError(f"cannot write the prepared data {path} ({e.strerror}): pass --cache-dir "
                              f"a folder you can write") from None

@@ -88,13 +88,14 @@ def test_prepare_folder_sorted_by_relative_path(tmp_path):
     for name in names:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"doc {name} ☃", encoding="utf-8")
-    (root / "notes.md").write_text("not a corpus file", encoding="utf-8")
+    (root / "notes.md").write_text("doc notes.md ☃", encoding="utf-8")  # text too: read
+    (root / "logo.png").write_bytes(b"\x89PNG")  # not text: skipped, and named (formats.files)
     write_jsonl(root / "a.jsonl", [{"text": "a one"}, {"text": "a two"}])
     tokens, meta = tokens_of(data.prepare(root, tmp_path / "out"))
-    ordered = ["b.txt", "d.txt", "e.txt", "h.txt", "k.txt", "m.txt", "q.txt", "sub/a.txt",
+    ordered = ["b.txt", "d.txt", "e.txt", "h.txt", "k.txt", "m.txt", "notes.md", "q.txt", "sub/a.txt",
                "sub/c.txt", "x.txt", "z/y.txt"]
     assert tokens == stream(["a one", "a two"] + [f"doc {name} ☃" for name in ordered])
-    assert meta["num_documents"] == 13
+    assert meta["num_documents"] == 14
 
 
 @pytest.mark.parametrize("cap, expected", [
@@ -174,10 +175,10 @@ def test_prepare_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"corpus .*empty.txt is empty: no document has any text"):
         data.prepare(tmp_path / "empty.txt", tmp_path / "o")
-    (tmp_path / "only_md").mkdir()
-    (tmp_path / "only_md" / "x.md").write_text("x")
-    with pytest.raises(ValueError, match=r"only_md holds no .txt or .jsonl files"):
-        data.prepare(tmp_path / "only_md", tmp_path / "o")
+    (tmp_path / "no_data").mkdir()
+    (tmp_path / "no_data" / "x.pdf").write_bytes(b"%PDF")
+    with pytest.raises(ValueError, match=r"no_data holds no data file .* it holds 1 file\(s\) not read \(.pdf\)"):
+        data.prepare(tmp_path / "no_data", tmp_path / "o")
     write_jsonl(tmp_path / "no_text.jsonl", [{"text": "ok"}, {"text": "ok"}, {"body": "x"}])
     with pytest.raises(ValueError, match=r'no_text.jsonl:3: line has no string "text" field'):
         data.prepare(tmp_path / "no_text.jsonl", tmp_path / "o")
