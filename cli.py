@@ -278,6 +278,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
             Path(args.export_hf).iterdir()):
         errors.append(f"--export-hf {args.export_hf} already holds a model (or other files): pass --overwrite to "
                       f"replace it, or name a new folder")
+    if args.data_column is not None and args.data is None:
+        errors.append("--data-column names a column of --data: give --data")
     if args.bucket_mb <= 0 or args.prefetch < 0 or args.max_bad_steps < 1:
         errors.append("--bucket-mb must be > 0, --prefetch >= 0, --max-bad-steps >= 1")
     if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:

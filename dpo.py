@@ -235,15 +235,22 @@ class DPOLoss:
 # ---- refinement: the data (preference pairs from JSONL, and whole pairs packed into rows)
 def parse_pair(obj: Any) -> Pair:
     """One JSON object → (chosen, rejected) full chats, each ending with an assistant turn.
-    Two formats, as TRL's: {"chosen": chat, "rejected": chat} holds full chats sharing the prompt.
-    {"prompt": chat or text, "chosen": chat, "rejected": chat} holds the replies alone."""
+    TRL's formats: {"chosen": chat, "rejected": chat} holds full chats sharing the prompt.
+    {"prompt": chat or text, "chosen": chat or text, "rejected": chat or text} holds the replies
+    alone (a text reply is one assistant turn)."""
     if not isinstance(obj, dict) or "chosen" not in obj or "rejected" not in obj:
         raise ValueError("expected an object with 'chosen' and 'rejected'")
     prompt = obj.get("prompt", [])
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(prompt, list) or not all(isinstance(obj[k], list) for k in ("chosen", "rejected")):
-        raise ValueError("'prompt' (a string or turns), 'chosen' and 'rejected' (turns) must be lists")
-    sides = [sft.parse_conversation({"messages": prompt + obj[k]}) for k in ("chosen", "rejected")]
+    # TRL's standard format: plain-text replies to a prompt, each one assistant turn
+    replies = [[{"role": "assistant", "content": obj[k]}] if isinstance(obj[k], str) else obj[k]
+               for k in ("chosen", "rejected")]
+    if any(isinstance(obj[k], str) for k in ("chosen", "rejected")) and not prompt:
+        raise ValueError("plain-text 'chosen' and 'rejected' need a 'prompt' (TRL's implicit-prompt text "
+                         "format holds no chat: split off the prompt)")
+    if not isinstance(prompt, list) or not all(isinstance(r, list) for r in replies):
+        raise ValueError("'prompt' (a string or turns), 'chosen' and 'rejected' (strings or turns) are needed")
+    sides = [sft.parse_conversation({"messages": prompt + r}) for r in replies]
     if any(side[-1]["role"] != "assistant" for side in sides):
         raise ValueError("chosen and rejected must each end with an assistant reply")
     return sides[0], sides[1]
@@ -383,8 +390,14 @@ def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTem
     The built-in pairs are the SFT demo's training chats, whatever --seed."""
     import pairing  # the run's template: the tokenizer's own, or --chat-template builtin
     tpl = pairing.chat_template(args)
-    ds = PairDataset(load_pairs(args.data) if args.data else arithmetic_pairs(), tpl,
-                     args.seq_len, args.packing)
+    if args.data and (getattr(args, "data_column", None) or not str(args.data).endswith(".jsonl")):
+        import feed
+        import formats  # parquet, JSON, arrow, a folder; the pairs in --data-column
+        pairs = formats.parse_all(args.data, lambda r: parse_pair(formats.column(r, args.data_column)),
+                                  cache_dir=feed.cache_dir(args))[0]
+    else:
+        pairs = load_pairs(args.data) if args.data else arithmetic_pairs()
+    ds = PairDataset(pairs, tpl, args.seq_len, args.packing)
     if grid.rank == 0:
         print(ds.report(), flush=True)
     return ds, tpl, []

@@ -35,7 +35,7 @@ Invariants
     - Nothing here makes the training step wait for the device. A thread makes the batches on the
       host, pinned on CUDA and copied non_blocking. The loss comes back the same way.
 
-Builds on: grid.py, cp.py, data.py, dp.py, model.py, pairing.py, pp.py, precision.py, sft.py
+Builds on: grid.py, cp.py, data.py, dp.py, formats.py, model.py, pairing.py, pp.py, precision.py, sft.py
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ import torch.distributed as dist
 import cp as CP
 import data
 import dp
+import formats as FM
 import grid as G
 import model as M
 import pairing as PA
@@ -215,10 +216,17 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
     template remakes it."""
     tok = data.load_tokenizer(args.tokenizer)
     tpl = PA.chat_template(args, tok)  # the tokenizer's own, or the built-in one (--chat-template builtin)
-    if args.data:
+    if args.data and not (args.data_column or not str(args.data).endswith(".jsonl") or Path(args.data).is_dir()):
         out = cache_path(args, ".attotron-sft")
         key = lambda: {"sha256": sft.file_digest(args.data), "skip_bad": args.skip_bad}  # noqa: E731
         load = lambda: sft.load_jsonl(args.data, skip_bad=args.skip_bad)  # noqa: E731
+        eval_set = []
+    elif args.data:  # parquet, JSON, arrow, .jsonl.gz or a folder (formats.py); --data-column's turns
+        out = cache_path(args, ".attotron-sft")
+        key = lambda: {"sha256": FM.digest(args.data), "skip_bad": args.skip_bad,  # noqa: E731
+                       "column": args.data_column}
+        load = lambda: FM.parse_all(args.data, lambda r: sft.parse_conversation(  # noqa: E731
+            FM.chat(r, args.data_column)), args.skip_bad, cache_dir(args))
         eval_set = []
     else:
         convs, eval_set = sft.arithmetic_chats()

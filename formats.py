@@ -76,7 +76,8 @@ def files(source: str | Path) -> tuple[list[Path], list[Path]]:
             (found if k else skipped).append(p)
     if not found:
         raise ValueError(f"--data folder {source} holds no data file (text: {', '.join(TEXT)}; records: "
-                         f"{', '.join(LINES + TABLES)})" + (f"; it holds {skipped_text(skipped)}" if skipped else ""))
+                         f"{', '.join(LINES + TABLES)})"
+                         + (f"; it holds {skipped_text(skipped)}" if skipped else ""))
     return found, skipped
 
 
@@ -162,6 +163,16 @@ def column(record: Any, name: str | None, default: str | None = None) -> Any:
     return record[key]
 
 
+def chat(record: Any, name: str | None) -> Any:
+    """A chat record for sft.parse_conversation: the record itself, or --data-column's turns as
+    "messages" (ShareGPT's "conversations" when its turns have "from")."""
+    if name is None:
+        return record
+    turns = column(record, name)
+    sharegpt = isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]
+    return {"conversations" if sharegpt else "messages": turns}
+
+
 def parse_all(source: str | Path, parse: Callable[[Any], Any], skip_bad: bool = False,
               cache_dir: Path | None = None) -> tuple[list, int]:
     """parse(record) for every record of every file of `source`; (items, records skipped).
@@ -169,6 +180,9 @@ def parse_all(source: str | Path, parse: Callable[[Any], Any], skip_bad: bool = 
     found, _ = files(source)
     out, bad = [], 0
     for path in found:
+        if kind(path) == "text":
+            raise ValueError(f"{path} is a text file: this mode reads records (JSONL, JSON, parquet, arrow; "
+                             f"docs/data-formats.md)")
         for where, rec in records(path, cache_dir):
             try:
                 if isinstance(rec, ValueError):

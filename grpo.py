@@ -241,19 +241,38 @@ class PromptSet:
                              f"{model_vocab_size}")
 
 
-def load_prompts(path: str) -> list[tuple[list, str]]:
-    """JSONL, one {"prompt": text or chat turns, "answer": gold} a line → [(turns, gold)]."""
+GOLD = ("answer", "solution", "ground_truth")  # the gold answer's field, first found
+
+
+def parse_prompt(obj: Any, column: str | None = None) -> tuple[list, str]:
+    """{"prompt": text or chat turns, "answer": gold} → (turns, gold). TRL's prompt formats: the
+    prompt is text or turns; the gold may be "solution" or "ground_truth". `column` names the prompt."""
+    key = column or "prompt"
+    gold = next((g for g in GOLD if isinstance(obj, dict) and obj.get(g) is not None), None)
+    if not isinstance(obj, dict) or key not in obj or gold is None:
+        raise ValueError(f"expected an object with {key!r} and a gold answer ({', '.join(map(repr, GOLD))})")
+    p = obj[key]
+    turns = [{"role": "user", "content": p}] if isinstance(p, str) else p
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "role" in t and "content" in t for t in turns):
+        raise ValueError(f"{key!r} must be text or a list of {{role, content}} turns")
+    return turns, str(obj[gold])
+
+
+def load_prompts(path: str, column: str | None = None, cache_dir: Any = None) -> list[tuple[list, str]]:
+    """Prompts with their gold answers (parse_prompt) from JSONL, one a line, or any record file or
+    folder that formats.py reads."""
     import json
+    if column or not str(path).endswith(".jsonl"):
+        import formats
+        return formats.parse_all(path, lambda r: parse_prompt(r, column), cache_dir=cache_dir)[0]
     out = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                obj = json.loads(line)
-                if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
-                    raise ValueError(f"{path}:{n}: expected an object with 'prompt' and 'answer'")
-                p = obj["prompt"]
-                turns = [{"role": "user", "content": p}] if isinstance(p, str) else p
-                out.append((turns, str(obj["answer"])))
+                try:
+                    out.append(parse_prompt(json.loads(line)))
+                except ValueError as e:  # json.JSONDecodeError is one
+                    raise ValueError(f"{path}:{n}: {e}") from None
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
@@ -268,7 +287,8 @@ def load(args: Any, grid: Any) -> tuple[PromptSet, Any, list]:
     import sft
     tpl = pairing.chat_template(args)
     if args.data:
-        items, eval_set = load_prompts(args.data), []
+        import feed
+        items, eval_set = load_prompts(args.data, getattr(args, "data_column", None), feed.cache_dir(args)), []
     else:
         chats, _ = sft.arithmetic_chats(n_train=5000, p_follow_up=0.0)
         eval_set = sft.held_out_phrasings()

@@ -194,3 +194,72 @@ def test_verifier_by_file_or_module(tmp_path):
         grpo.load_verifier(f"{tmp_path / 'myrewards.py'}:nope")
     args = cli.parse_args(["--grpo", "--verifier", f"{tmp_path / 'myrewards.py'}:score"])
     assert not [e for e in cli.validate_grpo(args) if "--verifier" in e]
+
+
+# ------------------------------------------------------------------------------ data in
+def every_format(tmp_path: Path, rows: list[dict], name: str) -> list[Path]:
+    """The same records as JSONL, JSONL.gz, a JSON array, parquet, an arrow file and a save_to_disk folder."""
+    import gzip
+    import datasets
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / f"{name}.jsonl").write_text(lines)
+    with gzip.open(tmp_path / f"{name}.jsonl.gz", "wt") as f:
+        f.write(lines)
+    (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / f"{name}.parquet"))
+    ds.save_to_disk(str(tmp_path / f"{name}-saved"))
+    arrow = next((tmp_path / f"{name}-saved").glob("*.arrow"))
+    (tmp_path / f"{name}.arrow").write_bytes(arrow.read_bytes())
+    return [tmp_path / f"{name}{s}" for s in (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow", "-saved")]
+
+
+def test_every_format_reads_the_same_records(tmp_path):
+    """SFT chats, DPO pairs (TRL's conversational and plain-text formats) and GRPO prompts read the
+    same from every format; --data-column picks the field; the JSONL reader is the reference."""
+    import dpo
+    import formats
+    import grpo
+    cache = tmp_path / "cache"
+    chats = [{"id": i, "conv": c["messages"]} for i, c in enumerate(CHATS)]
+    for path in every_format(tmp_path, chats, "chats"):
+        got = formats.parse_all(path, lambda r: sft.parse_conversation(formats.chat(r, "conv")), cache_dir=cache)[0]
+        assert got == [c["messages"] for c in CHATS], path
+    text_pairs = [{"prompt": p["prompt"], "chosen": p["chosen"][0]["content"], "rejected": p["rejected"][0]["content"]}
+                  for p in PAIRS]
+    for path in every_format(tmp_path, text_pairs, "pairs"):
+        got = formats.parse_all(path, dpo.parse_pair, cache_dir=cache)[0]
+        assert got == [dpo.parse_pair(p) for p in PAIRS], path  # text replies = one assistant turn each
+    with pytest.raises(ValueError, match=r"p.jsonl:1: .*need a 'prompt'"):
+        formats.parse_all(write_jsonl(tmp_path / "p.jsonl", [{"chosen": "a", "rejected": "b"}]), dpo.parse_pair)
+    prompts = [{"question": p["prompt"], "solution": p["answer"]} for p in PROMPTS]
+    for path in every_format(tmp_path, prompts, "prompts"):
+        assert grpo.load_prompts(str(path), "question", cache) == [
+            ([{"role": "user", "content": p["prompt"]}], p["answer"]) for p in PROMPTS], path
+    # pretraining: a parquet column, tokenized as the same texts in JSONL
+    docs = [{"body": f"document {i}: " + "words " * i} for i in range(5)]
+    a = data.prepare(every_format(tmp_path, docs, "docs")[3], tmp_path / "a", column="body", cache_dir=cache)
+    b = data.prepare(write_jsonl(tmp_path / "t.jsonl", [{"text": d["body"]} for d in docs]), tmp_path / "b")
+    assert (a / "tokens.bin").read_bytes() == (b / "tokens.bin").read_bytes()
+
+
+def test_sft_on_a_folder_and_what_a_folder_skips(tmp_path, capsys):
+    """--sft --data <folder> reads every record file in it; a text file there is refused by name.
+    Pretraining on a folder reads .md and names the files it skips."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", CHATS[:2])
+    write_jsonl(folder / "b.jsonl", CHATS[2:])
+    args = cli.parse_args(["--sft", "--data", str(folder), "--seq-len", "64", "--cache-dir", str(tmp_path / "cache")])
+    ds = feed.load_sft(args, GRID)[0]
+    assert ds.stats.conversations == len(CHATS)
+    (folder / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes.txt is a text file: this mode reads records"):
+        feed.load_sft(args, GRID)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("# title\n")
+    (corpus / "b.pdf").write_bytes(b"%PDF")
+    data.prepare(corpus, tmp_path / "out")
+    assert "1 file(s) not read (.pdf): b.pdf" in capsys.readouterr().out
+    assert data.read_meta(tmp_path / "out")["num_documents"] == 1
