@@ -159,7 +159,7 @@ def builtin_jinja(tok: Any, tpl: chat.ChatTemplate) -> str:
     def text(i: int | None) -> str:
         if i is None:
             return ""
-        t = tok.specials[i - 256] if isinstance(tok, data.ByteTokenizer) else tok.hf.convert_ids_to_tokens(i)
+        t = tok.decode([i])  # a special token's text (or a --reply-end token's)
         if "{" in t or "}" in t:
             raise ValueError(f"the token {t!r} cannot be written into a jinja template literally")
         return t
