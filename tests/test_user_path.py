@@ -149,7 +149,7 @@ def test_tokenizer_refusals(tmp_path):
         assert settled([mode, "--allow-random-init"])[2] == []
 
 
-def test_preset_sized_to_the_tokenizer(tmp_path, capsys):
+def test_preset_sized_to_the_tokenizer(tmp_path, capfd):
     """--tokenizer DIR with a preset: its vocab and eos are the tokenizer's, and the start-up line says
     so. The run pretrains on the tokenizer's ids of the user's text."""
     chatml_tokenizer().save_pretrained(str(tmp_path / "tok"))
@@ -162,6 +162,9 @@ def test_preset_sized_to_the_tokenizer(tmp_path, capsys):
     run_ranks(_main, 1, ["--tokenizer", str(tmp_path / "tok"), "--data", str(tmp_path / "c.txt"), "--seq-len", "16",
                          "--batch-size", "2", "--steps", "1", "--cache-dir", str(tmp_path / "cache"),
                          "--export-hf", str(tmp_path / "out")])
+    line = next(t for t in capfd.readouterr().out.splitlines() if t.startswith("model "))
+    assert f"tokenizer tok ({tok.vocab_size} ids; --model tiny's vocab sized to it)" in line
+    assert line.endswith(f" · cache {tmp_path / 'cache'}")  # the start-up line names the cache folder
     assert W.load_config(tmp_path / "out").vocab_size == tok.vocab_size
     assert data.load_tokenizer(str(tmp_path / "out")).encode("What is") == tok.encode("What is")
 
