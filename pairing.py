@@ -9,6 +9,7 @@ What it does
     A preset (no --init-from) with --tokenizer DIR is sized to it: its vocab, bos and eos ids.
     A tokenizer without a chat template is refused for --sft, --dpo and --grpo. `--chat-template
     builtin` asks for attotron's built-in template instead (chat.builtin_template).
+    --dpo and --grpo need a model to start from: without --init-from, --allow-random-init.
     `chat_template(args)` is the template the loaders use. `export_tokenizer(args, tpl)` is the
     tokenizer an export writes, with the template the run trained with as its `chat_template`.
     `builtin_jinja` writes the built-in template as jinja: transformers renders it to the same text.
