@@ -390,10 +390,11 @@ def load(args: argparse.Namespace, grid: Any) -> tuple[PairDataset, chat.ChatTem
     The built-in pairs are the SFT demo's training chats, whatever --seed."""
     import pairing  # the run's template: the tokenizer's own, or --chat-template builtin
     tpl = pairing.chat_template(args)
-    if args.data and (getattr(args, "data_column", None) or not str(args.data).endswith(".jsonl")):
+    column = getattr(args, "data_column", None)
+    if args.data and (column or not str(args.data).endswith(".jsonl")):
         import feed
         import formats  # parquet, JSON, arrow, a folder; the pairs in --data-column
-        pairs = formats.parse_all(args.data, lambda r: parse_pair(formats.column(r, args.data_column)),
+        pairs = formats.parse_all(args.data, lambda r: parse_pair(formats.column(r, column)),
                                   cache_dir=feed.cache_dir(args))[0]
     else:
         pairs = load_pairs(args.data) if args.data else arithmetic_pairs()
