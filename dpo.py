@@ -34,9 +34,10 @@ Run
 Reference
     Rafailov et al. 2023, "Direct Preference Optimization" (eq. 7). TRL's DPOTrainer data formats.
 
-Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: pairing.py, feed.py, pp.py
+Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: pairing.py, formats.py, feed.py, pp.py
     sft.py: JSONL chats and FFD packing. chat.py: masks. tp.py: f and g. pairing.py: the tokenizer and template.
-    feed.py: batches. pp.py: the forward-only pipeline of the reference pass.
+    formats.py: parquet, JSON, arrow, folders. feed.py: batches, the cache. pp.py: the forward-only
+    pipeline of the reference pass.
 
 Invariants (tests/test_dpo.py)
     - Policy = reference gives exactly ln 2 (fp32). The loss and the logged rewards equal the
