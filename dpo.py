@@ -35,9 +35,8 @@ Reference
     Rafailov et al. 2023, "Direct Preference Optimization" (eq. 7). TRL's DPOTrainer data formats.
 
 Builds on: sft.py, chat.py, tp.py (under cp only); the trainer's glue: pairing.py, formats.py, feed.py, pp.py
-    sft.py: JSONL chats and FFD packing. chat.py: masks. tp.py: f and g. pairing.py: the tokenizer and template.
-    formats.py: parquet, JSON, arrow, folders. feed.py: batches, the cache. pp.py: the forward-only
-    pipeline of the reference pass.
+    sft.py: JSONL chats, FFD packing. chat.py: masks. tp.py: f and g. pairing.py: tokenizer, template.
+    formats.py: other files. feed.py: batches, the cache. pp.py: the reference pass's forward-only pipeline.
 
 Invariants (tests/test_dpo.py)
     - Policy = reference gives exactly ln 2 (fp32). The loss and the logged rewards equal the

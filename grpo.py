@@ -32,8 +32,7 @@ Reference
     Shao et al. 2024, "DeepSeekMath" (GRPO, §4.1). Schulman et al. 2017 (PPO's clipped surrogate).
     Schulman 2020, "Approximating KL Divergence" (k3). Yu et al. 2025, "DAPO" (token-level loss).
 
-Builds on: model.py (generate). The glue also uses sft.py, pairing.py, formats.py and feed.py
-    (prompts, the template, files, the cache).
+Builds on: model.py (generate). The glue also uses sft.py, pairing.py, formats.py and feed.py.
 
 Invariants (tests/test_grpo.py)
     - Advantages equal the formula. An all-equal group gives exactly 0 (test_advantages).
