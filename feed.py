@@ -4,7 +4,7 @@ loss over the held-out split.
 
 What it does
     load_data, prepared_data   the pretraining rows (data.py). A prepared --data is used as is.
-                               Otherwise it is prepared next to the corpus, again when stale.
+                               Otherwise it is prepared into --cache-dir, again when stale.
                                Without --data: the default corpus.
     load_val, val_loss         the held-out split and its loss. The forward runs through the same
                                pipeline, tp and ZeRO code as training, normalized like its loss.
@@ -211,9 +211,9 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
 
 def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
     """Chats from --data (no eval set), or the built-in arithmetic set (train + held-out eval).
-    Rank 0 tokenizes them once into a cache every rank maps (sft.prepare_sft). The cache sits next
-    to --data, or in ~/.cache/attotron for the built-in set. A new data file, tokenizer or chat
-    template remakes it."""
+    Rank 0 tokenizes them once into a cache every rank maps (sft.prepare_sft). The cache sits in
+    --cache-dir (`cache_path`). A new data file, tokenizer or chat template remakes it. A plain
+    .jsonl file is read by sft.load_jsonl; other files and folders by formats.parse_all."""
     tok = data.load_tokenizer(args.tokenizer)
     tpl = PA.chat_template(args, tok)  # the tokenizer's own, or the built-in one (--chat-template builtin)
     if args.data and not (args.data_column or not str(args.data).endswith(".jsonl") or Path(args.data).is_dir()):
