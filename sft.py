@@ -9,8 +9,8 @@ What it does
        the assistant replies by character spans, which gives the ids and their loss mask.
        `prepare_sft` does this ONCE per data set, in one process (train.py: rank 0, the others
        wait). A progress bar shows conversations/s and tokens/s. The result is a memmap cache in
-       train.py's --cache-dir. Its key is the data's bytes, the tokenizer and the template: a change to any
-       of them re-makes it. `read_cache` maps it.
+       train.py's --cache-dir. Its key is the data's bytes, the tokenizer and the template: a
+       change to any of them re-makes it. `read_cache` maps it.
     3. `ffd` packs samples into rows of seq_len tokens, first-fit-decreasing. Johnson 1973 bounds
        the rows by 11/9·OPT + 6/9, tight by Dósa 2007. `SFTDataset` serves each row as input_ids,
        position_ids and labels. `report()` compares the fill with the lower bound ceil(tokens /
