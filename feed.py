@@ -119,7 +119,7 @@ def prepared_once(prepare: Callable[[], Path], grid: G.Grid) -> Path:
     group with a DATA_WAIT timeout. A barrier of the default group would not do: its NCCL watchdog
     kills them after --timeout. Rank 0's outcome, the folder or its error, reaches every rank. Then
     every rank checks that it reads the very meta.json rank 0 wrote. So a multi-node run needs the
-    data on a shared filesystem."""
+    data and the cache folder on a shared filesystem."""
     group = dist.new_group(backend="gloo", timeout=DATA_WAIT) if grid.world > 1 else None
     outcome = [None]
     if grid.rank == 0:
@@ -146,8 +146,9 @@ def prepared_once(prepare: Callable[[], Path], grid: G.Grid) -> Path:
     blind = [r for r, v in enumerate(views) if v != "same"]
     if blind:
         raise ValueError(f"ranks {blind} do not see the data rank 0 prepared at {path} (rank {blind[0]}: "
-                         f"{views[blind[0]]}): a multi-node run needs --data on a filesystem every "
-                         f"node shares, or the prepared folder copied to the same path on each node")
+                         f"{views[blind[0]]}): a multi-node run needs --data and --cache-dir (where it is "
+                         f"prepared) on a filesystem every node shares, or the prepared folder copied to the "
+                         f"same path on each node")
     return Path(path)
 
 

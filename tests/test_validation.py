@@ -360,5 +360,6 @@ def test_ranks_wait_for_data_preparation_beyond_the_timeout_then_check_they_see_
     r0, r1 = run_ranks(_data_wait_main, 2, str(tmp_path), timeout=120)
     assert r0[0] == r1[0]  # both read the folder rank 0 prepared
     assert r0[1] == r1[1] and r0[1].startswith("ranks [1] do not see the data rank 0 prepared at ")
-    assert "multi-node run needs --data on a filesystem every node shares" in r0[1]
+    assert "multi-node run needs --data and --cache-dir (where it is prepared) on a filesystem every node shares" \
+        in r0[1]
     assert r0[2] == r1[2] and "missing.txt does not exist" in r0[2]  # rank 0's error, on every rank
