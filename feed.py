@@ -98,8 +98,12 @@ def prepared_data(args: argparse.Namespace) -> Path:
     if (Path(args.data) / "meta.json").is_file():  # already prepared: used as is
         got = data.read_meta(Path(args.data)).get("tokenizer_path")
         if args.tokenizer is not None and got != want:
+            model = args.tokenizer == getattr(args, "init_from", None)  # pairing.settle took the model's own
             raise ValueError(f"--data {args.data} was prepared with the tokenizer {got or 'bytes'}, not "
-                             f"--tokenizer {args.tokenizer}: drop --tokenizer, or prepare the corpus again")
+                             f"--tokenizer {args.tokenizer}" + (
+                                 " (--init-from's own): the model reads its tokenizer's ids, so pass the raw "
+                                 "corpus as --data to prepare it again" if model else
+                                 ": drop --tokenizer, or prepare the corpus again"))
         return Path(args.data)
     path = cache_path(args)  # in the cache folder, never beside the user's data
     column = getattr(args, "data_column", None)
