@@ -183,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
     a("--compile", action="store_true", help="torch.compile each decoder layer (hooks, pipeline "
                                              "executor, embedding and head stay eager)")
+    a("--fp8", action="store_true", help="the decoder layers' linears multiply in FP8 (fp8.py: tensorwise "
+                                         "dynamic scales, e4m3 forward, e5m2 gradients; embedding, head, "
+                                         "norms and routers stay bf16)")
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
@@ -295,6 +298,11 @@ def validate_more(args: argparse.Namespace) -> list[str]:
         errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
+    untested = [f"--{f}" for f in ("lora", "qlora") if getattr(args, f, None)]
+    if getattr(args, "optimizer", None) == "muon":
+        untested.append("--optimizer muon")
+    if args.fp8 and untested:
+        errors.append(f"--fp8 with {' / '.join(untested)} is not tested: drop one (docs/running.md)")
     return errors + check_outputs(args)
 
 

@@ -1,0 +1,145 @@
+"""fp8.py: FP8 linears against torchao's Float8Linear(emulate=True), the module swap, every layout.
+
+Tolerances
+    fp32, against torchao: 1e-5 of the output's largest magnitude. Both sides hold the same FP8 codes
+    and scales (checked bit for bit). fp8 x fp8 products are exact in fp32. What differs is where the
+    scales are applied (torchao divides each operand first; _scaled_mm multiplies the sum) and the
+    summation order: a few fp32 ulps of the largest term. Any wrong code or scale moves the output
+    by at least one e4m3 step of some element, 2^-4 relative: thousands of times the bound.
+    bf16: both round one fp32 sum to bf16, so they differ by at most one bf16 ulp, 2^-7 relative.
+    Layouts: see LAYOUT_RTOL.
+"""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8 as FP8
+import model as M
+import train
+from dist import run_ranks
+from test_train import CFG, args_for, setup_dirs  # noqa: F401  (a fixture)
+
+
+def _torchao_pair(lin: nn.Linear):
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+    ref = Float8Linear.from_float(copy.deepcopy(lin), config=Float8LinearConfig(emulate=True))
+    mine = FP8.Float8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype)
+    mine.load_state_dict(lin.state_dict())
+    return ref, mine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torchao_emulate(dtype):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 48, bias=True).to(dtype)
+    ref, mine = _torchao_pair(lin)
+    x = (torch.randn(2, 16, 96) * 3).to(dtype)
+    g = torch.randn(2, 16, 48).to(dtype)
+    outs = []
+    for m in (ref, mine):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.backward(g)
+        outs.append((y.detach().float(), xi.grad.float(), m.weight.grad.float(), m.bias.grad.float()))
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for want, got, what in zip(outs[0], outs[1], ("y", "dL/dx", "dL/dW", "dL/db")):
+        bound = rtol * want.abs().max() if dtype == torch.float32 else rtol * want.abs() + 1e-30
+        assert ((got - want).abs() <= bound).all(), (what, (got - want).abs().max())
+    # the codes and scales themselves, bit for bit
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    for t, fmt in ((x, FP8.E4M3), (lin.weight.detach(), FP8.E4M3), (g, FP8.E5M2)):
+        q, s = FP8.quantize(t, fmt)
+        s_ref = tensor_to_scale(t, fmt)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), to_fp8_saturated(t.float() * s_ref, fmt).view(torch.uint8))
+    # FP8 is really on: the plain linear is far outside the bound
+    exact = nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    assert (exact - outs[1][0]).abs().max() > 100 * 1e-5 * exact.abs().max()
+
+
+def test_swap_covers_the_layers_linears_only():
+    cfg = M.LlamaConfig(**{**CFG.__dict__, "intermediate_size": 40})  # 40: no FP8 GEMM for the MLP
+    model = M.build(cfg)
+    names = [n for n, _ in model.named_parameters()]
+    kept = FP8.use_fp8(model)
+    assert [n for n, _ in model.named_parameters()] == names  # checkpoints and ZeRO see the same model
+    assert kept == [f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    swapped = [n for n, m in model.named_modules() if isinstance(m, FP8.Float8Linear)]
+    assert swapped == [f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    assert type(model.lm_head) is nn.Linear
+    with pytest.raises(ValueError, match="no 'layers'"):
+        FP8.use_fp8(model, layers="layers")
+
+
+# ------------------------------------------------------------------------------------- layouts
+# Each layout runs the same rows through each matmul as the one process with 4 micro-batches:
+# dp rank r's micro-batches are the reference's micro-batches 2r, 2r+1 (contiguous rows).
+# tp, sp and cp split a tensor; its amax is all-reduced, so the scale is the one process's.
+# What remains is fp32 summation order (~1e-7), which can flip an element to the neighbouring FP8
+# code now and then. Measured: at most 3e-6 relative over 5 steps. 2e-5 leaves room for other CPUs.
+# A per-rank scale (amax not reduced) moves the curve by more than 1e-4 (test_a_local_scale_is_caught).
+LAYOUT_RTOL = 2e-5
+LAYOUTS = {
+    "tp2-sp": (2, ["--tp", "2", "--sp", "--micro-batches", "4"]),
+    "cp2": (2, ["--cp", "2", "--micro-batches", "4"]),
+    "pp2-dp2-zero1": (4, ["--pp", "2", "--zero", "1", "--micro-batches", "2"]),
+    "dp2-zero2": (2, ["--zero", "2", "--micro-batches", "2"]),
+    "dp2-zero3-ac": (2, ["--zero", "3", "--ac", "--micro-batches", "2"]),
+}
+
+
+def _main(rank: int, world: int, argv: list[str], local_scales: bool = False) -> list[float]:
+    """train.main, recording every scale this rank computes (in call order)."""
+    seen, scale_of, use_fp8 = [], FP8.scale_of, FP8.use_fp8
+    FP8.scale_of = lambda a, dtype: seen.append(float(a)) or scale_of(a, dtype)
+    if local_scales:  # the bug the layout tests must catch: amax over this rank's piece only
+        FP8.use_fp8 = lambda model, groups=(), layers="model.layers": use_fp8(model, (), layers)
+    try:
+        train.main(argv)
+    finally:
+        FP8.scale_of, FP8.use_fp8 = scale_of, use_fp8
+    return seen
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _gap(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want) > 0
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(setup_dirs):  # noqa: F811
+    d = setup_dirs
+    run_ranks(_main, 1, args_for(d, "--fp8", "--micro-batches", "4", metrics="fp8_ref.jsonl"))
+    plain = d / "fp8_plain.jsonl"
+    run_ranks(_main, 1, args_for(d, "--micro-batches", "4", metrics=plain.name))
+    curve = _losses(d / "fp8_ref.jsonl")
+    assert curve[-1] < curve[0] - 0.05  # it trains
+    assert _gap(curve, _losses(plain)) > 1e-4  # and FP8 is on: the fp32 curve is far outside the bound
+    return curve
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_match_one_process(setup_dirs, fp8_reference, name):  # noqa: F811
+    d = setup_dirs
+    world, extra = LAYOUTS[name]
+    scales = run_ranks(_main, world, args_for(d, "--fp8", *extra, metrics=f"fp8_{name}.jsonl"), timeout=240)
+    assert _gap(_losses(d / f"fp8_{name}.jsonl"), fp8_reference) <= LAYOUT_RTOL
+    if name in ("tp2-sp", "cp2"):  # the two ranks split every tensor: one scale sequence, bit for bit
+        assert len(scales[0]) > 0 and scales[0] == scales[1]
+
+
+def test_a_local_scale_is_caught(setup_dirs, fp8_reference):  # noqa: F811
+    d = setup_dirs
+    scales = run_ranks(_main, 2, args_for(d, "--fp8", "--cp", "2", "--micro-batches", "4", metrics="fp8_local.jsonl"),
+                       local_scales=True, timeout=240)
+    assert scales[0] != scales[1]
+    assert _gap(_losses(d / "fp8_local.jsonl"), fp8_reference) > 5 * LAYOUT_RTOL
