@@ -782,7 +782,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
     The bias now meets only this rank's tokens: it enters through f (its gradient is all-reduced)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_scatter_to_sequence_region(F.linear(x, self.weight), self.group)  # (B, S/tp, out)
+        y = reduce_scatter_to_sequence_region(self.linear_fn(x, self.weight), self.group)  # (B, S/tp, out)
         return y if self.bias is None else y + copy_to_region(self.bias, self.group)
 
 
