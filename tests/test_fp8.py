@@ -163,3 +163,19 @@ def test_a_local_scale_is_caught(setup_dirs, fp8_reference):  # noqa: F811
     with pytest.raises(AssertionError):
         _check("cp2", curve, amaxes, fp8_reference)
     assert abs(curve[0] - fp8_reference[0][0]) > 2 * LOSS_RTOL * fp8_reference[0][0]
+
+
+def test_compiles_without_a_graph_break():
+    """--compile compiles each layer (model.compile_layers). The FP8 matmul must trace whole:
+    fullgraph=True raises on any break. aot_eager runs the traced graph with eager kernels, so
+    the result is the eager one bit for bit (inductor's fusions are --compile's own business)."""
+    torch.manual_seed(0)
+    lin = FP8.Float8Linear(64, 32)
+    x = torch.randn(4, 16, 64)
+    outs = []
+    for f in (lin, torch.compile(lin, backend="aot_eager", fullgraph=True)):
+        xi = x.clone().requires_grad_()
+        lin.zero_grad()
+        f(xi).square().sum().backward()
+        outs.append((xi.grad, lin.weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
