@@ -245,6 +245,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     if micro >= 1 and args.batch_size % (dp_size * micro):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
                       f"--micro-batches {micro}")
+    elif micro >= 1 and args.fp8 and grid.device.type == "cuda" and \
+            (args.batch_size // (dp_size * micro) * args.seq_len // args.cp) % 16:
+        errors.append("--fp8 on CUDA: each matmul's tokens (rows per micro-batch × --seq-len / --cp) must be "
+                      "a multiple of 16 (cuBLASLt's FP8 GEMM: dL/dW sums over them)")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
@@ -301,6 +305,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
     untested = [f"--{f}" for f in ("lora", "qlora") if getattr(args, f, None)]
     if getattr(args, "optimizer", None) == "muon":
         untested.append("--optimizer muon")
+    untested += [f"--{f}" for f in ("sft", "dpo", "grpo") if getattr(args, f)]  # they generate: 1 token a row
     if args.fp8 and untested:
         errors.append(f"--fp8 with {' / '.join(untested)} is not tested: drop one (docs/running.md)")
     return errors + check_outputs(args)

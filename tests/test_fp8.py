@@ -179,3 +179,16 @@ def test_compiles_without_a_graph_break():
         f(xi).square().sum().backward()
         outs.append((xi.grad, lin.weight.grad.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_refusals_name_the_flags():
+    import cli
+    import grid as G
+    cfg = M.PRESETS["tiny"]
+    for flag in ("--sft", "--dpo", "--grpo"):
+        errors = cli.validate(cli.parse_args(["--fp8", flag]), cfg, G.Grid(0, 1, torch.device("cpu")))
+        assert any(f"--fp8 with {flag} is not tested" in e for e in errors), errors
+    cuda = G.Grid(0, 1, torch.device("cuda"))
+    short = cli.parse_args(["--fp8", "--batch-size", "4", "--micro-batches", "4", "--seq-len", "24"])
+    assert any("multiple of 16" in e for e in cli.validate(short, cfg, cuda))
+    assert not cli.validate(cli.parse_args(["--fp8", "--batch-size", "4", "--seq-len", "32"]), cfg, cuda)
