@@ -192,3 +192,18 @@ def test_refusals_name_the_flags():
     short = cli.parse_args(["--fp8", "--batch-size", "4", "--micro-batches", "4", "--seq-len", "24"])
     assert any("multiple of 16" in e for e in cli.validate(short, cfg, cuda))
     assert not cli.validate(cli.parse_args(["--fp8", "--batch-size", "4", "--seq-len", "32"]), cfg, cuda)
+
+
+def test_8b_offload_and_fp8_gather_formulas():
+    import zero_memory as ZM
+    from bench.bench_theory import H200_BYTES, formulas
+    psi = M.PRESETS["8b"].num_params()
+    assert psi == 8_030_261_248  # Llama-3-8B: 2·128256·4096 + 32 layers + the final norm
+    assert ZM.offload_formula_bytes(1, psi, 1) == (4 * psi, 16 * psi)
+    assert ZM.offload_formula_bytes(2, 100, 4) == (250, 400)
+    assert ZM.offload_formula_bytes(1, psi, 1)[0] < H200_BYTES - 100e9  # 32 GB: room for activations
+    assert ZM.formula_bytes(0, psi, 1) > H200_BYTES - 13e9  # without offload: 128.5 GB of state alone
+    assert ZM.fp8_gather_bytes(10, 6, 1, 2) == (10, 9)  # bf16 2·10·½; FP8 (2·4 + 6 + 4·1)·½
+    with pytest.raises(ValueError, match="stage 1 or 2"):
+        ZM.offload_formula_bytes(3, psi, 8)
+    assert "| 8b | 8.03B | 128.5 | 32.1 / 128.5 | yes" in formulas()
