@@ -9,6 +9,7 @@ Tolerances
     bf16: both round one fp32 sum to bf16, so they differ by at most one bf16 ulp, 2^-7 relative.
     Layouts: see LAYOUT_RTOL.
 """
+import argparse
 import copy
 import json
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_swap_covers_the_layers_linears_only():
     swapped = [n for n, m in model.named_modules() if isinstance(m, FP8.Float8Linear)]
     assert swapped == [f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
     assert type(model.lm_head) is nn.Linear
+    line = train.fp8_text(argparse.Namespace(fp8_kept=kept))  # the start-up line names each kept linear
+    assert line.startswith(" (12 kept unquantized") and "model.layers.3.mlp.down_proj" in line
     with pytest.raises(ValueError, match="no 'layers'"):
         FP8.use_fp8(model, layers="layers")
 
