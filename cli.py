@@ -186,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--fp8", action="store_true", help="the decoder layers' linears multiply in FP8 (fp8.py: tensorwise "
                                          "dynamic scales, e4m3 forward, e5m2 gradients; embedding, head, "
                                          "norms and routers stay bf16)")
+    a("--offload", action="store_true", help="ZeRO-Offload with --zero 1/2: fp32 masters, Adam's m and v "
+                                             "and the step on the host (offload.py)")
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
@@ -308,6 +310,9 @@ def validate_more(args: argparse.Namespace) -> list[str]:
     untested += [f"--{f}" for f in ("sft", "dpo", "grpo") if getattr(args, f)]  # they generate: 1 token a row
     if args.fp8 and untested:
         errors.append(f"--fp8 with {' / '.join(untested)} is not tested: drop one (docs/running.md)")
+    if args.offload and (args.zero not in (1, 2) or args.fp8 or untested or args.save or args.resume):
+        errors.append("--offload goes with --zero 1 or 2 and pretraining; with --fp8, --save, --resume and "
+                      "the post-training modes it is not tested (docs/running.md)")
     return errors + check_outputs(args)
 
 

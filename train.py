@@ -79,6 +79,7 @@ import grid as G
 import grpo as GR
 import memory as MEM
 import model as M
+import offload as OFF
 import moe as MOE
 import pp as PP
 import precision as P
@@ -236,11 +237,12 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
     tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
     counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
-    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
-                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device, group_of=expert_reduction(model, grid))
+    make = OFF.apply_offload if args.offload else Z3.apply_zero  # offload: the step on the host
+    return make(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                init=init, device=grid.device, group_of=expert_reduction(model, grid))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset):

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['check']:15s} {'ok ' if r['ok'] else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in r.get("errors", {}).items())
-              + " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
+              + "".join(f" {k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
     print(f"results: {args.out}")
     return 0 if report["all_ok"] else 1
 

@@ -353,6 +353,26 @@ class Contract(TorchDispatchMode):
                   f"{x.untyped_storage().data_ptr() in self.pinned}, shape {tuple(x.shape)} strides "
                   f"{x.stride()}: the copy goes through a pageable temporary and blocks the host")
             self.seen["non_blocking copy"] += 1
+        if func is aten._to_copy.default and args[0].device.type == "meta" \
+                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            # device → host: meta has no values to read; the host gets uninitialized memory of that layout
+            self.seen["device→host copy"] += 1
+            return torch.empty_strided(args[0].shape, args[0].stride(), dtype=kwargs.get("dtype") or args[0].dtype)
+        if func is aten.copy_.default and args[0].device.type != args[1].device.type:
+            # Copy.cu copy_kernel_cuda: a non_blocking copy between host and device is async only with
+            # pinned, contiguous host memory (else a pageable temporary, and the host waits)
+            dst, src = args[0], args[1]
+            host = dst if dst.device.type == "cpu" else src
+            if args[2] if len(args) > 2 else kwargs.get("non_blocking", False):
+                _need(host.untyped_storage().data_ptr() in self.pinned and host.is_contiguous(),
+                      "Copy.cu copy_kernel_cuda (non_blocking copy_)",
+                      f"the host side must be pinned and contiguous, got shape {tuple(host.shape)} "
+                      f"strides {host.stride()}: the copy goes through a pageable temporary")
+                self.seen["non_blocking copy"] += 1
+            else:
+                self.seen["blocking copy"] += 1
+            if dst.device.type == "cpu":
+                return dst  # device → host: meta has no values to copy out
         rule = RULES.get(func) or VARLEN.get(func.name())
         if rule is not None:
             rule(args, kwargs)
