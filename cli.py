@@ -193,6 +193,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ac-every", type=int, default=1, help="checkpoint layers whose global index is a multiple of k")
     a("--compile", action="store_true", help="torch.compile each decoder layer (hooks, pipeline "
                                              "executor, embedding and head stay eager)")
+    a("--fp8", action="store_true", help="the decoder layers' linears multiply in FP8 (fp8.py: tensorwise "
+                                         "dynamic scales, e4m3 forward, e5m2 gradients; embedding, head, "
+                                         "norms and routers stay bf16)")
+    a("--offload", action="store_true", help="ZeRO-Offload with --zero 1/2: fp32 masters, Adam's m and v "
+                                             "and the step on the host (offload.py)")
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
@@ -252,6 +257,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     if micro >= 1 and args.batch_size % (dp_size * micro):
         errors.append(f"--batch-size {args.batch_size} is not divisible by dp size {dp_size} × "
                       f"--micro-batches {micro}")
+    elif micro >= 1 and args.fp8 and grid.device.type == "cuda" and \
+            (args.batch_size // (dp_size * micro) * args.seq_len // args.cp) % 16:
+        errors.append("--fp8 on CUDA: each matmul's tokens (rows per micro-batch × --seq-len / --cp) must be "
+                      "a multiple of 16 (cuBLASLt's FP8 GEMM: dL/dW sums over them)")
     if args.ac_every < 1 or (args.ac_every != 1 and not (args.ac or args.ac_mode)):
         errors.append(f"--ac-every {args.ac_every} needs to be >= 1 and goes with --ac / --ac-mode")
     if args.sft and (args.pp > 1 or args.sp) and not args.data:
@@ -311,6 +320,15 @@ def validate_more(args: argparse.Namespace) -> list[str]:
         errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
+    untested = [f"--{f}" for f in ("lora", "qlora") if getattr(args, f, None)]
+    if getattr(args, "optimizer", None) == "muon":
+        untested.append("--optimizer muon")
+    untested += [f"--{f}" for f in ("sft", "dpo", "grpo") if getattr(args, f)]  # they generate: 1 token a row
+    if args.fp8 and untested:
+        errors.append(f"--fp8 with {' / '.join(untested)} is not tested: drop one (docs/running.md)")
+    if args.offload and (args.zero not in (1, 2) or args.fp8 or untested or args.save or args.resume):
+        errors.append("--offload goes with --zero 1 or 2 and pretraining; with --fp8, --save, --resume and "
+                      "the post-training modes it is not tested (docs/running.md)")
     return errors + check_outputs(args)
 
 

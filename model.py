@@ -361,6 +361,9 @@ PRESETS: dict[str, LlamaConfig] = {
     "1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=8192, rope_theta=500000.0),  # Llama-3-8B's shape
 }
 
 

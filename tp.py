@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from functools import partial
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -167,13 +167,14 @@ class ColumnParallelLinear(nn.Module):
         self.start, self.n = _slice(group, out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.n, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.n, device=device, dtype=dtype)) if bias else None
+        self.linear_fn: Callable[..., torch.Tensor] = F.linear  # the matmul: F.linear's signature
 
     def shards(self) -> dict[str, Shard]:
         return {"weight": Shard(0, self.start, self.n, self.parts), "bias": Shard(0, self.start, self.n, self.parts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group)  # f. Backward: each rank's dL/dx is partial → all-reduce
-        return F.linear(x, self.weight, self.bias)  # (..., n)
+        return self.linear_fn(x, self.weight, self.bias)  # (..., n)
 
 
 class RowParallelLinear(nn.Module):
@@ -188,12 +189,13 @@ class RowParallelLinear(nn.Module):
         self.start, self.n = _slice(group, in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.n, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.linear_fn: Callable[..., torch.Tensor] = F.linear  # the matmul: F.linear's signature
 
     def shards(self) -> dict[str, Shard]:
         return {"weight": Shard(1, self.start, self.n)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_region(F.linear(x, self.weight), self.group)  # g: (..., out) full sum on every rank
+        y = reduce_from_region(self.linear_fn(x, self.weight), self.group)  # g: (..., out) full sum on every rank
         return y if self.bias is None else y + self.bias
 
 
@@ -712,7 +714,7 @@ class ColumnParallelLinearInRegion(ColumnParallelLinear):
     Something before it sums dL/dx in backward: `_enter_region`, or a SequenceParallelRMSNorm's gather."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (..., n)
+        return self.linear_fn(x, self.weight, self.bias)  # (..., n)
 
 
 # --- refinement: sequence parallelism
@@ -780,7 +782,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
     The bias now meets only this rank's tokens: it enters through f (its gradient is all-reduced)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_scatter_to_sequence_region(F.linear(x, self.weight), self.group)  # (B, S/tp, out)
+        y = reduce_scatter_to_sequence_region(self.linear_fn(x, self.weight), self.group)  # (B, S/tp, out)
         return y if self.bias is None else y + copy_to_region(self.bias, self.group)
 
 

@@ -74,10 +74,12 @@ import dp
 import dpo as DPO
 import export as EX
 import feed
+import fp8 as FP8
 import grid as G
 import grpo as GR
 import memory as MEM
 import model as M
+import offload as OFF
 import moe as MOE
 import pairing as PA
 import pp as PP
@@ -212,6 +214,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     PP.split_stage(model, grid.at.pp_rank, args.pp, cli.layer_ranges(args, cfg))
     shards = TP.apply_tp(model, grid.tp_group, sequence_parallel=args.sp)
     CP.apply_cp(model, grid.cp_group)
+    if args.fp8:  # the layers' linears in FP8; each amax spans the ranks splitting its tensor
+        args.fp8_kept = FP8.use_fp8(model, groups=(grid.tp_group, grid.cp_group))
     shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
     W.materialize_buffers(model, grid.device)
@@ -235,11 +239,12 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     # an expert is sharded by ep, not tp: whole on every tp rank, so counted on tp rank 0
     tp_sharded = lambda n: n in shards and not W.expert_tensor(n)  # noqa: E731
     counted = lambda n: pp_counted(n) and (tp_sharded(n) or grid.at.tp_rank == 0)  # noqa: E731
-    return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
-                         reduce_dtype=reduce_dtype, prefetch=args.prefetch,
-                         norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                         init=init, device=grid.device, group_of=expert_reduction(model, grid))
+    make = OFF.apply_offload if args.offload else Z3.apply_zero  # offload: the step on the host
+    return make(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
+                reduce_dtype=reduce_dtype, prefetch=args.prefetch,
+                norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
+                tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                init=init, device=grid.device, group_of=expert_reduction(model, grid))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tpl: sft.ChatTemplate | None):
@@ -276,6 +281,7 @@ def announce(r: Run) -> None:
           + f"zero {args.zero} · {r.numerics} on {grid.device.type}"
           + (f", reductions in {args.reduce_dtype}" if args.dtype == "bf16" else "")
           + (" · compiled layers" + eager_text(args) if args.compile else "")
+          + (" · fp8 linears" + fp8_text(args) if args.fp8 else "")
           + (f" · MFU vs {peak / 1e12:.0f} TFLOP/s" if peak else "")
           + f" · {getattr(args, 'tokenizer_note', 'tokenizer bytes')}" + feed.cache_text(args), flush=True)
     if args.pp > 1:
@@ -702,6 +708,12 @@ def eager_text(args: argparse.Namespace) -> str:
              f"MoE block would break the graph inside the checkpoint)" if whole else "")
             + (f" (eager between two graphs, for their data-dependent shapes: the MoE blocks "
                f"{', '.join(blocks)})" if blocks else ""))
+
+
+def fp8_text(args: argparse.Namespace) -> str:
+    """The linears --fp8 left in the compute dtype: a local shape not a multiple of 16 (fp8.fits)."""
+    kept = args.fp8_kept
+    return f" ({len(kept)} kept unquantized, dims not multiples of 16: {', '.join(kept)})" if kept else ""
 
 
 if __name__ == "__main__":

@@ -101,3 +101,25 @@ def ep_formula_bytes(stage: int, dense: int, experts: int, n: int, ep: int) -> f
     if ep < 1 or n % ep or experts % ep:
         raise ValueError(f"ep={ep} must divide the ZeRO group's {n} ranks and the {experts} expert parameters")
     return formula_bytes(stage, dense, n) + formula_bytes(stage, experts // ep, n // ep)
+
+
+# ---- refinement: ZeRO-Offload's split of the state, and FP8's gather (formulas: docs/fp8.md)
+def offload_formula_bytes(stage: int, psi: int, n: int) -> tuple[float, float]:
+    """(GPU, host) bytes per rank between steps when the fp32 master, Adam's m and v and the
+    step move to the host (ZeRO-Offload, Ren et al. 2021) at ZeRO stage 1 or 2 over n ranks.
+    GPU: bf16 params (2Ψ) and bf16 grads, whole at stage 1 (2Ψ), sharded at stage 2 (2Ψ/N).
+    Host: the fp32 master, m and v (12Ψ/N) and the fp32 gradient pieces the step reads (4Ψ/N).
+    Test: tests/test_fp8.py::test_8b_offload_and_fp8_gather_formulas."""
+    if stage not in (1, 2):
+        raise ValueError(f"offload goes with ZeRO stage 1 or 2, got {stage}")
+    return 2 * psi + (2 * psi if stage == 1 else 2 * psi / n), 16 * psi / n
+
+
+def fp8_gather_bytes(psi: int, linear: int, tensors: int, n: int) -> tuple[float, float]:
+    """(bf16, FP8) bytes one rank receives when ZeRO-3 all-gathers the whole model once.
+    psi parameters in all; `linear` of them in FP8 linears, in `tensors` weight tensors.
+    An FP8 gather moves 1 byte per linear weight and one fp32 scale per tensor; the rest stays bf16.
+    Test: the same."""
+    share = (n - 1) / n  # the pieces that come from the other ranks
+    return 2 * psi * share, (2 * (psi - linear) + linear + 4 * tensors) * share
+

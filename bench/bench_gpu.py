@@ -14,6 +14,9 @@ What it does
       fp32_gqa         attention.attend in fp32 with GQA (k/v expanded: the efficient kernel)
                        against the fp64 math, and its peak memory against the S² a math
                        fallback would keep
+      fp8_linear       fp8.fp8_linear forward + backward (cuBLASLt's FP8 GEMM via torch._scaled_mm)
+                       against the same FP8 codes dequantized and multiplied in fp32; its time
+                       against bf16 F.linear on the same shape
       pinned_copy      host time of feed.to_device (non_blocking) for feed.host_batch's pinned,
                        contiguous micro-batches, and for the same rows pinned as strided views
                        (the old behaviour: the host waits for the copy)
@@ -24,7 +27,7 @@ Run
     python -m bench.bench_gpu                      # one GPU: writes bench_gpu.json
     python -m bench.bench_gpu --smoke --out x.json # CPU, tiny sizes: the script's plumbing only
 
-Builds on: attention.py, cp.py, feed.py, grid.py, ops.py — the kernel calls it checks (and their
+Builds on: attention.py, cp.py, feed.py, fp8.py, grid.py, ops.py — the kernel calls it checks (and their
     CPU paths, for --smoke)
 
 Tolerances
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 import attention as A
 import cp as CP
 import feed
+import fp8 as FP8
 import grid as G
 import ops
 
@@ -118,6 +122,35 @@ def rms_norm(device: torch.device, dtype: torch.dtype, rows: int, h: int) -> dic
     rx, rw = torch.autograd.grad(y64, (x64, w64), dy.double())
     return _check("rms_norm", {"dx": _rel(gx, rx), "dw": _rel(gw, rw)}, 2e-2 if dtype != torch.float32 else 1e-4,
                   fused=ops.use_fused_rms_backward(x))
+
+
+def fp8_linear(device: torch.device, M: int, K: int, N: int, repeats: int) -> dict:
+    """fp8.fp8_linear's y, dL/dx, dL/dW against the same codes dequantized and multiplied in fp32.
+    cuBLASLt accumulates in fp32 and rounds once to bf16: the bf16 tolerance of this file.
+    A wrong scale or layout gives O(1). Also ms per forward + backward, FP8 against bf16 F.linear."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(M, K, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(N, K, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(M, N, generator=g).to(device, torch.bfloat16)
+    y = FP8.fp8_linear(x, w)
+    y.backward(dy)
+    xq, sx = FP8.quantize(x, FP8.E4M3)
+    wq, sw = FP8.quantize(w, FP8.E4M3)
+    gq, sg = FP8.quantize(dy, FP8.E5M2)
+    deq = lambda q, s: q.float() / s  # noqa: E731
+    ref = {"y": deq(xq, sx) @ deq(wq, sw).T, "dx": deq(gq, sg) @ deq(wq, sw), "dw": deq(gq, sg).T @ deq(xq, sx)}
+    errors = {k: _rel(v, ref[k]) for k, v in (("y", y), ("dx", x.grad), ("dw", w.grad))}
+    out = {}
+    for name, fn in (("fp8", lambda: FP8.fp8_linear(x, w)), ("bf16", lambda: F.linear(x, w))):
+        for _ in range(3):
+            fn().backward(dy)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn().backward(dy)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        out[f"{name}_ms"] = 1e3 * (time.perf_counter() - t0) / repeats
+    return _check("fp8_linear", errors, 2e-2, shape=[M, K, N], speedup=out["bf16_ms"] / out["fp8_ms"], **out)
 
 
 def fp32_gqa(device: torch.device, B: int, S: int, nh: int, nkv: int, d: int) -> dict:
@@ -192,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         rms_norm(device, half, 4096 if big else 8, 4096 if big else 64),
         rms_norm(device, torch.float32, 4096 if big else 8, 4096 if big else 64),
         fp32_gqa(device, 2 if big else 1, 2048 if big else 32, 16 if big else 4, 4 if big else 2, 128 if big else 16),
+        fp8_linear(device, 16384 if big else 32, 4096 if big else 64, 4096 if big else 32, 20 if big else 2),
         pinned_copy(device, 16 if big else 4, 4096 if big else 32, 8 if big else 2, 20 if big else 2),
     ]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
@@ -201,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['check']:15s} {'ok ' if r['ok'] else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in r.get("errors", {}).items())
-              + " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
+              + "".join(f" {k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
     print(f"results: {args.out}")
     return 0 if report["all_ok"] else 1
 

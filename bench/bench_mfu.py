@@ -4,6 +4,7 @@ What it does
     For the `1b` preset in bf16 at seq 2048 (fp32 masters, fp32 gradient accumulation: train.py's
     defaults, through zero.apply_zero_0_to_2 stage 0), one configuration after another in a fresh model:
       layers  eager | --compile (model.compile_layers)      AC  none | selective | full
+    (--fp8-rows: eager and compiled without AC, each in bf16 and with FP8 linears, fp8.py),
     then the same steps through transformers' LlamaForCausalLM (sdpa) with the same weights, batches
     and optimizer. Each row: median step time after warm-up (CUDA-synchronized), tokens/s, MFU =
     tokens/s × cli.flops_per_token / the GPU's dense bf16 peak (cli.GPU_PEAK_TFLOPS or
@@ -21,7 +22,7 @@ Run
     python -m bench.bench_mfu --smoke          # CPU: the tiny preset, 2 steps per row, one compiled
                                                # row (tests/test_bench.py; test_compile.py does the rest)
 
-Builds on: bench_ctx.py, ac.py, attention.py, cli.py, loss.py, model.py, precision.py, weights.py, zero.py
+Builds on: bench_ctx.py, ac.py, attention.py, cli.py, fp8.py, loss.py, model.py, precision.py, weights.py, zero.py
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ac as AC
 import attention as A
 import cli
+import fp8 as FP8
 from loss import cross_entropy
 import model as M
 import precision as P
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--peak-tflops", type=float, default=None, help="override the GPU's dense bf16 peak")
     a("--no-hf", action="store_true", help="skip the transformers row")
+    a("--fp8-rows", action="store_true", help="only the FP8 comparison: eager and compiled layers "
+                                              "without AC, each in bf16 and with fp8.use_fp8 (--fp8)")
     a("--smoke", action="store_true", help="CPU check of this script: tiny preset, seq 64, batch 2, 2 steps")
     a("--out", default=None, help="also write the report there; default: print only")
     args = p.parse_args(argv)
@@ -139,9 +143,11 @@ def batches(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch.device) 
 
 
 def ours(cfg: M.LlamaConfig, args: argparse.Namespace, device: torch.device, compiled: bool,
-         ac: str | None, data: list[torch.Tensor]) -> dict:
-    """train.py's path: build, AC, compile, then ZeRO stage 0 (fp32 masters, fp32 main grads)."""
+         ac: str | None, data: list[torch.Tensor], fp8: bool = False) -> dict:
+    """train.py's path: build, FP8 (--fp8), AC, compile, then ZeRO stage 0 (fp32 masters and grads)."""
     model = W.materialize(M.build(cfg), device, seed=args.seed)
+    if fp8:
+        FP8.use_fp8(model)
     if ac:
         AC.apply_ac(model, ac)
     if compiled:
@@ -228,8 +234,10 @@ def check(args: argparse.Namespace, device: torch.device, say: Callable[[str], N
     clean(device)
     say(f"[mfu] bf16 gradients vs transformers (one row): {grads}")
     rows = []
-    plan = [(("compiled" if c else "eager"), ac or "none", lambda c=c, ac=ac: ours(cfg, args, device, c, ac, data))
-            for c, ac in (SMOKE if args.smoke else CONFIGS)]
+    configs = [(c, None, f) for c in (False, True) for f in (False, True)] if args.fp8_rows else \
+        [(c, ac, False) for c, ac in (SMOKE if args.smoke else CONFIGS)]
+    plan = [(("compiled" if c else "eager") + (" fp8" if f else ""), ac or "none",
+             lambda c=c, ac=ac, f=f: ours(cfg, args, device, c, ac, data, f)) for c, ac, f in configs]
     if not args.no_hf:
         plan.append(("transformers LlamaForCausalLM (sdpa)", "none", lambda: transformers_row(cfg, args, device, data)))
     for layers, ac, run in plan:

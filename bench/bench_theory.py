@@ -23,6 +23,7 @@ What it does
 Run
     torchrun --nproc_per_node 4 -m bench.bench --only pp,memory
     python -m bench.bench_theory --model 1b --dp 8 --zero 3 --ac     # one rank of dp=8, fake process group
+    python -m bench.bench_theory --formulas     # 1b and 8b: offload's GPU bytes at dp 1, FP8's gather bytes
 
 Builds on: bench_ctx.py, ac.py, dp.py, memory.py, model.py, pp.py, precision.py, weights.py, zero.py, zero3.py
 """
@@ -391,5 +392,30 @@ def fake_pg(argv: list[str] | None = None) -> str:
     return text
 
 
+H200_BYTES = 141e9  # one H200's HBM as sold (torch reports about 139 GiB of it usable)
+
+
+def formulas(presets: tuple[str, ...] = ("1b", "8b"), n: int = 8) -> str:
+    """Formula-only rows (no model is built): one rank's state at dp 1 with and without ZeRO-Offload,
+    beside one H200; and ZeRO-3's gather bytes at dp n in bf16 and with FP8 linears (docs/fp8.md)."""
+    md_row = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    gb = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
+    rows = [md_row(["model", "Ψ", "16Ψ, dp 1 (GB)", "offload ZeRO-1, dp 1: GPU / host (GB)", "fits one H200 (141 GB)",
+                    f"ZeRO-3 gather at dp {n}: bf16 / FP8 (GB)"]), "|---" * 6 + "|"]
+    for name in presets:
+        cfg = M.PRESETS[name]
+        psi, layers = cfg.num_params(), cfg.num_hidden_layers
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        linear = layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        gpu, host = ZM.offload_formula_bytes(1, psi, 1)
+        bf16, fp8 = ZM.fp8_gather_bytes(psi, linear, 7 * layers, n)
+        rows.append(md_row([name, f"{psi / 1e9:.2f}B", gb(ZM.formula_bytes(0, psi, 1)), f"{gb(gpu)} / {gb(host)}",
+                            f"{'yes' if gpu < H200_BYTES else 'no'} ({gb(H200_BYTES - gpu)} GB left for activations)",
+                            f"{gb(bf16)} / {gb(fp8)}"]))
+    text = "\n".join(rows)
+    print(text, flush=True)
+    return text
+
+
 if __name__ == "__main__":
-    fake_pg()
+    formulas() if sys.argv[1:] == ["--formulas"] else fake_pg()

@@ -191,6 +191,31 @@ def _rule_fused_adamw(args: tuple, kwargs: dict) -> None:
           "state_steps fp32 on the params' device (fused AdamW keeps its step there)")
 
 
+CAPABILITY = (9, 0)  # the stand-in GPU's compute capability (H100/H200); a test may lower it
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _rule_scaled_mm(args: tuple, kwargs: dict) -> None:
+    # aten/src/ATen/native/cuda/Blas.cpp _scaled_mm_out_cuda: compute capability 8.9 or 9.0+
+    # (cuBLASLt's FP8 GEMM); 2-D operands; mat1's trailing dim and both of mat2's dims divisible by
+    # 16; mat1 row-major and mat2 column-major (cuBLASLt's "TN" layout, the only one for FP8);
+    # not two e5m2 operands; tensorwise scales: one fp32 value each; out_dtype bf16/fp16/fp32/fp8
+    rule = "aten._scaled_mm (Blas.cpp)"
+    a, b, sa, sb = args[:4]
+    out = kwargs.get("out_dtype", args[6] if len(args) > 6 else None) or a.dtype
+    _need(CAPABILITY >= (8, 9), rule, f"FP8 GEMMs need sm89 or newer, this GPU is sm{CAPABILITY[0]}{CAPABILITY[1]}")
+    _need(a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0], rule, f"shapes {tuple(a.shape)} @ {tuple(b.shape)}")
+    _need(a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, rule,
+          f"dims must be multiples of 16, got {tuple(a.shape)} @ {tuple(b.shape)}")
+    _need(a.stride(1) == 1 and b.stride(0) == 1, rule,
+          f"mat1 row-major and mat2 column-major, got strides {a.stride()} and {b.stride()}")
+    _need(a.dtype in FP8 and b.dtype in FP8 and (a.dtype, b.dtype) != (torch.float8_e5m2,) * 2, rule,
+          f"operands {a.dtype} and {b.dtype}")
+    _need(all(s.dtype == torch.float32 and s.numel() == 1 for s in (sa, sb)), rule,
+          f"tensorwise scales are one fp32 value each, got {sa.dtype} {tuple(sa.shape)}, {sb.dtype} {tuple(sb.shape)}")
+    _need(out in (torch.bfloat16, torch.float16, torch.float32, *FP8), rule, f"out_dtype {out}")
+
+
 def _rule_collective(name: str, inp: Callable, out: Callable, ratio: int) -> Callable:
     # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp: allreduce / broadcast / send / recv call
     # check_gpu_single_tensor ("Tensors must be contiguous"); _allgather_base and
@@ -233,6 +258,7 @@ RULES: dict[Any, Callable[[tuple, dict], None]] = {
     aten._fused_rms_norm_backward.default: _rule_rms_backward,
     aten._fused_adamw_.default: _rule_fused_adamw,
     aten._fused_adamw_.tensor_lr: _rule_fused_adamw,
+    aten._scaled_mm.default: _rule_scaled_mm,
     c10d.allreduce_.default: _rule_collective("allreduce", lambda a: _flat(a[0]), lambda a: [], 0),
     c10d.broadcast_.default: _rule_collective("broadcast", lambda a: _flat(a[0]), lambda a: [], 0),
     c10d.send.default: _rule_collective("send", lambda a: _flat(a[0]), lambda a: [], 0),
@@ -327,6 +353,26 @@ class Contract(TorchDispatchMode):
                   f"{x.untyped_storage().data_ptr() in self.pinned}, shape {tuple(x.shape)} strides "
                   f"{x.stride()}: the copy goes through a pageable temporary and blocks the host")
             self.seen["non_blocking copy"] += 1
+        if func is aten._to_copy.default and args[0].device.type == "meta" \
+                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            # device → host: meta has no values to read; the host gets uninitialized memory of that layout
+            self.seen["device→host copy"] += 1
+            return torch.empty_strided(args[0].shape, args[0].stride(), dtype=kwargs.get("dtype") or args[0].dtype)
+        if func is aten.copy_.default and args[0].device.type != args[1].device.type:
+            # Copy.cu copy_kernel_cuda: a non_blocking copy between host and device is async only with
+            # pinned, contiguous host memory (else a pageable temporary, and the host waits)
+            dst, src = args[0], args[1]
+            host = dst if dst.device.type == "cpu" else src
+            if args[2] if len(args) > 2 else kwargs.get("non_blocking", False):
+                _need(host.untyped_storage().data_ptr() in self.pinned and host.is_contiguous(),
+                      "Copy.cu copy_kernel_cuda (non_blocking copy_)",
+                      f"the host side must be pinned and contiguous, got shape {tuple(host.shape)} "
+                      f"strides {host.stride()}: the copy goes through a pageable temporary")
+                self.seen["non_blocking copy"] += 1
+            else:
+                self.seen["blocking copy"] += 1
+            if dst.device.type == "cpu":
+                return dst  # device → host: meta has no values to copy out
         rule = RULES.get(func) or VARLEN.get(func.name())
         if rule is not None:
             rule(args, kwargs)

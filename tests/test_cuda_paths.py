@@ -12,7 +12,8 @@ ring forward + backward (the flash block kernels, P2P); ZeRO-0..3 with and witho
 micro-batches at dp 2; the pipeline executor's P2P at pp 2; the compiled layer traced with
 torch.compile(backend="aot_eager") on meta (--compile --ac with packed rows and with --cp: what
 runs eagerly, and that the log line says so). Plus the host-side fixes: TF32 through one API, the
-GPU peak table, memory.py's CPU accounting only for a CPU meter.
+GPU peak table, memory.py's CPU accounting only for a CPU meter. And --fp8: torch._scaled_mm under
+cuBLASLt's FP8 rules (sm89+, dims of 16, column-major second operand, fp32 scales, output dtype).
 """
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def test_bench_gpu_smoke(tmp_path):
     out = tmp_path / "bench_gpu.json"
     assert bench_gpu.main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["all_ok"] and len(report["results"]) == 6
+    assert report["all_ok"] and len(report["results"]) == 7
     assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
 
 
@@ -298,3 +299,29 @@ def test_log_line_names_eager_layers(capsys, tmp_path, mode):
     train.main([mode, "--compile", "--ac", "--steps", "0", "--seq-len", "256", *data])
     line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
     assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line
+
+
+def test_fp8_linear_under_the_contract(meta):
+    """--fp8 at tp 2 with sp in bf16: every decoder linear takes torch._scaled_mm three times a
+    micro-batch (y, dL/dx, dL/dW), each call within cuBLASLt's FP8 rules (cuda_contract's
+    _rule_scaled_mm); the amaxes are all-reduced over tp. Then each rule refuses what it must."""
+    import cuda_contract
+    import fp8 as FP8
+    with fake_world(0, 2, meta):
+        seen = one_step(["--fp8", "--tp", "2", "--sp"], Rows(), world=2)
+    layers = M.PRESETS["tiny"].num_hidden_layers
+    # q, k, v, o in FP8; tiny's MLP shard is 176 / 2 = 88 wide, not a multiple of 16: kept (fp8.fits)
+    assert seen["aten::_scaled_mm"] == 3 * 4 * layers
+    assert seen["_c10d_functional::all_reduce"] >= seen["aten::_scaled_mm"]  # one amax per operand
+    a = torch.zeros(32, 64, dtype=FP8.E4M3, device=META)
+    one = torch.ones((), device=META)
+    cases = {"multiples of 16": (a, torch.zeros(24, 64, dtype=FP8.E4M3, device=META).t(), one),
+             "column-major": (a, torch.zeros(64, 32, dtype=FP8.E4M3, device=META), one),
+             "fp32 value": (a, torch.zeros(32, 64, dtype=FP8.E4M3, device=META).t(), one.double())}
+    with Contract():
+        for what, (x, w, s) in cases.items():
+            with pytest.raises(ContractError, match=what):
+                torch._scaled_mm(x, w, scale_a=one, scale_b=s, out_dtype=torch.bfloat16)
+        meta.setattr(cuda_contract, "CAPABILITY", (8, 0))  # an A100
+        with pytest.raises(ContractError, match="sm89"):
+            FP8.fp8_linear(torch.zeros(16, 64, device=META), torch.zeros(32, 64, device=META))
