@@ -150,6 +150,18 @@ class LlamaConfig:
     output_router_logits: bool = False  # transformers adds coef · load-balancing loss only then
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: dense layers
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
+    # ---- refinement: DeepSeek-V3's fields (deepseek.py: MLA, the sigmoid router, shared experts)
+    q_lora_rank: int | None = None  # MLA: q through a rank-r bottleneck (None: one q_proj)
+    kv_lora_rank: int = 0  # MLA: the latent that k and v are expanded from
+    qk_nope_head_dim: int = 0  # the part of a q/k head without RoPE
+    qk_rope_head_dim: int = 0  # the decoupled RoPE part (one key head shared by all heads)
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on (x0, x1), (x2, x3), ... pairs
+    n_shared_experts: int = 0  # one MLP of n_shared · moe_intermediate_size beside the routed experts
+    n_group: int = 1  # group-limited routing: the experts in n_group groups,
+    topk_group: int = 1  # of which each token may use topk_group
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.0  # aux-loss-free balancing: the bias step per optimizer step
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts (moe.py). Qwen3-MoE's rule; the other
@@ -911,3 +923,5 @@ def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict
 
 EXTENSIONS |= {f: Extension(_read_experts, _write_experts, _check_experts, _expert_shapes, moe.use_experts)
                for f in MOE_FAMILIES}
+
+import deepseek  # noqa: E402,F401 (registers model_type deepseek_v3: MLA and its router)

