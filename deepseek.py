@@ -80,6 +80,10 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias=b)
         self.window = None  # LayerCache.attend reads it
         self.attn_fn = M.attend  # model.Attention's seam: cp.py's ring swaps it
+        # the rotated key head that every local head shares: tp.py's f (its gradient summed over tp)
+        self.shared_fn = lambda t: t
+        self.q_norm = self.k_norm = None  # no per-head q/k norm (tp.py asks)
+        self.qk_norm_whole = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Any, *, cache: Any = None) -> torch.Tensor:
@@ -97,11 +101,28 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         nh = k_nope.shape[2]
         q = torch.cat([q_pass, q_rot], dim=-1)  # (B, S, nh, qk)
-        k = torch.cat([k_nope, k_rot.expand(B, S, nh, self.rope)], dim=-1)  # (B, S, nh, qk)
+        k = torch.cat([k_nope, self.shared_fn(k_rot).expand(B, S, nh, self.rope)], dim=-1)  # (B, S, nh, qk)
         # equal dims for every attention path: v padded with zeros, the padded outputs dropped
         v = F.pad(v, (0, self.qk_dim - self.v_dim))  # (B, S, nh, qk)
         y = self.attn_fn(q, k, v, docs) if cache is None else cache.attend(q, k, v, self)  # (B, S, nh, qk)
         return self.o_proj(y[..., :self.v_dim].reshape(B, S, -1))  # (B, S, nh·v) → (B, S, H)
+
+
+    def tp_style(self, layer: nn.Module, group: Group, sequence_parallel: bool) -> None:
+        """tp.apply_tp's style: heads split after the low-rank projections. q_a, kv_a and their
+        norms are replicated (every rank computes them on the whole x). q_b (or q_proj) and kv_b are
+        column-parallel: whole heads per rank, their f sums the latents' gradients over tp. The
+        shared rotated key gets f too. o_proj is row-parallel (its all-reduce completes the output)."""
+        if sequence_parallel:
+            raise ValueError("MLA (deepseek_v3) with sequence parallelism: not built (use --tp without --sp)")
+        from tp import ColumnParallelLinear, RowParallelLinear, copy_to_region  # apply_tp calls this
+        for name in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj"):
+            old = getattr(self, name, None)
+            if old is not None:
+                cls = RowParallelLinear if name == "o_proj" else ColumnParallelLinear
+                setattr(self, name, cls(old.in_features, old.out_features, old.bias is not None, group,
+                                        device="meta", dtype=old.weight.dtype))
+        self.shared_fn = lambda t: copy_to_region(t, group)
 
 
 # ------------------------------------------------------------------------------------------ router
@@ -296,3 +317,84 @@ M.FAMILIES["deepseek_v3"] = ("DeepseekV3ForCausalLM", dict(
 M._DEFAULTS["deepseek_v3"] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096)
 M._WINDOW["deepseek_v3"] = None
 M.EXTENSIONS["deepseek_v3"] = M.Extension(_read, _write, _check, _shapes, use_deepseek)
+
+
+# ------------------------------------------------------------------------------------------ refinement: aux-loss-free balancing
+# DeepSeek-V3 §2.1.2: no auxiliary loss. After each step the bias of an overloaded expert falls by
+# γ and an underloaded one's rises by γ: b_i += γ · sign(mean load − load_i). transformers loads
+# and applies the bias but never trains it, so the rule is the paper's. The bias only steers the
+# choice: the combine weights stay the plain scores, so the gradient is untouched.
+# A layer's load is the picks of every token that layer routed in the step: all micro-batches,
+# summed over the ranks that route tokens of their own (dp, which holds ep and cp, and tp under
+# sp). tp ranks without sp route the same tokens: their loads are equal, not summed. A pipeline
+# stage holds its layers alone, so each stage updates its own routers.
+
+
+class BiasBalancer:
+    """The bias update of every SigmoidRouter in `model`: `step()` once per optimizer step.
+    Loads are recorded only inside the model's forward with gradients on. Activation
+    checkpointing's recompute (in backward) and evaluation thus count nothing.
+    groups: the process groups the loads are summed over, in turn (None entries are skipped)."""
+
+    def __init__(self, model: nn.Module, speed: float, groups: list[Group] = ()):
+        self.routers, self.speed, self.groups = routers(model), speed, [g for g in groups if g is not None]
+        if not self.routers:
+            raise ValueError("BiasBalancer: the model has no deepseek.SigmoidRouter")
+        device = self.routers[0].e_score_correction_bias.device
+        self.loads = torch.zeros(len(self.routers), self.routers[0].cfg.num_experts, dtype=torch.int64,
+                                 device=device)  # (L, E) this step's picks
+        self.handles = [model.register_forward_pre_hook(self._open), model.register_forward_hook(self._close)]
+
+    def _open(self, model: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            for r, row in zip(self.routers, self.loads):
+                r.loads = row  # a view: the router adds its picks in place
+
+    def _close(self, model: nn.Module, args: tuple, out: Any) -> None:
+        for r in self.routers:
+            r.loads = None
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """Sum the step's loads over the groups, move every bias by γ against its load error, and
+        start the next step's count. Returns the summed loads (L, E), for logging."""
+        loads = self.loads.clone()
+        for g in self.groups:
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(loads, group=g)
+        error = loads.float().mean(dim=1, keepdim=True) - loads.float()  # (L, E): > 0 underloaded
+        for r, e in zip(self.routers, torch.sign(error)):
+            r.e_score_correction_bias.add_(e, alpha=self.speed)
+        self.loads.zero_()
+        return loads
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def spread(loads: torch.Tensor) -> torch.Tensor:
+    """How unevenly the experts are loaded: (L, E) loads → the mean over layers of max / mean."""
+    loads = loads.float()
+    return (loads.max(dim=1).values / loads.mean(dim=1)).mean()
+
+
+# ------------------------------------------------------------------------------------------ presets
+# For `python train.py --model dsv3-tiny`: the byte vocabulary (260), a dense first layer, 8 routed
+# experts in 4 groups (2 of them per token), 2 picks, one shared expert, q and kv bottlenecks.
+M.PRESETS |= {
+    "dsv3-tiny": M.LlamaConfig(
+        vocab_size=260, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=1024, model_type="deepseek_v3",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        router_aux_loss_coef=0.0, mlp_only_layers=(0,), q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, n_shared_experts=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, bias_update_speed=BIAS_UPDATE_SPEED),
+    "dsv3-small": M.LlamaConfig(
+        vocab_size=260, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=8, head_dim=16, max_position_embeddings=2048, model_type="deepseek_v3",
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, norm_topk_prob=True,
+        router_aux_loss_coef=0.0, mlp_only_layers=(0,), q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, rope_interleave=True, n_shared_experts=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, bias_update_speed=BIAS_UPDATE_SPEED),
+}

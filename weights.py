@@ -230,12 +230,20 @@ def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
 
 
 @torch.no_grad()
-def materialize_buffers(model: Llama, device: torch.device | str) -> Llama:
+def materialize_buffers(model: Llama, device: torch.device | str,
+                        read: Callable[[str, int, int], torch.Tensor] | None = None) -> Llama:
     """Allocate only the buffers (RoPE's inv_freq, recomputed): the parameters stay on the meta
-    device for zero3.apply_zero(init=param_reader(...)) to build sharded."""
+    device for zero3.apply_zero(init=param_reader(...)) to build sharded. The state buffers
+    (`state_buffers`) are filled by `read` (param_reader's), else zero."""
     rotary = model.model.rotary_emb
     rotary.to_empty(device=device)
     rotary.reset_buffers()
+    for name, b in state_buffers(model).items():
+        owner, _, attr = name.rpartition(".")
+        t = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        if read is not None:
+            t.copy_(read(name, 0, t.numel()).view_as(t))
+        model.get_submodule(owner)._buffers[attr] = t
     return model
 
 
