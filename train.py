@@ -191,6 +191,7 @@ def build(r: Run) -> None:
         with G.stage("building the model and the optimizer state", grid, collectives=False):
             r.model, r.shards, init = build_model(args, r.cfg, grid)
             r.opt = make_optimizer(args, r.model, r.shards, init, grid)
+            r.opt.state_buffers = W.state_buffers(r.model)  # checkpointed with the masters (checkpoint.py)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         G.fail(str(e), grid)
     r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
