@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+import deepseek as DS
 import grid as G
 import grpo
 import model as M
@@ -237,6 +238,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(str(e))
     errors += validate_pipeline(args, cfg)
     errors += validate_moe(args, cfg)
+    errors += DS.refusals(args, cfg)  # deepseek_v3's flags not built or not tested
     errors += validate_ep(args, cfg, dp_size * args.cp)
     micro = micro_batches(args, grid.world)
     if micro >= 1 and args.batch_size % (dp_size * micro):

@@ -398,3 +398,17 @@ M.PRESETS |= {
         qk_rope_head_dim=16, v_head_dim=32, rope_interleave=True, n_shared_experts=1, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, bias_update_speed=BIAS_UPDATE_SPEED),
 }
+
+
+# ------------------------------------------------------------------------------------------ flags
+def refusals(args: Any, cfg: M.LlamaConfig) -> list[str]:
+    """train.py's flags that do not combine with a deepseek_v3 model, each with its reason (cli.py
+    adds them to its errors). Every other flag is tested (docs/models.md)."""
+    if cfg.model_type != "deepseek_v3":
+        return []
+    why = {"--sp": "MLA's tp split keeps the low-rank projections replicated on whole sequences; "
+                   "sequence parallelism for it is not built (use --tp without --sp)",
+           "--compile": "not tested with MLA and the sigmoid router yet",
+           "--dpo": "not tested with deepseek_v3 yet", "--grpo": "not tested with deepseek_v3 yet"}
+    return [f"{flag} with a deepseek_v3 model: {reason}" for flag, reason in why.items()
+            if getattr(args, flag[2:].replace("-", "_"), False)]

@@ -239,3 +239,26 @@ def test_layouts_equal_single_process(tmp_path):
         got = W.SafetensorsDir(tmp_path / f"out_{name}")
         for k in (bias, "model.layers.1.mlp.gate.e_score_correction_bias"):
             assert torch.equal(got.block(k, ref[k].shape, (slice(None),)), ref[k]), (name, k)
+
+
+def test_flags_refused_by_name():
+    """One message names each flag not built or not tested with deepseek_v3, before any work."""
+    import cli
+    import grid as G
+
+    def validate(*argv: str) -> str:
+        grid = G.Grid(rank=0, world=2, device=torch.device("cpu"))
+        return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", "--model", "dsv3-tiny", "--tp", "2", *argv]),
+                                       M.PRESETS["dsv3-tiny"], grid))
+    text = validate("--sp", "--compile", "--dpo")
+    for flag in ("--sp", "--compile", "--dpo"):
+        assert f"{flag} with a deepseek_v3 model" in text
+    assert validate("--sft") == ""
+
+
+def test_generate_cached_equals_uncached():
+    """MLA's padded v through the KVCache: cached greedy decoding gives the uncached tokens."""
+    m = tiny(4)
+    ids = torch.randint(0, 260, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(M.generate(m, ids, 6, use_cache=True, lengths=[7, 5]),
+                       M.generate(m, ids, 6, use_cache=False, lengths=[7, 5]))
