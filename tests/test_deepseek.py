@@ -217,7 +217,7 @@ def test_layouts_equal_single_process(tmp_path):
 
     def argv(name: str, *extra: str) -> list[str]:
         return ["--model", "dsv3-tiny", "--data", str(tmp_path / "data"), "--steps", "4", "--seq-len", "16",
-                "--batch-size", "4", "--lr", "3e-3", "--warmup", "1", "--metrics", str(tmp_path / f"{name}.jsonl"),
+                "--batch-size", "4", "--lr", "1e-3", "--warmup", "1", "--metrics", str(tmp_path / f"{name}.jsonl"),
                 "--export-hf", str(tmp_path / f"out_{name}"), *extra]
     run_ranks(_main, 1, argv("ref", "--micro-batches", "2", "--save", str(tmp_path / "ckpt"), "--save-every", "2"))
     want, norms = losses(tmp_path / "ref.jsonl"), grad_norms(tmp_path / "ref.jsonl")
