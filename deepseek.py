@@ -84,6 +84,8 @@ class MLA(nn.Module):
         self.shared_fn = lambda t: t
         self.q_norm = self.k_norm = None  # no per-head q/k norm (tp.py asks)
         self.qk_norm_whole = False
+        # YaRN: the softmax scale times mscale(factor, mscale_all_dim)², as transformers; folded into q
+        self.q_scale = yarn_mscale(cfg.rope_scaling, "mscale_all_dim") ** 2 if cfg.rope_scaling else 1.0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Any, *, cache: Any = None) -> torch.Tensor:
@@ -101,6 +103,8 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         nh = k_nope.shape[2]
         q = torch.cat([q_pass, q_rot], dim=-1)  # (B, S, nh, qk)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale  # (q·s)·k/sqrt(qk): YaRN's softmax scale, SDPA's default kept
         k = torch.cat([k_nope, self.shared_fn(k_rot).expand(B, S, nh, self.rope)], dim=-1)  # (B, S, nh, qk)
         # equal dims for every attention path: v padded with zeros, the padded outputs dropped
         v = F.pad(v, (0, self.qk_dim - self.v_dim))  # (B, S, nh, qk)
@@ -123,6 +127,54 @@ class MLA(nn.Module):
                 setattr(self, name, cls(old.in_features, old.out_features, old.bias is not None, group,
                                         device="meta", dtype=old.weight.dtype))
         self.shared_fn = lambda t: copy_to_region(t, group)
+
+
+# ------------------------------------------------------------------------------------------ YaRN
+# DeepSeek-V3's long-context RoPE (Peng et al. 2023, "YaRN"), as transformers' _compute_yarn_parameters:
+# the high frequencies keep their value, the low ones are divided by `factor`, a linear ramp between.
+# cos and sin are multiplied by attention_factor; MLA's softmax scale by mscale(factor, mscale_all_dim)².
+def yarn_mscale(s: dict, key: str) -> float:
+    """0.1 · s[key] · ln(factor) + 1, as transformers' yarn_get_mscale (1 without the key)."""
+    return _mscale(s["factor"], s.get(key) or 0.0) if s.get(key) else 1.0
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(s: dict, dim: int, base: float, device: Any = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (dim/2,), attention_factor) of YaRN parameters `s`."""
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    attention = s.get("attention_factor")
+    if attention is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        attention = yarn_mscale(s, "mscale") / yarn_mscale(s, "mscale_all_dim") if both else _mscale(factor)
+    # the dimension pair that turns `rotations` times over the original context
+    at = lambda rotations: dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = at(fast), at(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)  # (dim/2,)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it was), 0: interpolate (divided by factor)
+    return (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep, float(attention)
+
+
+class YarnRotary(M.Rotary):
+    """model.Rotary with YaRN's inverse frequencies and its attention_factor on cos and sin."""
+
+    def reset_buffers(self) -> None:
+        self.inv_freq, self.attention = yarn_inv_freq(self.cfg.rope_scaling, self.cfg.head_dim,
+                                                      self.cfg.rope_theta, self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
+        s = freqs.sin() * self.attention
+        return ((torch.cat((freqs, freqs), dim=-1).cos() * self.attention).to(dtype),
+                torch.cat((-s, s), dim=-1).to(dtype))
 
 
 # ------------------------------------------------------------------------------------------ router
@@ -199,7 +251,10 @@ def use_deepseek(model: M.Llama) -> M.Llama:
         layer.self_attn = MLA(cfg, int(name))
         if cfg.is_sparse(int(name)):
             layer.mlp = DeepSeekMoE(cfg)
-    model.model.rotary_emb = M.Rotary(dataclasses.replace(cfg, head_dim=cfg.qk_rope_head_dim))
+    rope = dataclasses.replace(cfg, head_dim=cfg.qk_rope_head_dim)
+    model.model.rotary_emb = YarnRotary(rope) if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "yarn" \
+        else M.Rotary(rope)
+    model.model.rotary_emb.reset_buffers()
     model.register_forward_pre_hook(_drop_keys, with_kwargs=True)
     return model
 
@@ -316,7 +371,7 @@ M.FAMILIES["deepseek_v3"] = ("DeepseekV3ForCausalLM", dict(
     decoder_sparse_step=1, output_router_logits=False))
 M._DEFAULTS["deepseek_v3"] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=4096)
 M._WINDOW["deepseek_v3"] = None
-M.EXTENSIONS["deepseek_v3"] = M.Extension(_read, _write, _check, _shapes, use_deepseek)
+M.EXTENSIONS["deepseek_v3"] = M.Extension(_read, _write, _check, _shapes, use_deepseek, rope_types=("yarn",))
 
 
 # ------------------------------------------------------------------------------------------ refinement: aux-loss-free balancing

@@ -102,12 +102,14 @@ class Extension:
     read(config.json dict, family, errors) → its fields. write(config, dict) adds its keys to the
     dict. check(config) raises on bad values. shapes(config, global shapes) → the shapes it changes.
     modules(model) swaps in its modules, in place, and returns the model (`build`).
+    rope_types: the RoPE types besides default and llama3 that its modules compute.
     The defaults add nothing: a plain family's extension."""
     read: Callable[[dict, str, list[str]], dict] = lambda d, family, bad: {}
     write: Callable[["LlamaConfig", dict], None] = lambda cfg, d: None
     check: Callable[["LlamaConfig"], None] = lambda cfg: None
     shapes: Callable[["LlamaConfig", dict], dict] = lambda cfg, shapes: shapes
     modules: Callable[["Llama"], "Llama"] = lambda model: model
+    rope_types: tuple[str, ...] = ()
 
 
 EXTENSIONS: dict[str, Extension] = {family: Extension() for family in FAMILIES}  # model_type → what it adds
@@ -198,8 +200,9 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if any(isinstance(v, dict) for v in rope.values()):
             bad.append(f"rope_parameters={rope} (one RoPE per layer type: only one for all layers)")
-        elif rope_type not in ("default", "llama3"):
-            bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
+        elif rope_type not in ("default", "llama3", *EXTENSIONS[family].rope_types):
+            bad.append(f"rope_type={rope_type!r} (only 'default', 'llama3'"
+                       + "".join(f", {t!r}" for t in EXTENSIONS[family].rope_types) + ")")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
         own = EXTENSIONS[family].read(d, family, bad)
@@ -218,7 +221,7 @@ class LlamaConfig:
             head_dim=d.get("head_dim", defaults["head_dim"]) or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", defaults["max_position_embeddings"]),
             rms_norm_eps=d.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": "llama3"},
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
@@ -287,6 +290,9 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "llama3")
+        if rope_type not in ("llama3", *EXTENSIONS[self.model_type].rope_types):
+            raise ValueError(f"rope_scaling={self.rope_scaling}: {self.model_type} computes llama3 only")
         EXTENSIONS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
@@ -420,8 +426,8 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
     """Inverse frequencies (head_dim/2,), with the llama3 long-context rescaling when configured."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    if not cfg.rope_scaling:
-        return inv
+    if not cfg.rope_scaling or cfg.rope_scaling.get("rope_type", "llama3") != "llama3":
+        return inv  # no scaling, or one an Extension's modules compute (validate checks which)
     s = cfg.rope_scaling
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s.get("original_max_position_embeddings", cfg.max_position_embeddings)

@@ -4,15 +4,15 @@ Reference: tiny random models built with transformers' DeepseekV3Config and save
 save_pretrained. Every parameter is perturbed (norms away from 1), and the router's
 e_score_correction_bias is random, so it steers the selection. Two configs: q through its
 low-rank bottleneck with interleaved RoPE pairs, and a plain q_proj with attention biases and
-rotate_half RoPE. Both have a dense first layer, 4 groups of 2 experts (topk_group 2) and
-routed_scaling_factor 2.5.
+rotate_half RoPE; and the first with YaRN RoPE (factor 4, mscale_all_dim 0.7). All have a dense
+first layer, 4 groups of 2 experts (topk_group 2) and routed_scaling_factor 2.5.
 - logits, the loss and every gradient within 1e-5 relative (fp32: the same products; the
   experts' sums grouped differently);
 - export: transformers' keys exactly, every tensor bit-equal, and transformers' reload gives
   bit-equal logits;
 - packed rows equal each document alone (MLA through attention.py's document path, v padded);
 - the router's selection and the bias update against hand-computed cases;
-- refused by name: YaRN RoPE, FP8 quantization_config.
+- refused by name: another RoPE type, FP8 quantization_config, groups that do not divide.
 """
 import dataclasses
 import json
@@ -30,6 +30,10 @@ from test_model import assert_close
 CASES = {
     "q_lora": dict(q_lora_rank=24, rope_interleave=True),
     "q_proj": dict(q_lora_rank=None, rope_interleave=False, attention_bias=True),
+    # DeepSeek-V3's long-context RoPE; mscale_all_dim != mscale, so attention_factor != 1 too
+    "yarn": dict(q_lora_rank=24, max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0,
+        mscale_all_dim=0.7, beta_fast=32, beta_slow=1)),
 }
 
 
@@ -121,8 +125,7 @@ def test_router_by_hand():
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("rope_scaling", {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_type='yarn'"),
+    ("rope_scaling", {"type": "dynamic", "factor": 4.0}, "rope_type='dynamic'"),
     ("quantization_config", {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
      "quantization_config"),
     ("n_group", 3, "n_group=3"),
