@@ -21,6 +21,10 @@ Core idea
     cp's ring), so v is zero-padded to qk's dim and the output's padded columns are dropped.
     That is exact. It costs (qk − v)/v more of the P·V product (DeepSeek-V3: 192 vs 128, +50%).
 
+Refinements, each below its banner
+    YaRN RoPE (`YarnRotary`); aux-loss-free balancing (`BiasBalancer`: the bias moves by γ against
+    each expert's load error, once per step); the presets dsv3-tiny/small; the refused flags.
+
 Reference
     DeepSeek-AI 2024, "DeepSeek-V2" (MLA) and "DeepSeek-V3" (sigmoid routing, node-limited
     groups, auxiliary-loss-free balancing, §2.1.2). Wang et al. 2024, "Auxiliary-Loss-Free Load
@@ -127,54 +131,6 @@ class MLA(nn.Module):
                 setattr(self, name, cls(old.in_features, old.out_features, old.bias is not None, group,
                                         device="meta", dtype=old.weight.dtype))
         self.shared_fn = lambda t: copy_to_region(t, group)
-
-
-# ------------------------------------------------------------------------------------------ YaRN
-# DeepSeek-V3's long-context RoPE (Peng et al. 2023, "YaRN"), as transformers' _compute_yarn_parameters:
-# the high frequencies keep their value, the low ones are divided by `factor`, a linear ramp between.
-# cos and sin are multiplied by attention_factor; MLA's softmax scale by mscale(factor, mscale_all_dim)².
-def yarn_mscale(s: dict, key: str) -> float:
-    """0.1 · s[key] · ln(factor) + 1, as transformers' yarn_get_mscale (1 without the key)."""
-    return _mscale(s["factor"], s.get(key) or 0.0) if s.get(key) else 1.0
-
-
-def _mscale(factor: float, m: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-
-def yarn_inv_freq(s: dict, dim: int, base: float, device: Any = None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies (dim/2,), attention_factor) of YaRN parameters `s`."""
-    factor, old = s["factor"], s["original_max_position_embeddings"]
-    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-    attention = s.get("attention_factor")
-    if attention is None:
-        both = s.get("mscale") and s.get("mscale_all_dim")
-        attention = yarn_mscale(s, "mscale") / yarn_mscale(s, "mscale_all_dim") if both else _mscale(factor)
-    # the dimension pair that turns `rotations` times over the original context
-    at = lambda rotations: dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
-    low, high = at(fast), at(slow)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)  # (dim/2,)
-    keep = 1 - ramp  # 1: extrapolate (the frequency as it was), 0: interpolate (divided by factor)
-    return (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep, float(attention)
-
-
-class YarnRotary(M.Rotary):
-    """model.Rotary with YaRN's inverse frequencies and its attention_factor on cos and sin."""
-
-    def reset_buffers(self) -> None:
-        self.inv_freq, self.attention = yarn_inv_freq(self.cfg.rope_scaling, self.cfg.head_dim,
-                                                      self.cfg.rope_theta, self.inv_freq.device)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        s = freqs.sin() * self.attention
-        return ((torch.cat((freqs, freqs), dim=-1).cos() * self.attention).to(dtype),
-                torch.cat((-s, s), dim=-1).to(dtype))
 
 
 # ------------------------------------------------------------------------------------------ router
@@ -374,7 +330,55 @@ M._WINDOW["deepseek_v3"] = None
 M.EXTENSIONS["deepseek_v3"] = M.Extension(_read, _write, _check, _shapes, use_deepseek, rope_types=("yarn",))
 
 
-# ------------------------------------------------------------------------------------------ refinement: aux-loss-free balancing
+# --- refinement: YaRN, the long-context RoPE
+# DeepSeek-V3's long-context RoPE (Peng et al. 2023, "YaRN"), as transformers' _compute_yarn_parameters:
+# the high frequencies keep their value, the low ones are divided by `factor`, a linear ramp between.
+# cos and sin are multiplied by attention_factor; MLA's softmax scale by mscale(factor, mscale_all_dim)².
+def yarn_mscale(s: dict, key: str) -> float:
+    """0.1 · s[key] · ln(factor) + 1, as transformers' yarn_get_mscale (1 without the key)."""
+    return _mscale(s["factor"], s.get(key) or 0.0) if s.get(key) else 1.0
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(s: dict, dim: int, base: float, device: Any = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (dim/2,), attention_factor) of YaRN parameters `s`."""
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    attention = s.get("attention_factor")
+    if attention is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        attention = yarn_mscale(s, "mscale") / yarn_mscale(s, "mscale_all_dim") if both else _mscale(factor)
+    # the dimension pair that turns `rotations` times over the original context
+    at = lambda rotations: dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = at(fast), at(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)  # (dim/2,)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it was), 0: interpolate (divided by factor)
+    return (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep, float(attention)
+
+
+class YarnRotary(M.Rotary):
+    """model.Rotary with YaRN's inverse frequencies and its attention_factor on cos and sin."""
+
+    def reset_buffers(self) -> None:
+        self.inv_freq, self.attention = yarn_inv_freq(self.cfg.rope_scaling, self.cfg.head_dim,
+                                                      self.cfg.rope_theta, self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, S, hd/2)
+        s = freqs.sin() * self.attention
+        return ((torch.cat((freqs, freqs), dim=-1).cos() * self.attention).to(dtype),
+                torch.cat((-s, s), dim=-1).to(dtype))
+
+
+# --- refinement: aux-loss-free balancing
 # DeepSeek-V3 §2.1.2: no auxiliary loss. After each step the bias of an overloaded expert falls by
 # γ and an underloaded one's rises by γ: b_i += γ · sign(mean load − load_i). transformers loads
 # and applies the bias but never trains it, so the rule is the paper's. The bias only steers the
@@ -434,7 +438,7 @@ def spread(loads: torch.Tensor) -> torch.Tensor:
     return (loads.max(dim=1).values / loads.mean(dim=1)).mean()
 
 
-# ------------------------------------------------------------------------------------------ presets
+# --- refinement: the presets
 # For `python train.py --model dsv3-tiny`: the byte vocabulary (260), a dense first layer, 8 routed
 # experts in 4 groups (2 of them per token), 2 picks, one shared expert, q and kv bottlenecks.
 M.PRESETS |= {
@@ -455,7 +459,7 @@ M.PRESETS |= {
 }
 
 
-# ------------------------------------------------------------------------------------------ flags
+# --- refinement: the flags train.py refuses with this family
 def refusals(args: Any, cfg: M.LlamaConfig) -> list[str]:
     """train.py's flags that do not combine with a deepseek_v3 model, each with its reason (cli.py
     adds them to its errors). Every other flag is tested (docs/models.md)."""
