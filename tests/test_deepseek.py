@@ -271,3 +271,21 @@ def test_generate_cached_equals_uncached():
     ids = torch.randint(0, 260, (2, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(M.generate(m, ids, 4, use_cache=True, lengths=[7, 5]),
                        M.generate(m, ids, 4, use_cache=False, lengths=[7, 5]))
+
+
+def test_cuda_paths_bf16(monkeypatch):
+    """train.py's step for dsv3-tiny in bf16 on the meta device under tests/cuda_contract.py's
+    rules: MLA's padded v takes SDPA's flash kernel on plain rows, and flash varlen forward and
+    backward in every layer on packed rows; the experts take grouped_mm."""
+    from test_cuda_paths import Packed, Rows, fake_world, on_meta, one_step
+    on_meta(monkeypatch)
+    calls = []
+    grouped = DS.moe.experts_grouped
+    monkeypatch.setattr(DS.moe, "experts_grouped", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    layers = M.PRESETS["dsv3-tiny"].num_hidden_layers
+    with fake_world(0, 1, monkeypatch):
+        seen = one_step(["--micro-batches", "2", "--model", "dsv3-tiny"], Rows())
+        assert seen["sdpa flash"] and seen["aten::_fused_adamw_"]
+        assert len(calls) == 2 * (layers - 1)  # the sparse layers, both micro-batches
+        seen = one_step(["--micro-batches", "2", "--model", "dsv3-tiny", "--sft"], Packed())
+        assert seen["torch_attn::_varlen_attn"] == seen["torch_attn::_varlen_attn_backward"] == 2 * layers
