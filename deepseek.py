@@ -33,15 +33,17 @@ Reference
 Run
     python train.py --model dsv3-tiny --steps 20        python -m pytest -q tests/test_deepseek.py
 
-Builds on: model.py (the Extension seam, RMSNorm, MLP, Rotary), moe.py (MoE, Router), ops.py
+Builds on: model.py (the Extension seam, RMSNorm, MLP, Rotary), moe.py (MoE, Router), ops.py,
+    and tp.py for MLA's tp style (imported when apply_tp calls it)
 
 Invariants (tests/test_deepseek.py)
     - fp32 logits, loss and every gradient equal transformers' DeepseekV3ForCausalLM within 1e-5;
       a save_pretrained folder loads and exports back bit-equal (test_matches_transformers).
-    - The selection and the bias update equal hand-computed cases (test_router_by_hand).
-    - One bias update per optimizer step, from the loads summed over every rank that routes its
-      own tokens; the expert loads' spread falls against the same run without it
+    - The selection and the bias update equal hand-computed cases (test_router_by_hand,
+      test_bias_update_by_hand); the loads' spread falls against the same run without the update
       (test_bias_update_balances).
+    - ep2, tp2, pp2, cp2, ep2·tp2·pp2 and cp2·tp2·pp2·ZeRO-3·AC equal one process, the biases
+      bit for bit, and a resume in another layout too (test_layouts_equal_single_process).
 """
 from __future__ import annotations
 
