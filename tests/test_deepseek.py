@@ -263,6 +263,12 @@ def test_flags_refused_by_name():
     for flag in ("--sp", "--compile", "--dpo"):
         assert f"{flag} with a deepseek_v3 model" in text
     assert validate("--sft") == ""
+    # flags of other branches, refused once they exist (an argparse namespace that holds them)
+    import argparse
+    later = argparse.Namespace(lora=8, fp8=True, optimizer="muon")
+    text = "\n".join(DS.refusals(later, M.PRESETS["dsv3-tiny"]))
+    for flag in ("--lora", "--fp8", "--optimizer muon"):
+        assert f"{flag} with a deepseek_v3 model" in text
 
 
 def test_generate_cached_equals_uncached():
