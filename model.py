@@ -18,7 +18,7 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py, and moe.py for the refinement at the end
+Builds on: attention.py, ops.py, loss.py, and moe.py, deepseek.py for the refinements at the end
     attention.py: causal attention within packed documents. ops.py: the elementwise ops as lean
     autograd Functions. loss.py: lm_head and the loss without (T, V) logits. moe.py: the experts.
 
@@ -46,6 +46,7 @@ Invariants
       (`compile_layers`). In fp32 the forward is HF's to the bit.
     - Refinement at the end: three mixtures of experts (mixtral, qwen3_moe, olmoe). moe.py swaps
       their sparse layers' MLP and adds the router losses by forward hooks (docs/moe.md).
+      deepseek.py registers deepseek_v3 through the same seam (docs/deepseek.md).
 """
 from __future__ import annotations
 
