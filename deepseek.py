@@ -122,17 +122,27 @@ class MLA(nn.Module):
         """tp.apply_tp's style: heads split after the low-rank projections. q_a, kv_a and their
         norms are replicated (every rank computes them on the whole x). q_b (or q_proj) and kv_b are
         column-parallel: whole heads per rank, their f sums the latents' gradients over tp. The
-        shared rotated key gets f too. o_proj is row-parallel (its all-reduce completes the output)."""
-        if sequence_parallel:
-            raise ValueError("MLA (deepseek_v3) with sequence parallelism: not built (use --tp without --sp)")
-        from tp import ColumnParallelLinear, RowParallelLinear, copy_to_region  # apply_tp calls this
+        shared rotated key gets f too. o_proj is row-parallel (its all-reduce completes the output).
+        Under sp, x is gathered by the layer's norm, whose backward sums dL/dx over tp. So the
+        latents and the rotated key keep partial gradients (no f). The replicated weights enter
+        through f instead: their gradients are summed. o_proj reduce-scatters."""
+        import tp as TP  # apply_tp calls this: tp.py is loaded
+        column = TP.ColumnParallelLinearInRegion if sequence_parallel else TP.ColumnParallelLinear
+        row = TP.SequenceParallelRowLinear if sequence_parallel else TP.RowParallelLinear
         for name in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj"):
             old = getattr(self, name, None)
             if old is not None:
-                cls = RowParallelLinear if name == "o_proj" else ColumnParallelLinear
+                cls = row if name == "o_proj" else column
                 setattr(self, name, cls(old.in_features, old.out_features, old.bias is not None, group,
                                         device="meta", dtype=old.weight.dtype))
-        self.shared_fn = lambda t: copy_to_region(t, group)
+        if not sequence_parallel:
+            self.shared_fn = lambda t: TP.copy_to_region(t, group)
+            return
+        for name in ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm"):
+            old = getattr(self, name, None)
+            if old is not None:
+                setattr(self, name, TP.ReplicatedRMSNorm(old, group) if name.endswith("norm")
+                        else ReplicatedLinear(old, group))
 
 
 # ------------------------------------------------------------------------------------------ router
@@ -187,6 +197,31 @@ class DeepSeekMoE(moe.MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + self.shared_experts(x)
+
+    def tp_style(self, layer: nn.Module, group: Group, sequence_parallel: bool) -> None:
+        """moe.MoE's style (experts whole on every rank). Under sp the shared experts run on this
+        rank's S/tp tokens, so their weights enter through f, as the router's and experts' do."""
+        super().tp_style(layer, group, sequence_parallel)
+        if sequence_parallel:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(self.shared_experts, name, ReplicatedLinear(getattr(self.shared_experts, name), group))
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer whose replicated weight (and bias) sees only part of the work (sp's S/tp
+    tokens, or one rank's heads' gradient): they enter through tp's f, which sums their gradients.
+    The parameter names stay the linear's (`weight`, `bias`)."""
+
+    def __init__(self, old: nn.Linear, group: Group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(torch.empty_like(old.weight, device="meta"))  # materialize fills it
+        self.bias = nn.Parameter(torch.empty_like(old.bias, device="meta")) if old.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tp import copy_to_region  # only built by a tp style: tp.py is loaded
+        b = None if self.bias is None else copy_to_region(self.bias, self.group)
+        return F.linear(x, copy_to_region(self.weight, self.group), b)
 
 
 def moe_config(cfg: M.LlamaConfig) -> moe.MoEConfig:
@@ -467,9 +502,7 @@ def refusals(args: Any, cfg: M.LlamaConfig) -> list[str]:
     adds them to its errors). Every other flag is tested (docs/models.md)."""
     if cfg.model_type != "deepseek_v3":
         return []
-    why = {"--sp": "MLA's tp split keeps the low-rank projections replicated on whole sequences; "
-                   "sequence parallelism for it is not built (use --tp without --sp)",
-           "--compile": "not tested with MLA and the sigmoid router yet",
+    why = {"--compile": "not tested with MLA and the sigmoid router yet",
            "--dpo": "not tested with deepseek_v3 yet", "--grpo": "not tested with deepseek_v3 yet"}
     # flags other branches add (LoRA, FP8, Muon): refused here until tested with MLA and the router
     why |= {"--lora": "not tested with MLA's low-rank projections yet", "--fp8": "not tested with deepseek_v3 yet"}

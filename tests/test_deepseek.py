@@ -210,7 +210,7 @@ def test_layouts_equal_single_process(tmp_path):
     """--model dsv3-tiny (seeded init by name: every layout starts from the same weights), the
     bias update on. One 8-rank launch runs ep2 · tp2 · pp2 (dp 2), cp2 · tp2 · pp2 (dp 1) with
     ZeRO-3 and AC, and the first layout with ZeRO-2 resumed from the reference's step-2 checkpoint.
-    One 2-rank launch runs ep2 (with ZeRO-1), tp2, pp2 and cp2 alone.
+    One 2-rank launch runs ep2 (with ZeRO-1), tp2, pp2, cp2 and tp2 + sp alone.
     The loss and grad-norm curves equal the single process within 1e-5 (measured <= 1.5e-7);
     the routers' biases (exported) are equal, bit for bit: the loads are integers."""
     import data
@@ -234,7 +234,8 @@ def test_layouts_equal_single_process(tmp_path):
                "resume_ep2_tp2_pp2": ["--ep", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2",
                                       "--zero", "2", "--resume", str(tmp_path / "ckpt" / "step_00000002")]}
     run_ranks(_mains, 8, [argv(name, *flags) for name, flags in layouts.items()], timeout=300)
-    alone = {"ep2": ["--ep", "2", "--zero", "1"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "cp2": ["--cp", "2"]}
+    alone = {"ep2": ["--ep", "2", "--zero", "1"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "cp2": ["--cp", "2"],
+             "tp2_sp": ["--tp", "2", "--sp"]}
     run_ranks(_mains, 2, [argv(name, "--micro-batches", "2", *flags) for name, flags in alone.items()],
               timeout=300)
     layouts |= alone
@@ -259,10 +260,10 @@ def test_flags_refused_by_name():
         grid = G.Grid(rank=0, world=2, device=torch.device("cpu"))
         return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", "--model", "dsv3-tiny", "--tp", "2", *argv]),
                                        M.PRESETS["dsv3-tiny"], grid))
-    text = validate("--sp", "--compile", "--dpo")
-    for flag in ("--sp", "--compile", "--dpo"):
+    text = validate("--compile", "--dpo")
+    for flag in ("--compile", "--dpo"):
         assert f"{flag} with a deepseek_v3 model" in text
-    assert validate("--sft") == ""
+    assert validate("--sft") == validate("--sp") == ""
     # flags of other branches, refused once they exist (an argparse namespace that holds them)
     import argparse
     later = argparse.Namespace(lora=8, fp8=True, optimizer="muon")
