@@ -42,7 +42,7 @@ Invariants (tests/test_deepseek.py)
     - The selection and the bias update equal hand-computed cases (test_router_by_hand,
       test_bias_update_by_hand); the loads' spread falls against the same run without the update
       (test_bias_update_balances).
-    - ep2, tp2, pp2, cp2, ep2·tp2·pp2 and cp2·tp2·pp2·ZeRO-3·AC equal one process, the biases
+    - ep2, tp2, tp2+sp, pp2, cp2, ep2·tp2·pp2, cp2·tp2·pp2·ZeRO-3·AC equal one process, the biases
       bit for bit, and a resume in another layout too (test_layouts_equal_single_process).
 """
 from __future__ import annotations
