@@ -264,6 +264,9 @@ def test_flags_refused_by_name():
     for flag in ("--compile", "--dpo"):
         assert f"{flag} with a deepseek_v3 model" in text
     assert validate("--sft") == validate("--sp") == ""
+    # MFU's attention term: heads × the mean of the q·k (16 + 8) and v (16) head dims, v unpadded
+    c = M.PRESETS["dsv3-tiny"]
+    assert cli.flops_per_token(c, 32) == 6 * cli.active_params(c) + 12 * 4 * 4 * (16 + 8 + 16) / 2 * 32
     # flags of other branches, refused once they exist (an argparse namespace that holds them)
     import argparse
     later = argparse.Namespace(lora=8, fp8=True, optimizer="muon")
