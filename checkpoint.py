@@ -212,6 +212,13 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
         where = None if shard is None else [shard.dim, shard.start, shard.size]
         entries.append({"name": name, "shard": where, "local_shape": list(local), "start": start, "n": n,
                         "kinds": list(values), "step": float(state["step"]) if "step" in state else None})
+    # the state buffers (a declared attribute of the optimizer, none by default: DeepSeek's router
+    # bias). Whole on every rank of a stage; (dp 0, tp 0) writes them, as a replicated parameter.
+    for name, b in getattr(opt, "state_buffers", {}).items():
+        if layout.dp_rank == 0 and layout.tp_rank == 0:
+            tensors[f"{name}/value"] = b.detach().reshape(-1)
+            entries.append({"name": name, "shard": None, "local_shape": list(b.shape), "start": 0,
+                            "n": b.numel(), "kinds": ["value"], "step": None})
     return tensors, entries
 
 

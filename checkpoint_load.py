@@ -233,6 +233,7 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
                                  f"{mismatch}")
             index = _Index(path, meta, stack, verify)
             keys = [EMBED if _tied_copy(n, cfg) else n for n in opt.names]  # a tied copy loads the embedding
+            keys += list(getattr(opt, "state_buffers", {}))  # DeepSeek's router bias (checkpoint.py)
             missing = sorted({k for k in keys if k not in index.slices})
             if missing:
                 raise ValueError(f"{path}: no saved pieces for {len(missing)} tensors: {missing[:5]}"
@@ -262,6 +263,8 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
                     "step": torch.tensor(step, dtype=torch.float32,
                                          device=master.device if on_device else "cpu"),
                     **{k: v.to(master.device, master.dtype, copy=True) for k, v in values.items()}}
+        for name, b in getattr(opt, "state_buffers", {}).items():  # checked before any copy, as above
+            b.copy_(index.piece(name, "value", _box(index.shapes[name], None), 0, b.numel()).view(b.shape))
     opt._publish()  # masters → compute params (a copy, an all-gather, or ZeRO-3's param shards)
     same = {k: meta["layout"][k] for k in ("tp", "dp", "pp")} == layout.sizes()
     if same:

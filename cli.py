@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+import deepseek as DS
 import grid as G
 import grpo
 import model as M
@@ -252,6 +253,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(str(e))
     errors += validate_pipeline(args, cfg)
     errors += validate_moe(args, cfg)
+    errors += DS.refusals(args, cfg)  # deepseek_v3's flags not built or not tested
     errors += validate_ep(args, cfg, dp_size * args.cp)
     micro = micro_batches(args, grid.world)
     if micro >= 1 and args.batch_size % (dp_size * micro):
@@ -541,8 +543,10 @@ def flops_per_token(cfg: M.LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token, the usual convention (PaLM, Appendix B; Megatron, torchtitan).
     Forward and backward matmuls cost 6N, N the parameters a token's matmuls read (`active_params`).
     Attention's two matmuls add 12·L·H·Q·T: H heads of Q dims over T tokens. They count the full
-    T×T, the causally masked half too, as those references do. So MFUs compare."""
-    return 6 * active_params(cfg) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    T×T, the causally masked half too, as those references do. So MFUs compare.
+    MLA (deepseek_v3): Q is the mean of the q·k and v head dims (QKᵀ and PV differ), v unpadded."""
+    q = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2 if cfg.kv_lora_rank else cfg.head_dim
+    return 6 * active_params(cfg) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * q * seq_len
 
 
 def active_params(cfg: M.LlamaConfig) -> int:

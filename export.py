@@ -57,10 +57,10 @@ def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaC
     Its ep group gathers each expert tensor. Those ep peers are dp ranks [0, ep).
     They join that gather only. The ranks of other dp ranks yield nothing."""
     shapes = global_shapes(cfg)
-    params = dict(model.named_parameters())
+    params = W.named_state(model)  # the parameters and the state buffers (DeepSeek's router bias)
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
-    units = each() if each else [list(params)]
+    units = itertools.chain(each(), [list(W.state_buffers(model))]) if each else [list(params)]
     ready, k = {}, 0
     for names in units:
         if at.dp_rank >= ep:
@@ -97,7 +97,7 @@ def export_hf(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaConfig
       - ep_group: expert parallelism's group (grid.ep_group). It gathers the expert tensors.
       - shards: which slice each tensor holds, for tp and for ep."""
     shapes = global_shapes(cfg)
-    params = dict(model.named_parameters())
+    params = W.named_state(model)
     order = [n for n in params if n in shapes]
     getattr(opt, "finish_gathers", lambda: None)()  # ZeRO-1/2: the last step's all-gathers complete
     writer = at.dp_rank == 0 and at.tp_rank == 0

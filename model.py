@@ -18,7 +18,7 @@ Reference
 Run
     torchrun --nproc_per_node 1 train.py --model tiny --steps 20
 
-Builds on: attention.py, ops.py, loss.py, and moe.py for the refinement at the end
+Builds on: attention.py, ops.py, loss.py, and moe.py, deepseek.py for the refinements at the end
     attention.py: causal attention within packed documents. ops.py: the elementwise ops as lean
     autograd Functions. loss.py: lm_head and the loss without (T, V) logits. moe.py: the experts.
 
@@ -46,6 +46,7 @@ Invariants
       (`compile_layers`). In fp32 the forward is HF's to the bit.
     - Refinement at the end: three mixtures of experts (mixtral, qwen3_moe, olmoe). moe.py swaps
       their sparse layers' MLP and adds the router losses by forward hooks (docs/moe.md).
+      deepseek.py registers deepseek_v3 through the same seam (docs/deepseek.md).
 """
 from __future__ import annotations
 
@@ -102,12 +103,14 @@ class Extension:
     read(config.json dict, family, errors) → its fields. write(config, dict) adds its keys to the
     dict. check(config) raises on bad values. shapes(config, global shapes) → the shapes it changes.
     modules(model) swaps in its modules, in place, and returns the model (`build`).
+    rope_types: the RoPE types besides default and llama3 that its modules compute.
     The defaults add nothing: a plain family's extension."""
     read: Callable[[dict, str, list[str]], dict] = lambda d, family, bad: {}
     write: Callable[["LlamaConfig", dict], None] = lambda cfg, d: None
     check: Callable[["LlamaConfig"], None] = lambda cfg: None
     shapes: Callable[["LlamaConfig", dict], dict] = lambda cfg, shapes: shapes
     modules: Callable[["Llama"], "Llama"] = lambda model: model
+    rope_types: tuple[str, ...] = ()
 
 
 EXTENSIONS: dict[str, Extension] = {family: Extension() for family in FAMILIES}  # model_type → what it adds
@@ -150,6 +153,18 @@ class LlamaConfig:
     output_router_logits: bool = False  # transformers adds coef · load-balancing loss only then
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: dense layers
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
+    # ---- refinement: DeepSeek-V3's fields (deepseek.py: MLA, the sigmoid router, shared experts)
+    q_lora_rank: int | None = None  # MLA: q through a rank-r bottleneck (None: one q_proj)
+    kv_lora_rank: int = 0  # MLA: the latent that k and v are expanded from
+    qk_nope_head_dim: int = 0  # the part of a q/k head without RoPE
+    qk_rope_head_dim: int = 0  # the decoupled RoPE part (one key head shared by all heads)
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on (x0, x1), (x2, x3), ... pairs
+    n_shared_experts: int = 0  # one MLP of n_shared · moe_intermediate_size beside the routed experts
+    n_group: int = 1  # group-limited routing: the experts in n_group groups,
+    topk_group: int = 1  # of which each token may use topk_group
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.0  # aux-loss-free balancing: the bias step per optimizer step
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts (moe.py). Qwen3-MoE's rule; the other
@@ -186,8 +201,9 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if any(isinstance(v, dict) for v in rope.values()):
             bad.append(f"rope_parameters={rope} (one RoPE per layer type: only one for all layers)")
-        elif rope_type not in ("default", "llama3"):
-            bad.append(f"rope_type={rope_type!r} (only 'default' and 'llama3')")
+        elif rope_type not in ("default", "llama3", *EXTENSIONS[family].rope_types):
+            bad.append(f"rope_type={rope_type!r} (only 'default', 'llama3'"
+                       + "".join(f", {t!r}" for t in EXTENSIONS[family].rope_types) + ")")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={rope['partial_rotary_factor']} (only 1.0)")
         own = EXTENSIONS[family].read(d, family, bad)
@@ -206,7 +222,7 @@ class LlamaConfig:
             head_dim=d.get("head_dim", defaults["head_dim"]) or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", defaults["max_position_embeddings"]),
             rms_norm_eps=d.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": "llama3"},
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             initializer_range=d.get("initializer_range", 0.02), bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos, model_type=family,
@@ -275,6 +291,9 @@ class LlamaConfig:
                              f"{switches}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
             raise ValueError(f"sliding_window={self.sliding_window}: must be at least 1 (or None)")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "llama3")
+        if rope_type not in ("llama3", *EXTENSIONS[self.model_type].rope_types):
+            raise ValueError(f"rope_scaling={self.rope_scaling}: {self.model_type} computes llama3 only")
         EXTENSIONS[self.model_type].check(self)
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
@@ -411,8 +430,8 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
     """Inverse frequencies (head_dim/2,), with the llama3 long-context rescaling when configured."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    if not cfg.rope_scaling:
-        return inv
+    if not cfg.rope_scaling or cfg.rope_scaling.get("rope_type", "llama3") != "llama3":
+        return inv  # no scaling, or one an Extension's modules compute (validate checks which)
     s = cfg.rope_scaling
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s.get("original_max_position_embeddings", cfg.max_position_embeddings)
@@ -914,3 +933,5 @@ def _expert_shapes(cfg: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> dict
 
 EXTENSIONS |= {f: Extension(_read_experts, _write_experts, _check_experts, _expert_shapes, moe.use_experts)
                for f in MOE_FAMILIES}
+
+import deepseek  # noqa: E402,F401 (registers model_type deepseek_v3: MLA and its router)

@@ -70,6 +70,7 @@ import checkpoint_load as CL
 import cli
 import cp as CP
 import data
+import deepseek as DS
 import dp
 import dpo as DPO
 import export as EX
@@ -194,6 +195,7 @@ def build(r: Run) -> None:
         with G.stage("building the model and the optimizer state", grid, collectives=False):
             r.model, r.shards, init = build_model(args, r.cfg, grid)
             r.opt = make_optimizer(args, r.model, r.shards, init, grid)
+            r.opt.state_buffers = W.state_buffers(r.model)  # checkpointed with the masters (checkpoint.py)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         G.fail(str(e), grid)
     r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
@@ -218,7 +220,8 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
         args.fp8_kept = FP8.use_fp8(model, groups=(grid.tp_group, grid.cp_group))
     shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
-    W.materialize_buffers(model, grid.device)
+    W.materialize_buffers(model, grid.device, init)
+    balance_experts(model, cfg, args, grid)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
     if args.compile:  # the layers left eager: named in the log line
@@ -372,6 +375,7 @@ def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float,
         meter.phase("step")
         with G.stage("optimizer step (tied-copy sum, grad-norm all-reduce, parameter all-gather)", grid):
             norms.append(opt.step(lr))  # an update's one host sync: the grad norm decides it
+            after_step(r)
     stats = r.rl.stats(log_sums) if r.rl else r.preference.stats(log_sums) if r.preference else {}
     meter.phase(None)  # logging, eval: not training memory
     # the step's loss and grad norm: its updates' mean (one update but under --grpo-updates)
@@ -682,6 +686,21 @@ def expert_reduction(model: M.Llama, grid: G.Grid) -> Z.GroupOf:
     experts reduce over grid.replica_group, the ranks holding the same experts; the ep group holds
     the others. zero.py counts each expert once in the grad norm."""
     return MOE.grad_reduce_plan(model, MOE.EPGroups(grid.ep_group, grid.replica_group, grid.ep, grid.ep_rank))
+
+
+def balance_experts(model: M.Llama, cfg: M.LlamaConfig, args: argparse.Namespace, grid: G.Grid) -> None:
+    """Step 6's aux-loss-free balancing (deepseek_v3): the routers' bias moves after each step,
+    from the loads summed over the ranks that route tokens of their own (dp·cp; tp too under sp)."""
+    if DS.routers(model) and cfg.bias_update_speed:
+        model.bias_balancer = DS.BiasBalancer(model, cfg.bias_update_speed,
+                                              [grid.dp_group, grid.tp_group if args.sp else None])
+
+
+def after_step(r: Run) -> None:
+    """What moves once per optimizer step besides the parameters: DeepSeek-V3's router bias."""
+    balancer = getattr(r.model, "bias_balancer", None)
+    if balancer is not None:
+        balancer.step()
 
 
 def unread_keys(r: Run) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> tor
     """The full fp32 init of one parameter: norms 1, biases 0, matrices normal(0, std)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):  # and DeepSeek's e_score_correction_bias (a state buffer)
         return torch.zeros(shape)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=g)
@@ -203,7 +203,7 @@ def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
     shards = shards or {}
     cfg = model.config
     shapes = global_shapes(cfg)
-    local = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    local = {n: tuple(p.shape) for n, p in named_state(model).items()}
     src = SafetensorsDir(hf_dir) if hf_dir else None
 
     def read(name: str, start: int, stop: int) -> torch.Tensor:
@@ -230,12 +230,20 @@ def param_reader(model: Llama, seed: int = 0, hf_dir: str | None = None,
 
 
 @torch.no_grad()
-def materialize_buffers(model: Llama, device: torch.device | str) -> Llama:
+def materialize_buffers(model: Llama, device: torch.device | str,
+                        read: Callable[[str, int, int], torch.Tensor] | None = None) -> Llama:
     """Allocate only the buffers (RoPE's inv_freq, recomputed): the parameters stay on the meta
-    device for zero3.apply_zero(init=param_reader(...)) to build sharded."""
+    device for zero3.apply_zero(init=param_reader(...)) to build sharded. The state buffers
+    (`state_buffers`) are filled by `read` (param_reader's), else zero."""
     rotary = model.model.rotary_emb
     rotary.to_empty(device=device)
     rotary.reset_buffers()
+    for name, b in state_buffers(model).items():
+        owner, _, attr = name.rpartition(".")
+        t = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        if read is not None:
+            t.copy_(read(name, 0, t.numel()).view_as(t))
+        model.get_submodule(owner)._buffers[attr] = t
     return model
 
 
@@ -255,10 +263,22 @@ def materialize(model: Llama, device: torch.device | str, seed: int = 0, hf_dir:
     for (mod0, attr0), *others in owners.values():
         for mod, attr in others:
             setattr(mod, attr, getattr(mod0, attr0))
-    for name, p in model.named_parameters():
+    for name, p in named_state(model).items():
         p.copy_(read(name, 0, p.numel()).view_as(p))
     model.model.rotary_emb.reset_buffers()
     return model
+
+
+def state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that are model state: those global_shapes names (DeepSeek's router bias). They
+    load, save, checkpoint and export as parameters do; RoPE's tables are recomputed instead."""
+    shapes = global_shapes(model.config) if hasattr(model, "config") else {}
+    return {n: b for n, b in model.named_buffers() if n in shapes}
+
+
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """named_parameters, then the state buffers."""
+    return dict(model.named_parameters()) | state_buffers(model)
 
 
 # ------------------------------------------------------------------------------------- writing
