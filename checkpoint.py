@@ -66,7 +66,7 @@ from model import LlamaConfig, Shard, global_shapes
 from weights import expert_tensor, fsync_path, io_error, write_bytes, write_safetensors
 
 FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
-KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
+KINDS = ("master", "exp_avg", "exp_avg_sq", "momentum_buffer")  # per parameter piece: AdamW's or Muon's
 STEP_DIR = re.compile(r"step_(\d{8})")
 
 Box = list[tuple[int, int]]  # per dim [lo, hi) of a region of a global tensor
