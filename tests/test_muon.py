@@ -1,0 +1,206 @@
+"""muon.py against torch.optim.Muon (one process), and every layout against one process.
+
+One process, fp32: the same ops in the same order, so the parameters are bit-equal after 3 steps.
+Layouts: tp and dp change the summation order of the gradients (fp32 ulps).
+Newton–Schulz then runs in bf16, as torch.optim.Muon's does. An ulp that moves an update element
+across a bf16 rounding boundary changes that element by up to 2^-8 of itself, and the iteration
+spreads it over the matrix. So through train.py the layouts are compared by the relative L2 difference of each
+parameter, ‖a − b‖ / ‖b‖, and the loss curve (1e-5). The measured values are in docs/muon.md.
+The exchange itself is tested bit for bit: the same gradients on tp2 × dp2 as on one process.
+"""
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import data
+import model as M
+import muon
+import precision as P
+import train
+import weights as W
+from dist import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = M.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def test_one_process_equals_torch_muon():
+    """MuonRule in precision's optimizer = torch.optim.Muon on the hidden matrices + torch.optim.AdamW
+    on the rest, bit for bit after 3 steps (fp32, no clipping: torch's optimizers do not clip).
+    A stack of experts (E, A, B) equals torch.optim.Muon on each expert's matrix."""
+    cfg = M.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+    ours = W.materialize(M.build(cfg), "cpu", seed=1)
+    ours.register_parameter("experts", torch.nn.Parameter(torch.randn(3, 24, 16) * 0.1))
+    ref = copy.deepcopy(ours)
+    mc = muon.MuonConfig(lr=0.02, weight_decay=0.05)
+    opt = P.MixedPrecisionOptimizer(ours.named_parameters(), P.OptimConfig(lr=1e-3, clip=0.0),
+                                    rule=muon.MuonRule(mc))
+    named = [(n, p) for n, p in ref.named_parameters() if n != "experts"]
+    experts = [torch.nn.Parameter(e.detach().clone()) for e in ref.experts]  # each expert on its own
+    hidden = [p for n, p in named if muon.hidden_matrix(n, p)] + experts
+    assert len(hidden) == 7 * 2 + 3
+    rest = [p for n, p in named if not muon.hidden_matrix(n, p)]
+    ref_muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.05, momentum=0.95, nesterov=True,
+                                adjust_lr_fn="original")
+    ref_adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": 0.1},
+                                   {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+        for m, stack in ((ours, ours.experts), (ref, torch.stack(experts))):
+            (m(x, labels=x) + (stack ** 2).sum()).backward()
+        opt.step(1e-3)
+        ref_muon.step()
+        ref_adamw.step()
+        ref_muon.zero_grad()
+        ref_adamw.zero_grad()
+    for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+        if n != "experts":
+            assert torch.equal(a, b), n
+    assert torch.equal(ours.experts, torch.stack(experts))
+    start = W.materialize(M.build(cfg), "cpu", seed=1).state_dict()
+    assert all(not torch.equal(start[n], p) for n, p in ours.named_parameters() if n in start)  # all moved
+
+
+def test_owners_balance_work():
+    """Longest-first greedy owners: a Llama layer's 7 matrices over 2 ranks split the work within
+    4/3 of the best, where round-robin by size would not."""
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]
+    cost = sorted((muon.ns_flops(s, 5) for s in shapes), reverse=True)
+    load = [0.0, 0.0]
+    for c in cost:
+        load[load.index(min(load))] += c
+    assert max(load) <= 4 / 3 * sum(cost) / 2
+
+
+SHAPES = {"w_col": ((32, 48), 0), "w_row": ((48, 32), 1), "w_whole": ((16, 24), None), "experts": ((3, 8, 12), None)}
+
+
+def _distributed_step(rank: int, world: int, cuts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """4 ranks = tp2 × dp2 (tp innermost). Each rank holds its tp shard of every matrix, flat, cut
+    into dp pieces at `cuts` (ZeRO's pieces, maybe empty). The same global gradients as one process."""
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_rank, dp_rank = rank % 2, rank // 2
+    tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
+    names, params, master, pieces = [], [], [], []
+    full = _matrices()
+    for name, (_, dim) in SHAPES.items():
+        local = full[name] if dim is None else full[name].chunk(2, dim)[tp_rank]
+        lo, hi = (0, cuts[name]) if dp_rank == 0 else (cuts[name], local.numel())
+        names.append(name)
+        params.append(torch.nn.Parameter(local.clone()))
+        master.append(local.reshape(-1)[lo:hi].clone())
+        pieces.append(SimpleNamespace(start=lo, n=hi - lo))
+    opt = SimpleNamespace(names=names, params=params, master=master, pieces=pieces, group=dp_group,
+                          reduce_groups=[dp_group] * len(names), cfg=P.OptimConfig(lr=1e-3))
+    tp_dim = {n: dim for n, (_, dim) in SHAPES.items() if dim is not None}
+    step = muon.MuonRule(muon.MuonConfig(weight_decay=0.1), tp_group=tp_group, tp_dim=tp_dim).build(opt)
+    for grads in _gradients():
+        for name, dim, m, pc in zip(names, [d for _, d in SHAPES.values()], master, pieces):
+            g = grads[name] if dim is None else grads[name].chunk(2, dim)[tp_rank]
+            m.grad = g.reshape(-1)[pc.start:pc.start + pc.n].clone()
+        step.step()
+    return {n: m for n, m in zip(names, master)}
+
+
+def _matrices() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {n: torch.randn(shape, generator=g) * 0.1 for n, (shape, _) in SHAPES.items()}
+
+
+def _gradients() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [{n: torch.randn(shape, generator=g) for n, (shape, _) in SHAPES.items()} for _ in range(3)]
+
+
+def test_owners_and_tp_gather_equal_torch_muon():
+    """The exchange itself, fed the same gradients as one process: tp2 × dp2, ZeRO-like uneven
+    pieces (one empty), a tp-column, a tp-row, a whole matrix and an expert stack. Every rank's
+    pieces equal torch.optim.Muon's parameters after 3 steps, bit for bit."""
+    cuts = {"w_col": 100, "w_row": 0, "w_whole": 383, "experts": 150}
+    got = run_ranks(_distributed_step, 4, cuts)
+    full = _matrices()
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items() if n != "experts"}
+    experts = [torch.nn.Parameter(e.clone()) for e in full["experts"]]
+    opt = torch.optim.Muon(list(ref.values()) + experts, lr=0.02, weight_decay=0.1)
+    for grads in _gradients():
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        for e, g in zip(experts, grads["experts"]):
+            e.grad = g.clone()
+        opt.step()
+    want = {**{n: p.detach() for n, p in ref.items()}, "experts": torch.stack(experts).detach()}
+    for name, (_, dim) in SHAPES.items():
+        for tp_rank in range(2):
+            local = want[name] if dim is None else want[name].chunk(2, dim)[tp_rank]
+            flat = torch.cat([got[tp_rank][name], got[2 + tp_rank][name]])  # dp rank 0's piece, then 1's
+            assert torch.equal(flat, local.reshape(-1)), name
+        assert not torch.equal(want[name], full[name])
+
+
+@pytest.fixture(scope="module")
+def setup_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("muon")
+    m = W.materialize(M.build(CFG), "cpu", seed=11)
+    W.save_hf(dict(m.named_parameters()), CFG, d / "init")
+    text = "".join(open(p, encoding="utf-8").read() for p in sorted(ROOT.glob("*.py")))
+    (d / "corpus.txt").write_text(text[:30_000])
+    data.prepare(d / "corpus.txt", d / "data")
+    return d
+
+
+def args_for(d: Path, name: str, *extra: str) -> list[str]:
+    return ["--init-from", str(d / "init"), "--data", str(d / "data"), "--steps", "3", "--seq-len", "32",
+            "--batch-size", "8", "--micro-batches", "2", "--lr", "3e-3", "--warmup", "1",
+            "--eval-batches", "1", "--optimizer", "muon", "--muon-lr", "0.02",
+            "--metrics", str(d / f"{name}.jsonl"), "--export-hf", str(d / name), *extra]
+
+
+def _main(rank: int, world: int, argv: list[str]) -> None:
+    train.main(argv)
+
+
+def relative_differences(d: Path, name: str) -> dict[str, float]:
+    read = lambda folder: {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    got, want = read(d / name), read(d / "one")
+    assert got.keys() == want.keys()
+    return {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want}
+
+
+@pytest.fixture(scope="module")
+def one_process(setup_dirs):
+    run_ranks(_main, 1, args_for(setup_dirs, "one"))
+    return [json.loads(line)["loss"] for line in (setup_dirs / "one.jsonl").read_text().splitlines()]
+
+
+LAYOUTS = {"tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"]), "dp2-zero1": (2, ["--zero", "1"]),
+           "dp2-zero2": (2, ["--zero", "2"]), "dp2-zero3": (2, ["--zero", "3"]),
+           "tp2-dp2-zero1": (4, ["--tp", "2", "--zero", "1"])}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layouts_equal_one_process(setup_dirs, one_process, name):
+    """tp2 (the owners gather over tp), ZeRO-1/2/3 (pieces to owners and back), pp2 through train.py:
+    the loss curve within 1e-5, the parameters within 5e-2 relative L2 per tensor after 3 steps.
+    Why so loose: one bf16 input element rounded the other way moves Newton–Schulz's whole output
+    by about 1% (measured, docs/muon.md). The exact test of the exchange is the one above.
+    A misplaced piece or shard would move a matrix by about 100%."""
+    d = setup_dirs
+    world, extra = LAYOUTS[name]
+    run_ranks(_main, world, args_for(d, name, *extra), timeout=240)
+    losses = [json.loads(line)["loss"] for line in (d / f"{name}.jsonl").read_text().splitlines()]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, one_process)), (losses, one_process)
+    rel = relative_differences(d, name)
+    print(name, f"relative L2 difference: max {max(rel.values()):.2e} ({max(rel, key=rel.get)}), "
+          f"median {sorted(rel.values())[len(rel) // 2]:.2e}")
+    assert max(rel.values()) <= 5e-2, rel
