@@ -179,7 +179,7 @@ def relative_differences(d: Path, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def one_process(setup_dirs):
-    run_ranks(_main, 1, args_for(setup_dirs, "one"))
+    run_ranks(_main, 1, args_for(setup_dirs, "one") + ["--save", str(setup_dirs / "ck"), "--save-every", "2"])
     return [json.loads(line)["loss"] for line in (setup_dirs / "one.jsonl").read_text().splitlines()]
 
 
@@ -203,4 +203,17 @@ def test_layouts_equal_one_process(setup_dirs, one_process, name):
     rel = relative_differences(d, name)
     print(name, f"relative L2 difference: max {max(rel.values()):.2e} ({max(rel, key=rel.get)}), "
           f"median {sorted(rel.values())[len(rel) // 2]:.2e}")
+    assert max(rel.values()) <= 5e-2, rel
+
+
+def test_resume_across_layouts(setup_dirs, one_process):
+    """One process's step-2 checkpoint (masters, Muon's momentum, AdamW's moments) resumes under
+    tp2 · dp2 · ZeRO-2 and takes step 3 as one process does."""
+    d = setup_dirs
+    run_ranks(_main, 4, args_for(d, "resumed", "--tp", "2", "--zero", "2",
+                                 "--resume", str(d / "ck" / "step_00000002")), timeout=240)
+    losses = [json.loads(line)["loss"] for line in (d / "resumed.jsonl").read_text().splitlines()]
+    assert len(losses) == 1 and abs(losses[0] - one_process[2]) <= 1e-5 * one_process[2]
+    rel = relative_differences(d, "resumed")
+    print("resumed", f"relative L2 difference: max {max(rel.values()):.2e}")
     assert max(rel.values()) <= 5e-2, rel
