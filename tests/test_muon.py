@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import cli
 import data
+import grid as G
 import model as M
 import muon
 import precision as P
@@ -217,3 +219,25 @@ def test_resume_across_layouts(setup_dirs, one_process):
     rel = relative_differences(d, "resumed")
     print("resumed", f"relative L2 difference: max {max(rel.values()):.2e}")
     assert max(rel.values()) <= 5e-2, rel
+
+
+def test_flags_are_checked_and_combinations_refused_by_name():
+    """--muon-* flags go with --optimizer muon; bad values are named; --lora, --fp8 and --offload
+    (flags other files add) are refused by name with Muon, whichever of them exist."""
+    grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
+
+    def problems(*argv: str, **more) -> str:
+        args = cli.parse_args(["--seq-len", "32", *argv])
+        for k, v in more.items():
+            setattr(args, k, v)
+        return "\n".join(cli.validate(args, M.PRESETS["tiny"], grid))
+
+    a = cli.parse_args(["--optimizer", "muon"])
+    assert (a.muon_lr, a.muon_weight_decay, a.lr, a.weight_decay) == (0.02, 0.0, 1e-3, 0.1)
+    assert problems("--optimizer", "muon", "--muon-lr", "0") == ""
+    assert "--muon-lr goes with --optimizer muon" in problems("--muon-lr", "0.1")
+    assert "--muon-lr must be a finite number >= 0, got nan" in problems("--optimizer", "muon", "--muon-lr", "nan")
+    assert "--muon-weight-decay must be" in problems("--optimizer", "muon", "--muon-weight-decay", "-1")
+    for flag in ("lora", "fp8", "offload"):
+        assert f"--optimizer muon with --{flag}:" in problems("--optimizer", "muon", **{flag: True})
+        assert problems(**{flag: True}) == ""
