@@ -45,9 +45,7 @@ The seam zero.py uses (ZeRO must not edit this file). A subclass overrides three
                        Here they are .grad; in ZeRO fp32 main grads or reduce-scattered shards.
     `_publish()`       master → compute params: a copy here, an all-gather in ZeRO.
     It passes its dp group in `norm_groups` when gradients are sharded.
-
-The update-rule seam (`rule=`, an `UpdateRule`): what steps the masters. AdamW by default.
-    muon.py plugs Muon in there; this file and ZeRO's read as if it did not exist.
+The update-rule seam, `rule=` (an `UpdateRule`), says what steps the masters: AdamW, or muon.py's Muon.
 """
 from __future__ import annotations
 
