@@ -2,7 +2,7 @@
 
 What it does
     `MuonRule(cfg)` is an update rule (precision.UpdateRule) for the mixed-precision optimizer.
-    Hidden 2-D matrices (q, k, v, o, gate, up, down) step by Muon. 3-D experts: each expert's matrix.
+    Hidden 2-D matrices (q, k, v, o, gate, up, down) step by Muon. 3-D experts: each expert's matrices.
     The embedding, the head, the norms and the biases step by AdamW, as before.
     Both keep fp32 state beside the fp32 masters. Newton–Schulz computes in bf16, as torch's does.
     train.py: `--optimizer muon --muon-lr 0.02`. The AdamW flags (--lr, --weight-decay) stay AdamW's.
@@ -83,11 +83,20 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     return x.T if g.size(0) > g.size(1) else x
 
 
-def orthogonalize(g: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
-    """A matrix (A, B), or each expert's of a stack (E, A, B). One expert at a time, as on its own."""
-    if g.ndim == 2:
-        return newton_schulz(g, steps, eps)
-    return torch.stack([newton_schulz(e, steps, eps) for e in g])  # (E, A, B)
+def orthogonalize(g: torch.Tensor, steps: int, eps: float, blocks: int = 1) -> torch.Tensor:
+    """A matrix (A, B), or each expert's of a stack (E, A, B), one at a time, as on its own.
+    blocks > 1: the rows stack that many matrices (an expert's gate and up): each on its own too."""
+    if g.ndim == 3:
+        return torch.stack([orthogonalize(e, steps, eps, blocks) for e in g])  # (E, A, B)
+    if blocks > 1:
+        return torch.cat([newton_schulz(b, steps, eps) for b in g.chunk(blocks, 0)])  # (A, B)
+    return newton_schulz(g, steps, eps)
+
+
+def fused_blocks(name: str, param: torch.Tensor) -> int:
+    """How many matrices a parameter's rows stack. An expert stack's gate_up_proj (E, 2I, H) holds
+    two per expert, gate and up, as a dense MLP's two matrices: Muon steps them apart."""
+    return 2 if name.endswith("gate_up_proj") and param.ndim == 3 else 1
 
 
 def adjusted_lr(lr: float, shape: tuple[int, ...]) -> float:
@@ -106,12 +115,13 @@ class MuonRule:
 
     def __init__(self, cfg: MuonConfig | None = None,
                  is_muon: Callable[[str, torch.Tensor], bool] = hidden_matrix,
-                 tp_group: Group = None, tp_dim: dict[str, int] | None = None):
-        self.cfg, self.is_muon = cfg or MuonConfig(), is_muon
+                 tp_group: Group = None, tp_dim: dict[str, int] | None = None,
+                 blocks: Callable[[str, torch.Tensor], int] = fused_blocks):
+        self.cfg, self.is_muon, self.blocks = cfg or MuonConfig(), is_muon, blocks
         self.tp_group, self.tp_dim = tp_group, tp_dim or {}
 
     def build(self, opt: Any) -> "MuonAdamW":
-        return MuonAdamW(opt, self.cfg, self.is_muon, self.tp_group, self.tp_dim)
+        return MuonAdamW(opt, self.cfg, self.is_muon, self.tp_group, self.tp_dim, self.blocks)
 
 
 class MuonAdamW:
@@ -121,10 +131,11 @@ class MuonAdamW:
     Muon's lr follows it: muon lr · (lr / peak lr)."""
 
     def __init__(self, opt: Any, cfg: MuonConfig, is_muon: Callable[[str, torch.Tensor], bool],
-                 tp_group: Group, tp_dim: dict[str, int]):
+                 tp_group: Group, tp_dim: dict[str, int], blocks: Callable[[str, torch.Tensor], int]):
         self.opt, self.cfg, self.tp_group = opt, cfg, tp_group
         self.muon = [i for i, (n, p) in enumerate(zip(opt.names, opt.params)) if is_muon(n, p)]
-        others = [i for i in range(len(opt.master)) if i not in set(self.muon)]
+        self.blocks = {i: blocks(opt.names[i], opt.params[i]) for i in self.muon}
+        others = [i for i in range(len(opt.master)) if i not in self.blocks]
         decay = [opt.master[i] for i in others if opt.params[i].ndim >= 2]
         rest = [opt.master[i] for i in others if opt.params[i].ndim < 2]
         fused = bool(opt.master) and opt.master[0].is_cuda
@@ -139,16 +150,18 @@ class MuonAdamW:
         for i in self.tp_dim:
             if opt.params[i].ndim != 2:
                 raise ValueError(f"muon: {opt.names[i]} is a tp-sharded stack; only 2-D matrices may be")
-        self.shape = {i: self._global_shape(i) for i in self.muon}  # the whole matrix Newton–Schulz sees
+        self.shape = {i: self._global_shape(i) for i in self.muon}  # the whole matrices Newton–Schulz sees
         self.sharded = getattr(opt, "pieces", None) is not None  # ZeRO 1-3: masters are flat pieces
         self.device = opt.master[0].device if opt.master else torch.device("cpu")
         self.owner: dict[int, int] | None = None  # ZeRO: at the first step (one small all-gather)
         self.extent: dict[int, list[tuple[int, int]]] = {}
 
     def _global_shape(self, i: int) -> tuple[int, ...]:
+        """One matrix's shape (A, B), or (E, A, B) for a stack; A counts one block's rows."""
         shape = list(self.opt.params[i].shape)
         if i in self.tp_dim:
             shape[self.tp_dim[i]] *= self.tp
+        shape[-2] //= self.blocks[i]
         return tuple(shape)
 
     @torch.no_grad()
@@ -184,7 +197,7 @@ class MuonAdamW:
         whole = self._to_owners(updates) if self.sharded else updates  # this rank's local matrices
         local = {i: u.view(self.opt.params[i].shape) for i, u in whole.items()}
         full = self._tp_gather(local)
-        done = {i: orthogonalize(g, self.cfg.ns_steps, self.cfg.eps) for i, g in full.items()}
+        done = {i: orthogonalize(g, self.cfg.ns_steps, self.cfg.eps, self.blocks[i]) for i, g in full.items()}
         done = {i: self._tp_slice(i, o) for i, o in done.items()}
         return self._from_owners(done, updates) if self.sharded else done
 
@@ -216,17 +229,15 @@ class MuonAdamW:
     # One all-to-all per ZeRO group sends every piece to its matrix's owner.
     # The owner orthogonalizes. A second all-to-all sends each holder its piece of the result.
     def _assign_owners(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
-        """Greedy: the costliest matrix first, to the least-loaded rank (longest processing time first).
+        """assign_owners: the costliest matrix first, to the least-loaded rank (longest processing time).
         Round-robin by size leaves one rank a whole extra large matrix when counts do not divide.
         This keeps the largest load within 4/3 of the best. The cost is Newton–Schulz's flops.
         Also each rank's (start, n) of every matrix, gathered once from the other ranks."""
         owner, extent = {}, {}
         for group, ids in self._by_group().items():
             N = self._size(group)
-            load = [0.0] * N
-            for i in sorted(ids, key=lambda i: -ns_flops(self.shape[i], self.cfg.ns_steps)):
-                owner[i] = min(range(N), key=lambda r: (load[r], r))
-                load[owner[i]] += ns_flops(self.shape[i], self.cfg.ns_steps)
+            cost = [self.blocks[i] * ns_flops(self.shape[i], self.cfg.ns_steps) for i in ids]
+            owner.update(zip(ids, assign_owners(cost, N)))
             mine = torch.tensor([[self.opt.pieces[i].start, self.opt.pieces[i].n] for i in ids],
                                 dtype=torch.int64, device=self.device)  # (M, 2)
             every = [torch.empty_like(mine) for _ in range(N)]
@@ -234,8 +245,9 @@ class MuonAdamW:
                 dist.all_gather(every, mine, group=group)
             else:
                 every = [mine]
+            every = torch.stack(every).tolist()  # (N, M, 2): one read, once per run
             for k, i in enumerate(ids):
-                extent[i] = [tuple(e[k].tolist()) for e in every]
+                extent[i] = [tuple(e[k]) for e in every]
         return owner, extent
 
     def _by_group(self) -> dict[Group, list[int]]:
@@ -284,6 +296,16 @@ class MuonAdamW:
             for r in range(N):
                 out.update(zip(theirs[r], got[r]))
         return out
+
+
+def assign_owners(cost: list[float], N: int) -> list[int]:
+    """Each item's owner among N ranks: the costliest first, to the least-loaded rank (ties: the lowest).
+    A pure function of (cost, N): every rank computes the same owners without a collective."""
+    owner, load = [0] * len(cost), [0.0] * N
+    for k in sorted(range(len(cost)), key=lambda k: (-cost[k], k)):
+        owner[k] = min(range(N), key=lambda r: (load[r], r))
+        load[owner[k]] += cost[k]
+    return owner
 
 
 def ns_flops(shape: tuple[int, ...], steps: int) -> float:
