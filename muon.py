@@ -47,6 +47,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from precision import use_fused_adamw
+
 Group = Any  # a torch.distributed.ProcessGroup, or None for the default group
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's)
 
@@ -138,7 +140,7 @@ class MuonAdamW:
         others = [i for i in range(len(opt.master)) if i not in self.blocks]
         decay = [opt.master[i] for i in others if opt.params[i].ndim >= 2]
         rest = [opt.master[i] for i in others if opt.params[i].ndim < 2]
-        fused = bool(opt.master) and opt.master[0].is_cuda
+        fused = bool(opt.master) and use_fused_adamw(opt.master[0])
         self.adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": opt.cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=opt.cfg.lr, betas=(opt.cfg.beta1, opt.cfg.beta2), eps=opt.cfg.eps, fused=fused or None)
@@ -153,8 +155,7 @@ class MuonAdamW:
         self.shape = {i: self._global_shape(i) for i in self.muon}  # the whole matrices Newton–Schulz sees
         self.sharded = getattr(opt, "pieces", None) is not None  # ZeRO 1-3: masters are flat pieces
         self.device = opt.master[0].device if opt.master else torch.device("cpu")
-        self.owner: dict[int, int] | None = None  # ZeRO: at the first step (one small all-gather)
-        self.extent: dict[int, list[tuple[int, int]]] = {}
+        self.owner, self.extent = self._assign_owners() if self.sharded else ({}, {})
 
     def _global_shape(self, i: int) -> tuple[int, ...]:
         """One matrix's shape (A, B), or (E, A, B) for a stack; A counts one block's rows."""
@@ -192,8 +193,6 @@ class MuonAdamW:
 
     def _orthogonalized(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each matrix's orthogonalized update, in the layout of this rank's master of it."""
-        if self.sharded and self.owner is None:
-            self.owner, self.extent = self._assign_owners()
         whole = self._to_owners(updates) if self.sharded else updates  # this rank's local matrices
         local = {i: u.view(self.opt.params[i].shape) for i, u in whole.items()}
         full = self._tp_gather(local)
@@ -232,23 +231,32 @@ class MuonAdamW:
         """assign_owners: the costliest matrix first, to the least-loaded rank (longest processing time).
         Round-robin by size leaves one rank a whole extra large matrix when counts do not divide.
         This keeps the largest load within 4/3 of the best. The cost is Newton–Schulz's flops.
-        Also each rank's (start, n) of every matrix, gathered once from the other ranks."""
-        owner, extent = {}, {}
+        Also every rank's (start, n) of each matrix: `_extents`."""
+        owner = {}
         for group, ids in self._by_group().items():
-            N = self._size(group)
             cost = [self.blocks[i] * ns_flops(self.shape[i], self.cfg.ns_steps) for i in ids]
-            owner.update(zip(ids, assign_owners(cost, N)))
-            mine = torch.tensor([[self.opt.pieces[i].start, self.opt.pieces[i].n] for i in ids],
-                                dtype=torch.int64, device=self.device)  # (M, 2)
-            every = [torch.empty_like(mine) for _ in range(N)]
-            if N > 1:
-                dist.all_gather(every, mine, group=group)
-            else:
-                every = [mine]
-            every = torch.stack(every).tolist()  # (N, M, 2): one read, once per run
-            for k, i in enumerate(ids):
-                extent[i] = [tuple(e[k]) for e in every]
-        return owner, extent
+            owner.update(zip(ids, assign_owners(cost, self._size(group))))
+        return owner, self._extents()
+
+    def _extents(self) -> dict[int, list[tuple[int, int]]]:
+        """Every rank's (start, n) of each matrix, from ZeRO's layout (zero.py's core idea).
+        A bucket's parameters lie back to back in one flat buffer, padded to N·S; rank r owns slice r.
+        Computed, not exchanged: no collective, and no host read of a device value."""
+        extent = {}
+        for bucket in self.opt.buckets:
+            N = self.opt.class_groups[self.opt.classes[bucket.index[0]]][1]
+            S = bucket.size // N
+            for i, off in zip(bucket.index, bucket.offsets):
+                if i not in self.blocks:
+                    continue
+                n = self.opt.params[i].numel()
+                cut = [(max(off, r * S), min(off + n, (r + 1) * S)) for r in range(N)]  # [a, z) of the flat
+                extent[i] = [(a - off, z - a) if z > a else (0, 0) for a, z in cut]
+                mine = extent[i][self._rank(self.opt.reduce_groups[i])]
+                if mine[1] != self.opt.pieces[i].n or (mine[1] and mine[0] != self.opt.pieces[i].start):
+                    raise ValueError(f"muon: {self.opt.names[i]}'s ZeRO piece {self.opt.pieces[i]} is not "
+                                     f"slice r of its bucket, the layout muon.py reads")
+        return extent
 
     def _by_group(self) -> dict[Group, list[int]]:
         """The matrices by their ZeRO group (the dp group, or an expert's replica group)."""

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import cli
 import data
+import dp
 import grid as G
 import model as M
 import muon
@@ -96,32 +97,33 @@ def test_owners_balance_work():
 SHAPES = {"w_col": ((32, 48), 0), "w_row": ((48, 32), 1), "w_whole": ((16, 24), None), "experts": ((3, 8, 12), None)}
 
 
-def _distributed_step(rank: int, world: int, cuts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """4 ranks = tp2 × dp2 (tp innermost). Each rank holds its tp shard of every matrix, flat, cut
-    into dp pieces at `cuts` (ZeRO's pieces, maybe empty). The same global gradients as one process."""
+def _distributed_step(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """4 ranks = tp2 × dp2 (tp innermost). Each rank holds its tp shard of every matrix. ZeRO's
+    layout: the shards back to back in one flat bucket padded to 2·S, dp rank r owning [r·S, (r+1)·S).
+    So the pieces are uneven and some empty. The same global gradients as one process."""
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp_rank, dp_rank = rank % 2, rank // 2
     tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
-    names, params, master, pieces = [], [], [], []
-    full = _matrices()
-    for name, (_, dim) in SHAPES.items():
-        local = full[name] if dim is None else full[name].chunk(2, dim)[tp_rank]
-        lo, hi = (0, cuts[name]) if dp_rank == 0 else (cuts[name], local.numel())
-        names.append(name)
-        params.append(torch.nn.Parameter(local.clone()))
-        master.append(local.reshape(-1)[lo:hi].clone())
-        pieces.append(SimpleNamespace(start=lo, n=hi - lo))
-    opt = SimpleNamespace(names=names, params=params, master=master, pieces=pieces, group=dp_group,
-                          reduce_groups=[dp_group] * len(names), cfg=P.OptimConfig(lr=1e-3))
+    full, dims = _matrices(), [dim for _, dim in SHAPES.values()]
+    params = [torch.nn.Parameter(full[n] if d is None else full[n].chunk(2, d)[tp_rank]) for n, d in zip(SHAPES, dims)]
+    bucket = dp.layout(list(range(len(params))), params, pad_to=2)
+    S = bucket.size // 2
+    lo, hi = dp_rank * S, (dp_rank + 1) * S  # this rank's slice of the flat bucket
+    pieces = [SimpleNamespace(start=max(lo - off, 0), n=max(0, min(hi, off + p.numel()) - max(lo, off)))
+              for p, off in zip(params, bucket.offsets)]
+    master = [p.detach().reshape(-1)[pc.start:pc.start + pc.n].clone() for p, pc in zip(params, pieces)]
+    opt = SimpleNamespace(names=list(SHAPES), params=params, master=master, pieces=pieces, buckets=[bucket],
+                          classes=[0] * len(params), class_groups=[(dp_group, 2, dp_rank)],
+                          reduce_groups=[dp_group] * len(params), cfg=P.OptimConfig(lr=1e-3))
     tp_dim = {n: dim for n, (_, dim) in SHAPES.items() if dim is not None}
     step = muon.MuonRule(muon.MuonConfig(weight_decay=0.1), tp_group=tp_group, tp_dim=tp_dim).build(opt)
     for grads in _gradients():
-        for name, dim, m, pc in zip(names, [d for _, d in SHAPES.values()], master, pieces):
+        for name, dim, m, pc in zip(SHAPES, dims, master, pieces):
             g = grads[name] if dim is None else grads[name].chunk(2, dim)[tp_rank]
             m.grad = g.reshape(-1)[pc.start:pc.start + pc.n].clone()
         step.step()
-    return {n: m for n, m in zip(names, master)}
+    return {"pieces": [pc.n for pc in pieces]} | dict(zip(SHAPES, master))
 
 
 def _matrices() -> dict[str, torch.Tensor]:
@@ -136,10 +138,10 @@ def _gradients() -> list[dict[str, torch.Tensor]]:
 
 def test_owners_and_tp_gather_equal_torch_muon():
     """The exchange itself, fed the same gradients as one process: tp2 × dp2, ZeRO-like uneven
-    pieces (one empty), a tp-column, a tp-row, a whole matrix and an expert stack. Every rank's
+    pieces (some empty), a tp-column, a tp-row, a whole matrix and an expert stack. Every rank's
     pieces equal torch.optim.Muon's parameters after 3 steps, bit for bit."""
-    cuts = {"w_col": 100, "w_row": 0, "w_whole": 383, "experts": 150}
-    got = run_ranks(_distributed_step, 4, cuts)
+    got = run_ranks(_distributed_step, 4)
+    assert 0 in got[0]["pieces"] and 0 in got[2]["pieces"]  # some ranks hold nothing of some matrices
     full = _matrices()
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items() if n != "experts"}
     experts = [torch.nn.Parameter(e.clone()) for e in full["experts"]]
