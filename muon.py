@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from precision import use_fused_adamw
+import precision
 
 Group = Any  # a torch.distributed.ProcessGroup, or None for the default group
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's)
@@ -140,7 +140,7 @@ class MuonAdamW:
         others = [i for i in range(len(opt.master)) if i not in self.blocks]
         decay = [opt.master[i] for i in others if opt.params[i].ndim >= 2]
         rest = [opt.master[i] for i in others if opt.params[i].ndim < 2]
-        fused = bool(opt.master) and use_fused_adamw(opt.master[0])
+        fused = bool(opt.master) and precision.use_fused_adamw(opt.master[0])  # CUDA: one kernel
         self.adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": opt.cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=opt.cfg.lr, betas=(opt.cfg.beta1, opt.cfg.beta2), eps=opt.cfg.eps, fused=fused or None)

@@ -298,3 +298,13 @@ def test_log_line_names_eager_layers(capsys, tmp_path, mode):
     train.main([mode, "--compile", "--ac", "--steps", "0", "--seq-len", "256", *data])
     line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("model "))
     assert f"compiled layers ({M.PRESETS['tiny'].num_hidden_layers} checkpointed run eagerly" in line
+
+
+@pytest.mark.parametrize("layout", [["--zero", "1"], ["--zero", "3"], ["--tp", "2"]])
+def test_muon_step_at_two_ranks(meta, layout):
+    """--optimizer muon's step on the meta device as CUDA: the pieces' two all-to-alls (ZeRO) or the
+    tp gather pass NCCL's checks, and AdamW's fused kernel steps the rest."""
+    with fake_world(1, 2, meta):
+        seen = one_step(["--optimizer", "muon", *layout], Rows(), world=2, rank=1)
+    assert seen["aten::_fused_adamw_"]
+    assert seen["c10d::alltoall_base_"] == 2 if layout[0] == "--zero" else seen["c10d::allgather_"], seen
