@@ -204,6 +204,8 @@ class MuonAdamW:
     # Newton–Schulz of a shard is not a shard of Newton–Schulz: the Gram matrix mixes rows.
     # So every tp rank gathers the whole matrix and orthogonalizes it, then keeps its rows.
     # tp ranks hold the same local shapes, hence the same owners: they gather the same matrices.
+    # A fused weight (tp.Fused: q, k, v stacked) gathers its rows permuted, rank-major.
+    # Newton–Schulz commutes with row permutations, so the slice back is this rank's rows of the result.
     def _tp_gather(self, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         ids = [i for i in local if i in self.tp_dim]
         if not ids:
