@@ -100,7 +100,8 @@ def use_fused_adamw(t: torch.Tensor) -> bool:
 
 class UpdateRule(Protocol):
     """The update-rule seam: what turns the clipped fp32 gradients into new fp32 masters.
-    `build(opt)` returns a torch optimizer over opt.master; its `state[master]` is what checkpoints save.
+    `build(opt)` returns an optimizer over opt.master: torch's step(), param_groups, state and defaults.
+    Its `state[master]` is what checkpoints save.
     step() sets each of its param groups' "lr", sets the masters' .grad, then calls its step().
     `elementwise`: that step may run chunk by chunk (AdamW). Else it runs once, over every master."""
     elementwise: bool
@@ -123,7 +124,7 @@ class AdamWRule:
 
 
 class MixedPrecisionOptimizer:
-    """fp32-master AdamW over `named_params` (name → compute parameter, each appearing once).
+    """fp32-master AdamW (or `rule`'s optimizer) over `named_params` (name → compute parameter, each once).
 
     The parameters must hold their fp32 initial values when this is built.
     The masters are taken from them. Then the parameters are cast to `dtype` in place."""
