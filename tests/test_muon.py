@@ -276,3 +276,14 @@ def test_experts_under_ep_and_zero_equal_one_process(tmp_path):
     rel = relative_differences(tmp_path, "ep2")
     print("ep2-zero1 (MoE)", f"relative L2 difference: max {max(rel.values()):.2e}")
     assert max(rel.values()) <= 5e-2 and any("experts" in k for k in rel), rel
+
+
+def test_exchange_bytes_of_the_1b_preset_match_the_formula():
+    """docs/muon.md's count: on the real bucket layout the pieces are about 1/N of each matrix, so the
+    mean bytes a rank sends to the owners are within 1% of 2·Ψ_m(N − 1)/N²; none sends 3% more."""
+    from bench import bench_muon
+    r = bench_muon.exchange_bytes(M.PRESETS["1b"], 8)
+    assert r["psi_m"] == 973_078_528
+    assert abs(r["sent_mean"] / r["formula"] - 1) < 0.01 and r["sent_max"] < 1.03 * r["formula"]
+    rel, share, flipped = bench_muon.sensitivity()
+    assert flipped == 1 and rel > 1e-3  # one bf16 rounding moves the whole result (docs/muon.md)
