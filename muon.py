@@ -28,8 +28,10 @@ Run
 Invariants
     - One process, fp32: the parameters after 3 steps equal torch.optim.Muon + torch.optim.AdamW's,
       bit for bit. Test: tests/test_muon.py::test_one_process_equals_torch_muon.
-    - tp2, dp2 · ZeRO-1/2/3 and pp2 equal one process.
-      Test: tests/test_muon.py::test_layouts_equal_one_process.
+    - The exchange (ZeRO's pieces to owners, the tp gather, back) equals torch.optim.Muon bit for bit
+      when fed the same gradients. Test: tests/test_muon.py::test_owners_and_tp_gather_equal_torch_muon.
+    - tp, pp, ZeRO-1/2/3 and ep through train.py equal one process, up to bf16 Newton–Schulz's
+      amplified rounding (docs/muon.md). Test: tests/test_muon.py::test_layouts_equal_one_process.
     - The state is a piece per master, as AdamW's: checkpoints stay layout-free.
       Test: tests/test_muon.py::test_resume_across_layouts.
     - Each matrix is orthogonalized once per step, on its owner. Owners balance the Newton–Schulz work.
