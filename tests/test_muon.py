@@ -5,7 +5,7 @@ Layouts: tp and dp change the summation order of the gradients (fp32 ulps).
 Newton–Schulz then runs in bf16, as torch.optim.Muon's does. An ulp that moves an update element
 across a bf16 rounding boundary changes that element by up to 2^-8 of itself, and the iteration
 spreads it over the matrix. So through train.py the layouts are compared by the relative L2 difference of each
-parameter, ‖a − b‖ / ‖b‖, and the loss curve (1e-5). The measured values are in docs/muon.md.
+parameter, ‖a − b‖ / ‖b‖, and the loss curve (1e-4). The measured values are in docs/muon.md.
 The exchange itself is tested bit for bit: the same gradients on tp2 × dp2 as on one process.
 """
 import copy
@@ -197,6 +197,9 @@ def one_process(setup_dirs):
     return [json.loads(line)["loss"] for line in (setup_dirs / "one.jsonl").read_text().splitlines()]
 
 
+# The loss of step k sees k − 1 Muon updates, each with bf16 Newton–Schulz's amplified rounding:
+# measured up to 1.3e-5 at step 3 (the MoE run; the dense runs below 1e-5). AdamW's layouts meet 1e-5.
+LOSS_RTOL = 1e-4
 LAYOUTS = {"pp2": (2, ["--pp", "2"]), "dp2-zero2": (2, ["--zero", "2"]), "dp2-zero3": (2, ["--zero", "3"]),
            "tp2-dp2-zero1": (4, ["--tp", "2", "--zero", "1"])}  # tp2 alone and dp2 · ZeRO-1: docs/muon.md
 
@@ -204,7 +207,7 @@ LAYOUTS = {"pp2": (2, ["--pp", "2"]), "dp2-zero2": (2, ["--zero", "2"]), "dp2-ze
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layouts_equal_one_process(setup_dirs, one_process, name):
     """tp2 (the owners gather over tp), ZeRO-1/2/3 (pieces to owners and back), pp2 through train.py:
-    the loss curve within 1e-5, the parameters within 5e-2 relative L2 per tensor after 3 steps.
+    the loss curve within LOSS_RTOL, the parameters within 5e-2 relative L2 per tensor after 3 steps.
     Why so loose: one bf16 input element rounded the other way moves Newton–Schulz's whole output
     by about 1% (measured, docs/muon.md). The exact test of the exchange is the one above.
     A misplaced piece or shard would move a matrix by about 100%."""
@@ -212,7 +215,7 @@ def test_layouts_equal_one_process(setup_dirs, one_process, name):
     world, extra = LAYOUTS[name]
     run_ranks(_main, world, args_for(d, name, *extra), timeout=240)
     losses = [json.loads(line)["loss"] for line in (d / f"{name}.jsonl").read_text().splitlines()]
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, one_process)), (losses, one_process)
+    assert all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(losses, one_process)), (losses, one_process)
     rel = relative_differences(d, name)
     print(name, f"relative L2 difference: max {max(rel.values()):.2e} ({max(rel, key=rel.get)}), "
           f"median {sorted(rel.values())[len(rel) // 2]:.2e}")
@@ -257,7 +260,7 @@ def test_flags_are_checked_and_combinations_refused_by_name():
 def test_experts_under_ep_and_zero_equal_one_process(tmp_path):
     """A tiny Qwen3-MoE (4 experts, k = 2): each expert's gate, up and down orthogonalized on its own.
     ep2 · ZeRO-1 on 4 ranks: the experts' pieces go to owners in their replica groups, the rest in dp.
-    The loss curve within 1e-5 of one process, the exported weights within 5e-2 relative L2."""
+    The loss curve within LOSS_RTOL of one process, the exported weights within 5e-2 relative L2."""
     hf_model("qwen3_moe", vocab=260, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, num_experts=4).save_pretrained(tmp_path / "init")
     (tmp_path / "corpus.txt").write_text(open(__file__, encoding="utf-8").read() * 6)
@@ -272,7 +275,8 @@ def test_experts_under_ep_and_zero_equal_one_process(tmp_path):
     run_ranks(_main, 4, argv("ep2", "--ep", "2", "--zero", "1"), timeout=240)
     want, got = (json.loads(line)["loss"] for line in (tmp_path / "one.jsonl").read_text().splitlines()), \
         (json.loads(line)["loss"] for line in (tmp_path / "ep2.jsonl").read_text().splitlines())
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want))
+    got, want = list(got), list(want)
+    assert all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(got, want)), (got, want)
     rel = relative_differences(tmp_path, "ep2")
     print("ep2-zero1 (MoE)", f"relative L2 difference: max {max(rel.values()):.2e}")
     assert max(rel.values()) <= 5e-2 and any("experts" in k for k in rel), rel
