@@ -28,7 +28,6 @@ import precision as P
 import train
 import weights as W
 from dist import run_ranks
-from test_moe_models import hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = M.LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -261,6 +260,7 @@ def test_experts_under_ep_and_zero_equal_one_process(tmp_path):
     """A tiny Qwen3-MoE (4 experts, k = 2): each expert's gate, up and down orthogonalized on its own.
     ep2 · ZeRO-1 on 4 ranks: the experts' pieces go to owners in their replica groups, the rest in dp.
     The loss curve within LOSS_RTOL of one process, the exported weights within 5e-2 relative L2."""
+    from test_moe_models import hf_model  # transformers: imported where used, not at collection
     hf_model("qwen3_moe", vocab=260, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, num_experts=4).save_pretrained(tmp_path / "init")
     (tmp_path / "corpus.txt").write_text(open(__file__, encoding="utf-8").read() * 6)
