@@ -67,6 +67,7 @@ from weights import expert_tensor, fsync_path, io_error, write_bytes, write_safe
 
 FORMAT = "attotron-checkpoint-2"  # 2: meta.json lists each file's bytes and crc32
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # what is stored per parameter piece
+MORE_KINDS = ("momentum_buffer",)  # another rule's state (muon.py), stored and loaded the same way
 STEP_DIR = re.compile(r"step_(\d{8})")
 
 Box = list[tuple[int, int]]  # per dim [lo, hi) of a region of a global tensor
@@ -206,7 +207,7 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
             continue
         master = opt.master[i]
         state = opt.optimizer.state.get(master, {})
-        values = {"master": master} | {k: state[k] for k in KINDS[1:] if k in state}
+        values = {"master": master} | {k: state[k] for k in KINDS[1:] + MORE_KINDS if k in state}
         for kind, t in values.items():
             tensors[f"{name}/{kind}"] = t.detach().reshape(-1)[:n]  # (n,)
         where = None if shard is None else [shard.dim, shard.start, shard.size]

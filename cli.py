@@ -201,6 +201,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                              "and the step on the host (offload.py)")
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
+    # the update rule (muon.py); --lr, --weight-decay stay AdamW's
+    a("--optimizer", default="adamw", choices=["adamw", "muon"],
+      help="muon: Muon for the hidden matrices, AdamW for the embedding, head, norms and biases")
+    a("--muon-lr", type=float, default=None, help="--optimizer muon: Muon's peak lr, scheduled as --lr "
+                                                  "is (default 0.02)")
+    a("--muon-weight-decay", type=float, default=None, help="--optimizer muon: Muon's decoupled decay "
+                                                            "(default 0)")
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
@@ -224,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, flag, value)
     if args.model is None and args.init_from is None:
         args.model = "tiny"
+    if args.optimizer == "muon":
+        args.muon_lr = 0.02 if args.muon_lr is None else args.muon_lr
+        args.muon_weight_decay = 0.0 if args.muon_weight_decay is None else args.muon_weight_decay
     if args.min_lr is None:  # GRPO: constant after the warm-up (its prompts are drawn anew, no epoch ends)
         args.min_lr = args.lr if args.grpo else args.lr / 10
     return args
@@ -296,7 +306,26 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     if args.warmup < 0 or args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
         errors.append(f"need 0 <= --min-lr <= --lr and --warmup >= 0 (got lr {args.lr}, "
                       f"min-lr {args.min_lr}, warmup {args.warmup})")
-    return errors + validate_more(args)
+    return errors + validate_more(args) + validate_muon(args)
+
+
+def validate_muon(args: argparse.Namespace) -> list[str]:
+    """--optimizer muon's flags, and the flags it does not combine with (docs/running.md's matrix)."""
+    if args.optimizer != "muon":
+        given = [f for f in ("muon_lr", "muon_weight_decay") if getattr(args, f) is not None]
+        return [f"--{given[0].replace('_', '-')} goes with --optimizer muon"] if given else []
+    errors = []
+    if not (math.isfinite(args.muon_lr) and args.muon_lr >= 0):
+        errors.append(f"--muon-lr must be a finite number >= 0, got {args.muon_lr}")
+    if not (math.isfinite(args.muon_weight_decay) and args.muon_weight_decay >= 0):
+        errors.append(f"--muon-weight-decay must be a finite number >= 0, got {args.muon_weight_decay}")
+    why = {"lora": "the adapters' rank-r factors are not Muon's hidden matrices; LoRA trains with AdamW",
+           "fp8": "not built together: no test compares Muon's step under fp8 matmuls with one process",
+           "offload": "the offloaded step is AdamW's, on the CPU; Muon's owners exchange pieces on the device"}
+    for flag, reason in why.items():  # flags other files add: refused by name wherever they exist
+        if getattr(args, flag, None):
+            errors.append(f"--optimizer muon with --{flag}: {reason}. Use --optimizer adamw")
+    return errors
 
 
 def validate_more(args: argparse.Namespace) -> list[str]:

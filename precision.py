@@ -45,12 +45,13 @@ The seam zero.py uses (ZeRO must not edit this file). A subclass overrides three
                        Here they are .grad; in ZeRO fp32 main grads or reduce-scattered shards.
     `_publish()`       master → compute params: a copy here, an all-gather in ZeRO.
     It passes its dp group in `norm_groups` when gradients are sharded.
+The update-rule seam, `rule=` (an `UpdateRule`), says what steps the masters: AdamW, or muon.py's Muon.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,15 +98,40 @@ def use_fused_adamw(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+class UpdateRule(Protocol):
+    """The update-rule seam: what turns the clipped fp32 gradients into new fp32 masters.
+    `build(opt)` returns an optimizer over opt.master: torch's step(), param_groups, state and defaults.
+    Its `state[master]` is what checkpoints save.
+    step() sets each of its param groups' "lr", sets the masters' .grad, then calls its step().
+    `elementwise`: that step may run chunk by chunk (AdamW). Else it runs once, over every master."""
+    elementwise: bool
+
+    def build(self, opt: "MixedPrecisionOptimizer") -> torch.optim.Optimizer: ...
+
+
+class AdamWRule:
+    """The default rule: AdamW, with decay on the matrices only (`decays`)."""
+    elementwise = True
+
+    def build(self, opt: "MixedPrecisionOptimizer") -> torch.optim.Optimizer:
+        decay = [m for m, n, p in zip(opt.master, opt.names, opt.params) if decays(n, p)]
+        rest = [m for m, n, p in zip(opt.master, opt.names, opt.params) if not decays(n, p)]
+        fused = bool(opt.master) and use_fused_adamw(opt.master[0])  # one kernel, no temporaries
+        cfg = opt.cfg
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+
+
 class MixedPrecisionOptimizer:
-    """fp32-master AdamW over `named_params` (name → compute parameter, each appearing once).
+    """fp32-master AdamW (or `rule`'s optimizer) over `named_params` (name → compute parameter, each once).
 
     The parameters must hold their fp32 initial values when this is built.
     The masters are taken from them. Then the parameters are cast to `dtype` in place."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
                  dtype: torch.dtype = torch.float32, norm_groups: Iterable[dist.ProcessGroup] = (),
-                 counted: Callable[[str], bool] = lambda name: True):
+                 counted: Callable[[str], bool] = lambda name: True, rule: UpdateRule | None = None):
         pairs = list(named_params)
         self.names, self.params = [n for n, _ in pairs], [p for _, p in pairs]
         self.cfg, self.dtype = cfg, dtype
@@ -114,12 +140,8 @@ class MixedPrecisionOptimizer:
         self.master = self._make_master()
         for p in self.params:
             p.data = p.data.to(dtype)
-        decay = [m for m, n, p in zip(self.master, self.names, self.params) if decays(n, p)]
-        rest = [m for m, n, p in zip(self.master, self.names, self.params) if not decays(n, p)]
-        fused = bool(self.master) and use_fused_adamw(self.master[0])  # one kernel, no temporaries
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+        self.rule = AdamWRule() if rule is None else rule
+        self.optimizer = self.rule.build(self)
 
     # ---- the seam (see module docstring) --------------------------------------------------------
     def _make_master(self) -> list[torch.Tensor]:
@@ -179,7 +201,8 @@ class MixedPrecisionOptimizer:
             coef = torch.clamp(self.cfg.clip / (norm + 1e-6), max=1.0) if self.cfg.clip > 0 else None
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            for chunk in self._chunks(grads):  # AdamW steps only the masters that have a .grad
+            chunks = self._chunks(grads) if self.rule.elementwise else [list(range(len(grads)))]
+            for chunk in chunks:  # AdamW steps only the masters that have a .grad
                 self._step_chunk([i for i in chunk if grads[i] is not None], grads, coef)
             self._publish()
         self.zero_grad()

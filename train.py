@@ -29,6 +29,7 @@ Extensions, each at its step
     7. With --compile, a layer stays eager where a graph break would fall inside its checkpoint.
        The log names them: packed rows, the cp ring, MoE blocks.
     8. The experts reduce and shard over the ranks holding the same experts (grid.replica_group).
+       --optimizer muon: `muon.MuonRule` steps the hidden matrices (precision's update-rule seam).
     `--ep N` equals one process: losses, grad norms, resume, export (tests/test_moe_ep.py).
 
 Invariants
@@ -83,6 +84,7 @@ import model as M
 import offload as OFF
 import moe as MOE
 import pairing as PA
+import muon as MU
 import pp as PP
 import precision as P
 import preempt as PR
@@ -247,7 +249,8 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
                 reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                 norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
                 tied=PP.tied_copy(model), embed_group=grid.embed_group,
-                init=init, device=grid.device, group_of=expert_reduction(model, grid))
+                init=init, device=grid.device, group_of=expert_reduction(model, grid),
+                rule=update_rule(args, shards, grid))
 
 
 def export_tokenizer(args: argparse.Namespace, ds: data.TokenDataset | sft.SFTDataset, tpl: sft.ChatTemplate | None):
@@ -701,6 +704,16 @@ def after_step(r: Run) -> None:
     balancer = getattr(r.model, "bias_balancer", None)
     if balancer is not None:
         balancer.step()
+
+
+def update_rule(args: argparse.Namespace, shards: dict, grid: G.Grid) -> P.UpdateRule | None:
+    """Step 8's update rule: AdamW (None), or --optimizer muon (muon.py).
+    Muon gathers a tp-sharded matrix over tp: it needs each one's shard dim. Experts are whole."""
+    if args.optimizer != "muon":
+        return None
+    cfg = MU.MuonConfig(lr=args.muon_lr, weight_decay=args.muon_weight_decay)
+    tp_dim = {n: s.dim for n, s in shards.items() if not W.expert_tensor(n)}
+    return MU.MuonRule(cfg, tp_group=grid.tp_group, tp_dim=tp_dim)
 
 
 def unread_keys(r: Run) -> tuple[str, ...]:

@@ -61,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dp import TWICE, Bucket, GradSync, Group, group_classes, layout, make_buckets, remove_handles
-from precision import MixedPrecisionOptimizer, OptimConfig
+from precision import MixedPrecisionOptimizer, OptimConfig, UpdateRule
 
 Named = Iterable[tuple[str, nn.Parameter]]
 Init = Callable[[str, int, int], torch.Tensor]  # (name, start, stop) → fp32 flat elements [start, stop)
@@ -176,7 +176,8 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
     bucket_mb, reduce_dtype, inflight: the gradient buckets (dp.GradSync).
     norm_groups, counted: the grad norm's groups and replicas (precision.py).
     Banners below explain the rest. tied, embed_group: a tied embedding's pipeline copy.
-    init, device: the meta device. group_of: the parameter → group seam."""
+    init, device: the meta device. group_of: the parameter → group seam.
+    rule: the update-rule seam (precision.UpdateRule), AdamW by default."""
     stage = 0
 
     def __init__(self, named_params: Named, cfg: OptimConfig, dtype: torch.dtype, group: Group, *,
@@ -185,7 +186,7 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
                  counted: Callable[[str], bool] = lambda name: True,
                  tied: nn.Parameter | None = None, embed_group: Group = None, inflight: int = 2,
                  init: Init | None = None, device: torch.device | str | None = None,
-                 group_of: GroupOf | None = None):
+                 group_of: GroupOf | None = None, rule: UpdateRule | None = None):
         if bucket_mb <= 0 or inflight < 1:
             raise ValueError(f"bucket_mb must be > 0 and inflight >= 1, got {bucket_mb} and {inflight}")
         named = list(named_params)
@@ -201,7 +202,7 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
         self.embed_group = embed_group
         groups = ([group] if self.stage and self.world > 1 else []) + \
             [g for g in norm_groups if dist.get_world_size(g) > 1]  # no collective on a group of one
-        super().__init__(named, cfg, dtype, groups, counted)
+        super().__init__(named, cfg, dtype, groups, counted, rule)
         self.sync = self._make_sync()
 
     def step(self, lr: float) -> float:

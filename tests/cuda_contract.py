@@ -248,6 +248,18 @@ def _rule_allgather_list(args: tuple, kwargs: dict) -> None:
               "NCCL needs contiguous tensors")
 
 
+def _rule_alltoall_base(args: tuple, kwargs: dict) -> None:
+    # ProcessGroupNCCL.cpp ProcessGroupNCCL::alltoall_base: check_gpu_single_tensor on output and
+    # input (contiguous); c10d::checkSplitSizes (Utils.hpp): without splits dim 0 divides by the
+    # world, with them one split per rank, summing to dim 0
+    out, inp, _, out_splits, in_splits = args[:5]
+    world = _group_size(args, kwargs)
+    for t, splits in ((out, out_splits), (inp, in_splits)):
+        _need(t.is_contiguous(), "c10d alltoall_base", f"NCCL needs contiguous tensors, got {t.stride()}")
+        ok = len(splits) == world and sum(splits) == t.size(0) if splits else t.size(0) % world == 0
+        _need(ok, "c10d alltoall_base", f"splits {list(splits)} must be one per rank of {world}, summing to {t.size(0)}")
+
+
 def _flat(x: Any) -> list:
     return [t for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
 
@@ -264,6 +276,7 @@ RULES: dict[Any, Callable[[tuple, dict], None]] = {
     c10d.send.default: _rule_collective("send", lambda a: _flat(a[0]), lambda a: [], 0),
     c10d.recv_.default: _rule_collective("recv", lambda a: [], lambda a: _flat(a[0]), 0),
     c10d.allgather_.default: _rule_allgather_list,
+    c10d.alltoall_base_.default: _rule_alltoall_base,
     c10d._allgather_base_.default: _rule_collective("allgather_base", lambda a: _flat(a[1]),
                                                     lambda a: _flat(a[0]), -1),
     c10d._reduce_scatter_base_.default: _rule_collective("reduce_scatter_base", lambda a: _flat(a[1]),

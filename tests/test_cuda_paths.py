@@ -325,3 +325,11 @@ def test_fp8_linear_under_the_contract(meta):
         meta.setattr(cuda_contract, "CAPABILITY", (8, 0))  # an A100
         with pytest.raises(ContractError, match="sm89"):
             FP8.fp8_linear(torch.zeros(16, 64, device=META), torch.zeros(32, 64, device=META))
+@pytest.mark.parametrize("layout", [["--zero", "1"], ["--zero", "3"], ["--tp", "2"]])
+def test_muon_step_at_two_ranks(meta, layout):
+    """--optimizer muon's step on the meta device as CUDA: the pieces' two all-to-alls (ZeRO) or the
+    tp gather pass NCCL's checks, and AdamW's fused kernel steps the rest."""
+    with fake_world(1, 2, meta):
+        seen = one_step(["--optimizer", "muon", *layout], Rows(), world=2, rank=1)
+    assert seen["aten::_fused_adamw_"]
+    assert seen["c10d::alltoall_base_"] == 2 if layout[0] == "--zero" else seen["c10d::allgather_"], seen

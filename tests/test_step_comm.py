@@ -190,3 +190,12 @@ def test_tp2_pp2_step_skips_groups_of_one(dirs):
         assert names["reduce_scatter_single"] == names["all_gather_single"] == 0  # ZeRO over dp = 1: copies
         assert names["batch_isend_irecv"] > 0 and names["broadcast"] == 1  # the loss, from the last stage
         assert sum(1 for e in colls if "grad_norm" in e[3]) == 2  # tp, then pp
+
+
+def test_muon_adds_two_all_to_alls_and_one_tp_gather(dirs):
+    """--optimizer muon at tp2 · dp2 · ZeRO-1: per step, one all-to-all sends the pieces to their
+    owners, one sends the results back (dp, size 2), and the owners gather their matrices over tp
+    once (size 2). Still one host sync. The rest of the step is AdamW's."""
+    for colls in check_quiet_steps(run(dirs, 4, "--tp", "2", "--zero", "1", "--optimizer", "muon")):
+        ours = [e[1:3] for e in colls if {"_to_owners", "_from_owners", "_tp_gather"} & set(e[3])]
+        assert Counter(ours) == {("all_to_all_single", 2): 2, ("all_gather", 2): 1}, ours
