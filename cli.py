@@ -185,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                              "executor, embedding and head stay eager)")
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
+    add_lora_flags(a)
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
@@ -256,6 +257,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
                       "exact-match accuracy on its built-in held-out chats")
     errors += validate_dpo(args)
     errors += validate_grpo(args)
+    errors += validate_lora(args, cfg)
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -568,3 +570,47 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
         torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def add_lora_flags(a) -> None:
+    """lora.py's flags (docs/lora.md)."""
+    a("--lora", type=int, default=0, help="LoRA rank r: freeze the model, train rank-r adapters (0: off)")
+    a("--lora-alpha", type=float, default=None, help="--lora: alpha; the adapters' scale is alpha / r "
+                                                      "(default: r, scale 1)")
+    a("--lora-dropout", type=float, default=0.0, help="--lora: dropout on the adapters' input")
+    a("--lora-targets", default=",".join(LORA_TARGETS),
+      help="--lora: comma-separated module names to adapt (default: every attention and MLP projection)")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # lora.DEFAULT_TARGETS
+
+
+def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
+    """--lora and its flags; what it does not combine with yet, by name (docs/running.md)."""
+    errors = []
+    given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout or None),
+                            ("--lora-targets", args.lora_targets != ",".join(LORA_TARGETS) or None))
+             if v is not None]
+    if not args.lora:
+        return [f"{' / '.join(given)} go with --lora R"] if given else []
+    if args.lora < 0:
+        errors.append(f"--lora must be a rank >= 1, got {args.lora}")
+    if not 0 <= args.lora_dropout < 1:
+        errors.append(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        errors.append(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    targets = [t for t in args.lora_targets.split(",") if t]
+    if not targets or set(targets) - set(LORA_TARGETS):
+        errors.append(f"--lora-targets {args.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
+    if cfg.num_experts:
+        errors.append("--lora with a mixture-of-experts model: adapters on the experts are not built")
+    for flag in ("save", "resume", "export_hf"):
+        if getattr(args, flag):
+            errors.append(f"--lora with --{flag.replace('_', '-')}: not built yet (docs/running.md)")
+    for flag in ("fp8", "offload"):
+        if getattr(args, flag, None):
+            errors.append(f"--lora with --{flag}: not built (docs/running.md)")
+    if getattr(args, "optimizer", "adamw") not in ("adamw", None):
+        errors.append(f"--lora with --optimizer {args.optimizer}: not built (docs/running.md)")
+    return errors

@@ -76,6 +76,7 @@ import export as EX
 import feed
 import grid as G
 import grpo as GR
+import lora as LO
 import memory as MEM
 import model as M
 import moe as MOE
@@ -212,6 +213,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
     CP.apply_cp(model, grid.cp_group)
     shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    init = add_lora(args, model, shards, init, grid)
     W.materialize_buffers(model, grid.device)
     if args.ac or args.ac_mode:
         AC.apply_ac(model, args.ac_mode or "selective", args.ac_every)
@@ -236,7 +238,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     return Z3.apply_zero(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                          reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                          norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                         tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                         tied=trained(PP.tied_copy(model)), embed_group=grid.embed_group,
                          init=init, device=grid.device, group_of=expert_reduction(model, grid))
 
 
@@ -698,6 +700,25 @@ def eager_text(args: argparse.Namespace) -> str:
              f"MoE block would break the graph inside the checkpoint)" if whole else "")
             + (f" (eager between two graphs, for their data-dependent shapes: the MoE blocks "
                f"{', '.join(blocks)})" if blocks else ""))
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init, grid: G.Grid) -> Z.Init:
+    """Step 5's LoRA (--lora R, lora.py): the model frozen, adapters on the targets, after tp split
+    the layers. The adapters' shards join the map. The frozen base is filled now, whole on every dp
+    rank; the optimizer builds only the adapters. Returns the reader that also gives the adapters."""
+    if not args.lora:
+        return init
+    LO.apply_lora(model, args.lora, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets.split(",")))
+    shards |= LO.shards(model)
+    read = LO.reader(model, init, args.seed)
+    LO.materialize_frozen(model, read, grid.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    return read
+
+
+def trained(p: torch.nn.Parameter | None) -> torch.nn.Parameter | None:
+    """A tied embedding the optimizer steps; None when frozen (--lora)."""
+    return p if p is not None and p.requires_grad else None
 
 
 if __name__ == "__main__":

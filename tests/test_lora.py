@@ -142,3 +142,39 @@ def test_fresh_adapters_start_as_the_base_and_bad_targets_raise(setup):
         L.apply_lora(W.load_hf(d), R, ALPHA, 0.0, targets=("c_attn",))
     with pytest.raises(ValueError, match="not linear"):
         L.apply_lora(W.load_hf(d), R, ALPHA, 0.0, targets=("input_layernorm",))
+
+
+# ---- every layout equals one process, through the CLI
+from test_train import _main, args_for, assert_curve, losses, setup_dirs  # noqa: E402,F401
+from dist import run_ranks  # noqa: E402
+
+LORA_FLAGS = ["--lora", "4", "--lora-alpha", "8", "--lr", "1e-2"]
+LORA_LAYOUTS = {
+    "tp2-pp2-dp2-zero3-ac": (8, ["--tp", "2", "--pp", "2", "--zero", "3", "--ac"]),
+    "tp2-cp2-sp": (4, ["--tp", "2", "--cp", "2", "--sp"]),
+}
+
+
+def curves(path) -> tuple[list[float], list[float]]:
+    import json
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(setup_dirs):
+    d = setup_dirs
+    run_ranks(_main, 1, args_for(d, *LORA_FLAGS, metrics="lora_ref.jsonl"))
+    loss, norm = curves(d / "lora_ref.jsonl")
+    assert loss[-1] < loss[0] - 0.05  # the adapters learn: comparing the curves is not vacuous
+    return loss, norm
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_layouts_equal_one_process(setup_dirs, lora_reference, name):
+    d = setup_dirs
+    world, extra = LORA_LAYOUTS[name]
+    run_ranks(_main, world, args_for(d, *LORA_FLAGS, *extra, metrics=f"lora_{name}.jsonl"), timeout=240)
+    loss, norm = curves(d / f"lora_{name}.jsonl")
+    assert_curve(loss, lora_reference[0])
+    assert_curve(norm, lora_reference[1])  # only the adapters, each element counted once
