@@ -178,3 +178,47 @@ def test_lora_layouts_equal_one_process(setup_dirs, lora_reference, name):
     loss, norm = curves(d / f"lora_{name}.jsonl")
     assert_curve(loss, lora_reference[0])
     assert_curve(norm, lora_reference[1])  # only the adapters, each element counted once
+
+
+# ---- DPO and GRPO: the reference is the starting policy, with no second copy of the base
+def dpo_argv(tmp_path, name: str, *extra: str) -> list[str]:
+    import json
+    from test_dpo import pairs
+    path = tmp_path / "pairs.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
+    return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
+            "--steps", "4", "--lr", "1e-2", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
+            "--lora", "4", "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
+
+
+def test_dpo_with_lora_starts_at_ln2_and_tp2_equals_one_process(tmp_path):
+    run_ranks(_main, 1, dpo_argv(tmp_path, "single"))
+    loss, norm = curves(tmp_path / "single.jsonl")
+    assert loss[0] == pytest.approx(math.log(2), abs=1e-6)  # fresh adapters: policy = reference
+    assert loss[-1] < loss[0] - 0.01
+    run_ranks(_main, 2, dpo_argv(tmp_path, "tp2", "--tp", "2", "--sp"))
+    got, got_norm = curves(tmp_path / "tp2.jsonl")
+    assert_curve(got, loss)
+    assert_curve(got_norm, norm)
+
+
+def test_grpo_reference_is_the_start_sharing_the_frozen_base(setup):
+    from types import SimpleNamespace
+    import grpo as GR
+    d, *_ = setup
+    model = W.load_hf(d)
+    L.apply_lora(model, R, ALPHA, 0.0)
+    trainer = GR.Trainer(model, SimpleNamespace(verifier="grpo:arithmetic_reward", grpo_clip=0.2, grpo_kl=0.1),
+                         None, torch.device("cpu"))
+    params = dict(model.named_parameters())
+    for n, t in trainer.ref.items():  # the base shared, the adapters copied
+        assert (t.data_ptr() == params[n].data_ptr()) == (not params[n].requires_grad), n
+    with torch.no_grad():
+        for n in L.adapter_names(model):
+            params[n].add_(torch.randn(params[n].shape) * 0.1)  # "trained" adapters
+    ids, labels = torch.randint(0, 101, (2, 10)), torch.randint(0, 101, (2, 10))
+    ref = trainer.logps(ids, labels, ref=True)
+    with L.adapters_off(model):  # fresh adapters (B = 0): the reference is the base
+        assert_close(ref, trainer.logps(ids, labels))
+    assert (trainer.logps(ids, labels) - ref).abs().max() > 1e-3
