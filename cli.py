@@ -581,6 +581,10 @@ def add_lora_flags(a) -> None:
     a("--lora-dropout", type=float, default=0.0, help="--lora: dropout on the adapters' input")
     a("--lora-targets", default=",".join(LORA_TARGETS),
       help="--lora: comma-separated module names to adapt (default: every attention and MLP projection)")
+    a("--export-adapter", default=None, help="--lora: write the adapters here at the end, in PEFT's format "
+                                             "(peft.PeftModel.from_pretrained loads it)")
+    a("--init-adapter", default=None, help="--lora: start from this PEFT LoRA adapter folder (its r, alpha "
+                                           "and targets must match the flags)")
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # lora.DEFAULT_TARGETS
@@ -592,6 +596,7 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout or None),
                             ("--lora-targets", args.lora_targets != ",".join(LORA_TARGETS) or None))
              if v is not None]
+    given += [f for f, v in (("--export-adapter", args.export_adapter), ("--init-adapter", args.init_adapter)) if v]
     if not args.lora:
         return [f"{' / '.join(given)} go with --lora R"] if given else []
     if args.lora < 0:
@@ -605,7 +610,9 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
         errors.append(f"--lora-targets {args.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
     if cfg.num_experts:
         errors.append("--lora with a mixture-of-experts model: adapters on the experts are not built")
-    for flag in ("save", "resume", "export_hf"):
+    if args.init_adapter:
+        errors += check_init_adapter(args, targets)
+    for flag in ("save", "resume"):
         if getattr(args, flag):
             errors.append(f"--lora with --{flag.replace('_', '-')}: not built yet (docs/running.md)")
     for flag in ("fp8", "offload"):
@@ -614,3 +621,17 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     if getattr(args, "optimizer", "adamw") not in ("adamw", None):
         errors.append(f"--lora with --optimizer {args.optimizer}: not built (docs/running.md)")
     return errors
+
+
+def check_init_adapter(args: argparse.Namespace, targets: list[str]) -> list[str]:
+    """--init-adapter: a PEFT LoRA folder whose r, alpha and targets are the flags'."""
+    import lora
+    try:
+        got, _ = lora.load_peft(args.init_adapter)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"--init-adapter {args.init_adapter}: {e}"]
+    alpha = args.lora if args.lora_alpha is None else args.lora_alpha
+    bad = [f"{what} {mine} but the adapter's {theirs}" for what, mine, theirs in (
+        ("--lora", args.lora, got.rank), ("--lora-alpha", alpha, got.alpha),
+        ("--lora-targets", sorted(targets), sorted(got.targets))) if mine != theirs]
+    return [f"--init-adapter {args.init_adapter}: {'; '.join(bad)}"] if bad else []

@@ -60,7 +60,8 @@ def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaC
     params = dict(model.named_parameters())
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
-    units = each() if each else [list(params)]
+    # parameters outside the optimizer (a frozen base: lora.py) are whole on every dp rank: one more unit
+    units = itertools.chain(each(), [[n for n, p in params.items() if not p.requires_grad]]) if each else [list(params)]
     ready, k = {}, 0
     for names in units:
         if at.dp_rank >= ep:

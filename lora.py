@@ -337,6 +337,24 @@ def save_peft(adapters: dict[str, torch.Tensor], cfg: LoraConfig, out_dir: str |
               os.path.join(out_dir, "adapter_model.safetensors"))
 
 
+@torch.no_grad()
+def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full adapter tensor} of this model (a pipeline stage: its own layers), on every tp rank.
+    Split factors are all-gathered over their layer's tp group."""
+    split, out = shards(model), {}
+    for n, p in model.named_parameters():
+        if n.endswith((".lora_A", ".lora_B")):
+            s = split.get(n)
+            if s is None:
+                out[n] = p.detach().clone()
+            else:
+                import torch.distributed as dist
+                import tp
+                group = model.get_submodule(n.rsplit(".", 1)[0]).lora_split.group
+                out[n] = tp.gather_tensor(p, s, p.shape[s.dim] * dist.get_world_size(group), group)
+    return out
+
+
 def load_peft(in_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """A PEFT LoRA folder → (its config, {our name: full tensor}). Features we lack raise."""
     from safetensors.torch import load_file

@@ -59,7 +59,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -420,6 +420,9 @@ def finish(r: Run, stopped: int) -> None:
             G.fail(str(e), grid)
         if grid.rank == 0:
             print(f"exported HF model to {args.export_hf}", flush=True)
+    if args.export_adapter and not stopped:
+        with G.stage("LoRA adapter export", grid), meter.during("export"):
+            export_adapter(r)
     meter.close()  # the last settle: the final step's, the save's and the export's peaks
     if grid.rank == 0 and meter.available:
         print("peak memory by phase (rank 0): " + " · ".join(
@@ -435,8 +438,9 @@ def finish(r: Run, stopped: int) -> None:
 
 def export(r: Run) -> None:
     """The trained weights as a transformers model folder (export.py), with the tokenizer."""
-    EX.export_hf(r.model, r.opt, r.shards, r.cfg, r.grid.at, r.args.export_hf, r.grid.tp_group,
-                 r.grid.io_group, r.export_tok, ep_group=r.grid.ep_group)
+    with merged(r):
+        EX.export_hf(r.model, r.opt, r.shards, r.cfg, r.grid.at, r.args.export_hf, r.grid.tp_group,
+                     r.grid.io_group, r.export_tok, ep_group=r.grid.ep_group)
 
 
 # ------------------------------------------------------------------------------------------ logging
@@ -711,9 +715,50 @@ def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Ini
         return init
     LO.apply_lora(model, args.lora, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets.split(",")))
     shards |= LO.shards(model)
-    read = LO.reader(model, init, args.seed)
+    adapters = LO.load_peft(args.init_adapter)[1] if args.init_adapter else None
+    if adapters is not None and (missing := set(LO.adapter_names(model)) - set(adapters)):
+        raise ValueError(f"--init-adapter {args.init_adapter}: no tensors for {sorted(missing)[:4]}...")
+    read = LO.reader(model, init, args.seed, adapters)
     LO.materialize_frozen(model, read, grid.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     return read
+
+
+@contextlib.contextmanager
+def merged(r: Run) -> Iterator[None]:
+    """--export-hf with --lora: the adapters merged into the weights while the export runs."""
+    if not r.args.lora:
+        yield
+        return
+    with r.opt.gathered():
+        LO.merge(r.model)
+    try:
+        yield
+    finally:
+        with r.opt.gathered():
+            LO.unmerge(r.model)
+
+
+def export_adapter(r: Run) -> None:
+    """--export-adapter DIR: PEFT's adapter folder. Each stage's (dp 0, tp 0) rank writes its
+    layers' full adapters to a part file; rank 0 joins the parts into one file."""
+    args, grid = r.args, r.grid
+    out = Path(args.export_adapter)
+    with r.opt.gathered():
+        full = LO.gather_adapters(r.model)
+    part = out / f".part-{grid.at.pp_rank}.safetensors"
+    from safetensors.torch import load_file, save_file
+    if grid.at.dp_rank == 0 and grid.at.tp_rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.float().contiguous().cpu() for n, t in full.items()}, part)
+    CK.exchange({}, grid.io_group)  # every part is written
+    if grid.rank == 0:
+        parts = sorted(out.glob(".part-*.safetensors"))
+        joined = {n: t for p in parts for n, t in load_file(p).items()}
+        LO.save_peft(joined, LO.LoraConfig(args.lora, args.lora_alpha or args.lora, args.lora_dropout,
+                                           tuple(args.lora_targets.split(","))), out, args.init_from)
+        for p in parts:
+            p.unlink()
+    CK.exchange({}, grid.io_group)
 
 
 def trained(p: torch.nn.Parameter | None) -> torch.nn.Parameter | None:

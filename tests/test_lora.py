@@ -222,3 +222,26 @@ def test_grpo_reference_is_the_start_sharing_the_frozen_base(setup):
     with L.adapters_off(model):  # fresh adapters (B = 0): the reference is the base
         assert_close(ref, trainer.logps(ids, labels))
     assert (trainer.logps(ids, labels) - ref).abs().max() > 1e-3
+
+
+# ---- out: the PEFT adapter and the merged model; in: --init-adapter
+def test_peft_export_roundtrip(setup_dirs):
+    from safetensors.torch import load_file
+    d = setup_dirs
+    adapter, merged = d / "adapter", d / "merged"
+    run_ranks(_main, 4, args_for(d, *LORA_FLAGS, "--tp", "2", "--zero", "3", "--steps", "3",
+                                 "--export-adapter", str(adapter), "--export-hf", str(merged),
+                                 metrics="lora_export.jsonl"), timeout=240)
+    ids = torch.randint(0, 260, (2, 16))
+    base = T.AutoModelForCausalLM.from_pretrained(d / "init").eval()
+    want = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits
+    got = T.AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
+    plain = T.AutoModelForCausalLM.from_pretrained(d / "init").eval()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-3  # the adapters trained: the comparison can fail
+    assert_close(got, want)
+    # the adapter in again, at another layout; lr 0 keeps it: out equals in, bit for bit
+    again = d / "adapter_again"
+    run_ranks(_main, 2, args_for(d, *LORA_FLAGS, "--pp", "2", "--steps", "1", "--lr", "0", "--init-adapter",
+                                 str(adapter), "--export-adapter", str(again), metrics="lora_again.jsonl"))
+    first, second = (load_file(p / "adapter_model.safetensors") for p in (adapter, again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
