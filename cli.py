@@ -581,6 +581,8 @@ def add_lora_flags(a) -> None:
     a("--lora-dropout", type=float, default=0.0, help="--lora: dropout on the adapters' input")
     a("--lora-targets", default=",".join(LORA_TARGETS),
       help="--lora: comma-separated module names to adapt (default: every attention and MLP projection)")
+    a("--qlora", action="store_true", help="--lora: the frozen base of the adapted layers in NF4 with "
+                                           "double-quantized scales (qlora.py)")
     a("--export-adapter", default=None, help="--lora: write the adapters here at the end, in PEFT's format "
                                              "(peft.PeftModel.from_pretrained loads it)")
     a("--init-adapter", default=None, help="--lora: start from this PEFT LoRA adapter folder (its r, alpha "
@@ -596,7 +598,8 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout or None),
                             ("--lora-targets", args.lora_targets != ",".join(LORA_TARGETS) or None))
              if v is not None]
-    given += [f for f, v in (("--export-adapter", args.export_adapter), ("--init-adapter", args.init_adapter)) if v]
+    given += [f for f, v in (("--export-adapter", args.export_adapter), ("--init-adapter", args.init_adapter),
+                             ("--qlora", args.qlora)) if v]
     if not args.lora:
         return [f"{' / '.join(given)} go with --lora R"] if given else []
     if args.lora < 0:
@@ -612,6 +615,9 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
         errors.append("--lora with a mixture-of-experts model: adapters on the experts are not built")
     if args.init_adapter:
         errors += check_init_adapter(args, targets)
+    if args.qlora and args.export_hf:
+        errors.append("--qlora with --export-hf: the merged model would need the NF4 base requantized (not "
+                      "built); use --export-adapter DIR")
     for flag in ("save", "resume"):
         if getattr(args, flag):
             errors.append(f"--lora with --{flag.replace('_', '-')}: not built yet (docs/running.md)")

@@ -139,6 +139,8 @@ def merge(model: nn.Module) -> None:
     """W += (alpha / r) · B A in every adapted layer. The hook then adds nothing.
     Under tp each rank merges its own slice: B_r A (column layers), B A_r (row layers)."""
     for _, m in lora_modules(model):
+        if "weight" not in m._parameters:
+            raise ValueError(f"merge: {type(m).__name__}'s base weight is not a parameter (QLoRA's NF4)")
         if not m.lora_merged:
             m.weight += (m.lora_scaling * (m.lora_B.float() @ m.lora_A.float())).to(m.weight.dtype)
             m.lora_merged = True

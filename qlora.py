@@ -37,12 +37,14 @@ Builds on: lora.py (the adapters on top of the quantized layers).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 BLOCK, SCALE_BLOCK = 64, 256
+_SHIFT = 6  # BLOCK = 2^6: a shift (an integer division is far slower on CPU)
 
 # NF4: the 16 levels (bitsandbytes' table; QLoRA's appendix E builds them from normal quantiles).
 NF4_LEVELS = torch.tensor([
@@ -98,11 +100,12 @@ class NF4:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale_codes, self.scale_absmax, self.offset))
 
 
-def quantize_nf4(w: torch.Tensor, block: int = BLOCK, scale_block: int = SCALE_BLOCK) -> NF4:
-    """The whole weight → NF4 codes, and its block absmaxes → 8-bit codes around their mean."""
-    q, absmax = _blockwise(w.detach().reshape(-1).float(), block, NF4_LEVELS.to(w.device))
+def quantize_nf4(w: torch.Tensor) -> NF4:
+    """The whole weight → NF4 codes (blocks of 64), and its block absmaxes → 8-bit codes around
+    their mean (blocks of 256)."""
+    q, absmax = _blockwise(w.detach().reshape(-1).float(), BLOCK, _table(w.device, "nf4"))
     offset = absmax.mean()
-    scale_codes, scale_absmax = _blockwise(absmax - offset, scale_block, dynamic_map().to(w.device))
+    scale_codes, scale_absmax = _blockwise(absmax - offset, SCALE_BLOCK, _table(w.device, "dynamic"))
     return NF4(_pack(q), scale_codes, scale_absmax, offset, tuple(w.shape), tuple(w.shape))
 
 
@@ -115,10 +118,15 @@ def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1)[:n].long()  # (n,)
 
 
+@functools.lru_cache
+def _table(device: torch.device, which: str) -> torch.Tensor:
+    return (dynamic_map() if which == "dynamic" else NF4_LEVELS).to(device)
+
+
 def block_scales(t: NF4) -> torch.Tensor:
     """Every block's absmax, fp32: the 8-bit code's level times its group's scale, plus the mean."""
     groups = t.scale_absmax.repeat_interleave(SCALE_BLOCK)[:t.scale_codes.numel()]  # (blocks,)
-    return dynamic_map().to(groups.device)[t.scale_codes.long()] * groups + t.offset
+    return _table(groups.device, "dynamic").index_select(0, t.scale_codes.long()) * groups + t.offset
 
 
 def shard(t: NF4, dim: int, start: int, size: int) -> NF4:
@@ -134,16 +142,16 @@ def dequantize_nf4(t: NF4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n = torch.Size(t.local).numel()
     device = t.codes.device
     if t.local == t.shape:
-        block = torch.arange(n, device=device) // BLOCK  # (n,) each element's block
+        block = torch.arange(n, device=device) >> _SHIFT  # (n,) each element's block (// 64)
     else:  # the element's index in the whole weight gives its block
         idx = [torch.arange(s, device=device) for s in t.local]
         idx[t.dim] = idx[t.dim] + t.start
         strides = torch.empty(t.shape, device="meta").stride()
         flat = sum(i.view([-1 if d == k else 1 for k in range(len(t.local))]) * strides[d]
                    for d, i in enumerate(idx))  # (local...) index in the whole weight
-        block = flat.reshape(-1) // BLOCK
-    levels = NF4_LEVELS.to(device)[_unpack(t.codes, n)]  # (n,)
-    return (levels * block_scales(t)[block]).to(dtype).view(t.local)
+        block = flat.reshape(-1) >> _SHIFT  # // 64
+    levels = _table(device, "nf4").index_select(0, _unpack(t.codes, n))  # (n,)
+    return (levels * block_scales(t).index_select(0, block)).to(dtype).view(t.local)
 
 
 # --- refinement: the frozen base of LoRA layers in NF4
@@ -157,15 +165,17 @@ class _Quantized:
         return dequantize_nf4(self.nf4, self.compute_dtype)
 
 
-def apply_qlora(model: nn.Module, full_weight, compute_dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Swap the weight of every LoRA layer (lora.apply_lora first) for NF4.
-    full_weight(name) → the whole weight `name` (parameter name), fp32: quantized whole, then cut
-    to this rank's slice with the layer's tp Shard. Returns the quantized parameters' names."""
+def apply_qlora(model: nn.Module, full_weight, compute_dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str | None = None) -> list[str]:
+    """Swap the weight of every LoRA layer (lora.apply_lora first) for NF4, on `device` (default:
+    the weight's own; give one for a meta model). full_weight(name) → the whole weight `name`
+    (parameter name), fp32: quantized whole, then cut to this rank's slice with the layer's tp
+    Shard. A merge is then refused: the base is not a parameter. Returns the quantized names."""
     done = []
     for n, m in list(model.named_modules()):
         if not hasattr(m, "lora_A") or isinstance(m, _Quantized):
             continue
-        t = quantize_nf4(full_weight(f"{n}.weight").to(m.lora_A.device))
+        t = quantize_nf4(full_weight(f"{n}.weight").to(device or m.weight.device))
         if hasattr(m, "shards") and tuple(m.weight.shape) != t.shape:
             s = m.shards()["weight"]
             t = shard(t, s.dim, s.start, s.size)

@@ -83,6 +83,7 @@ import moe as MOE
 import pp as PP
 import precision as P
 import preempt as PR
+import qlora as QL
 import sft
 import tp as TP
 import weights as W
@@ -719,7 +720,11 @@ def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Ini
     if adapters is not None and (missing := set(LO.adapter_names(model)) - set(adapters)):
         raise ValueError(f"--init-adapter {args.init_adapter}: no tensors for {sorted(missing)[:4]}...")
     read = LO.reader(model, init, args.seed, adapters)
-    LO.materialize_frozen(model, read, grid.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.qlora:  # each adapted weight read whole, quantized, then cut to this rank's slice
+        whole, shapes = W.param_reader(M.build(model.config), args.seed, args.init_from), M.global_shapes(model.config)
+        QL.apply_qlora(model, lambda n: whole(n, 0, math.prod(shapes[n])).view(shapes[n]), dtype, grid.device)
+    LO.materialize_frozen(model, read, grid.device, dtype)
     return read
 
 

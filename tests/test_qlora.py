@@ -60,3 +60,42 @@ def test_sharded_dequantization_is_the_whole_weights_slice():
             size = w.shape[dim] // 4
             got = Q.dequantize_nf4(Q.shard(whole, dim, r * size, size))
             assert torch.equal(got, full.narrow(dim, r * size, size))
+
+
+def test_qlora_layer_runs_on_the_dequantized_weight():
+    import lora as L
+    import model as M
+    import weights as W
+    cfg = M.PRESETS["tiny"]
+    model = W.materialize(M.build(cfg), "cpu", seed=3)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    L.apply_lora(model, 4, 8)
+    names = Q.apply_qlora(model, full.__getitem__, torch.float32)
+    assert len(names) == 7 * cfg.num_hidden_layers and not any(n in dict(model.named_parameters()) for n in names)
+    got = model(ids)
+    ref = W.materialize(M.build(cfg), "cpu", seed=3)
+    with torch.no_grad():
+        for n in names:
+            ref.get_parameter(n).copy_(Q.dequantize_nf4(Q.quantize_nf4(full[n])))
+    assert torch.equal(got, ref(ids))
+    with pytest.raises(ValueError, match="NF4"):
+        L.merge(model)
+
+
+# ---- every layout equals one process, with --qlora
+from test_train import _main, args_for, assert_curve, setup_dirs  # noqa: E402,F401
+from test_lora import LORA_FLAGS, curves  # noqa: E402
+from dist import run_ranks  # noqa: E402
+
+
+def test_qlora_layouts_equal_one_process(setup_dirs):
+    d = setup_dirs
+    run_ranks(_main, 1, args_for(d, *LORA_FLAGS, "--qlora", metrics="qlora_ref.jsonl"))
+    want, want_norm = curves(d / "qlora_ref.jsonl")
+    assert want[-1] < want[0] - 0.05
+    run_ranks(_main, 8, args_for(d, *LORA_FLAGS, "--qlora", "--tp", "2", "--pp", "2", "--zero", "3", "--ac",
+                                 metrics="qlora_8.jsonl"), timeout=240)
+    got, norm = curves(d / "qlora_8.jsonl")
+    assert_curve(got, want)
+    assert_curve(norm, want_norm)
