@@ -618,9 +618,6 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
     if args.qlora and args.export_hf:
         errors.append("--qlora with --export-hf: the merged model would need the NF4 base requantized (not "
                       "built); use --export-adapter DIR")
-    for flag in ("save", "resume"):
-        if getattr(args, flag):
-            errors.append(f"--lora with --{flag.replace('_', '-')}: not built yet (docs/running.md)")
     for flag in ("fp8", "offload"):
         if getattr(args, flag, None):
             errors.append(f"--lora with --{flag}: not built (docs/running.md)")

@@ -277,6 +277,19 @@ def local_value(model: nn.Module, name: str, full: torch.Tensor, split_shards: d
 Reader = Callable[[str, int, int], torch.Tensor]
 
 
+def adapter_shapes(base_shapes: dict[str, tuple[int, ...]], rank: int,
+                   targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """The full shapes of every adapter of a model whose weights have `base_shapes` (HF name →
+    shape, e.g. model.global_shapes): A (r, in) and B (out, r) of each targeted weight. A pipeline
+    stage holds some of them; a checkpoint lists them all."""
+    out = {}
+    for name, shape in base_shapes.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and len(shape) == 2 and _targeted(module, tuple(targets)):
+            out |= {f"{module}.lora_A": (rank, shape[1]), f"{module}.lora_B": (shape[0], rank)}
+    return out
+
+
 def reader(model: nn.Module, base: Reader, seed: int, adapters: dict[str, torch.Tensor] | None = None) -> Reader:
     """A parameter reader (weights.param_reader's shape) that also gives the adapters' values:
     from `adapters` (full tensors, e.g. `load_peft`), else `initial_value`."""

@@ -630,7 +630,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptim
         return 0
     try:
         got = CL.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
-                                 verify=not args.skip_checksums)
+                                 verify=not args.skip_checksums, shapes=trained_shapes(args, cfg))
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:
         G.fail(f"cannot resume from {path}: {e}", grid)
@@ -653,6 +653,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
     try:
         with G.stage("checkpoint save", grid):
             CK.save_checkpoint(args.save, step, opt, cfg, shards, grid.at, extra, group=grid.io_group,
+                               shapes=trained_shapes(args, cfg),
                                keep=args.keep, guard=lock.check if lock else None)
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
@@ -764,6 +765,11 @@ def export_adapter(r: Run) -> None:
         for p in parts:
             p.unlink()
     CK.exchange({}, grid.io_group)
+
+
+def trained_shapes(args: argparse.Namespace, cfg: M.LlamaConfig) -> dict | None:
+    """What a --lora checkpoint holds: the adapters' full shapes (the base is --init-from's)."""
+    return LO.adapter_shapes(M.global_shapes(cfg), args.lora, tuple(args.lora_targets.split(","))) if args.lora else None
 
 
 def trained(p: torch.nn.Parameter | None) -> torch.nn.Parameter | None:

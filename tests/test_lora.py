@@ -245,3 +245,20 @@ def test_peft_export_roundtrip(setup_dirs):
                                  str(adapter), "--export-adapter", str(again), metrics="lora_again.jsonl"))
     first, second = (load_file(p / "adapter_model.safetensors") for p in (adapter, again))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_checkpoint_holds_only_adapters_and_resumes_in_another_layout(setup_dirs, lora_reference):
+    """5 steps in one process (lora_reference) against: 3 steps at tp2·pp2 ZeRO-1 saved, then
+    resumed at dp2 ZeRO-3 for steps 4-5. The checkpoint holds the adapters and their moments only."""
+    import json
+    d = setup_dirs
+    save = d / "lora_ckpt"
+    run_ranks(_main, 4, args_for(d, *LORA_FLAGS, "--tp", "2", "--pp", "2", "--zero", "1", "--save", str(save),
+                                 "--save-every", "3", metrics="lora_ck1.jsonl"), timeout=240)
+    meta = json.loads((save / "step_00000003" / "meta.json").read_text())
+    assert meta["shapes"] and all(k.endswith((".lora_A", ".lora_B")) for k in meta["shapes"])
+    run_ranks(_main, 2, args_for(d, *LORA_FLAGS, "--zero", "3", "--save", str(save), "--resume",
+                                 str(save / "step_00000003"), metrics="lora_ck2.jsonl"), timeout=240)
+    loss, norm = curves(d / "lora_ck2.jsonl")
+    assert_curve(loss, lora_reference[0][3:])
+    assert_curve(norm, lora_reference[1][3:])
