@@ -305,3 +305,23 @@ def test_memory_formula_with_a_frozen_base(qlora):
         # NF4's per-weight extras: its fp32 mean, and its last block of scales rounded up to 256
         assert abs(out["frozen_bytes"] - want_frozen) <= 8 * out["weights"] + 1
         assert (out["quantized"] > 0) == qlora
+
+
+def test_lora_flags_are_checked_by_name(tmp_path):
+    import dataclasses
+    import cli
+    import grid as G
+    import model as M
+
+    def errors(*argv: str, cfg=M.PRESETS["tiny"]) -> str:
+        grid = G.Grid(rank=0, world=1, device=torch.device("cpu"))
+        return "\n".join(cli.validate(cli.parse_args(["--seq-len", "32", *argv]), cfg, grid))
+    assert errors("--lora", "4", "--qlora", "--lora-alpha", "8", "--lora-dropout", "0.1") == ""
+    assert "go with --lora R" in errors("--lora-alpha", "8")
+    assert "go with --lora R" in errors("--qlora")
+    assert "--lora-dropout must be in [0, 1)" in errors("--lora", "4", "--lora-dropout", "1")
+    assert "--lora-targets 'q_proj,wq': choose from" in errors("--lora", "4", "--lora-targets", "q_proj,wq")
+    assert "--qlora with --export-hf" in errors("--lora", "4", "--qlora", "--export-hf", str(tmp_path / "x"))
+    moe = dataclasses.replace(M.PRESETS["tiny"], num_experts=4, model_type="mixtral")
+    assert "mixture-of-experts" in errors("--lora", "4", cfg=moe)
+    assert "--init-adapter" in errors("--lora", "4", "--init-adapter", str(tmp_path / "missing"))
