@@ -7,8 +7,11 @@ B (B random, so the adapter term and B's gradient are not trivially zero).
 - merge / unmerge / adapters_off: the merged logits equal the adapted ones; unmerged and switched
   off equal the base.
 - The PEFT export loads in peft.PeftModel.from_pretrained with the same logits.
-- Through the CLI (forked gloo ranks): tp2·pp2·dp2 ZeRO-3 AC and tp2·cp2·sp equal one process,
-  5 AdamW steps, 1e-5 relative on every step's loss (dropout 0).
+- Through the CLI (forked gloo ranks): tp2·pp2·dp2 ZeRO-3 AC, tp2·cp2·sp and pp2 zero-bubble equal one
+  process, 5 AdamW steps, 1e-5 relative on every step's loss and grad norm (dropout 0).
+- DPO with LoRA starts at ln 2; GRPO's KL reference shares the frozen base.
+- A checkpoint holds only the adapters and resumes in another layout; the memory formula with a
+  frozen base; the flags' refusals.
 """
 import copy
 import math
@@ -152,6 +155,7 @@ LORA_FLAGS = ["--lora", "4", "--lora-alpha", "8", "--lr", "1e-2"]
 LORA_LAYOUTS = {
     "tp2-pp2-dp2-zero3-ac": (8, ["--tp", "2", "--pp", "2", "--zero", "3", "--ac"]),
     "tp2-cp2-sp": (4, ["--tp", "2", "--cp", "2", "--sp"]),
+    "pp2-zb": (2, ["--pp", "2", "--schedule", "zb", "--micro-batches", "4"]),  # the B/W split: adapters' W only
 }
 
 
