@@ -82,7 +82,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout:
     """Freeze the model and give each targeted linear layer the factors lora_A and lora_B.
     targets: module names (the last dotted parts), as PEFT's target_modules.
     alpha: None means rank (scaling 1). Returns the adapted modules' names.
-    A meta-device model gets meta factors: `init_adapters` or a reader fills them."""
+    A meta-device model gets meta factors: `reader` gives their values to whoever fills it."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if not 0 <= dropout < 1:
@@ -314,15 +314,6 @@ def materialize_frozen(model: nn.Module, read: Reader, device: torch.device | st
             torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=False))
 
 
-def init_adapters(model: nn.Module, seed: int = 0) -> None:
-    """Give a materialized model's adapters their layout-free start (`initial_value`)."""
-    split = shards(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in set(adapter_names(model)):
-                p.copy_(local_value(model, name, initial_value(name, full_shape(model, name), seed), split))
-
-
 # --- refinement: PEFT's file format
 # adapter_config.json and adapter_model.safetensors. The keys are the module's full name with
 # `base_model.model.` in front and `.weight` after: `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
@@ -384,7 +375,9 @@ def load_peft(in_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, torch.Te
     if bad:
         raise ValueError(f"{path}: unsupported PEFT adapter settings: {', '.join(bad)}")
     targets = c["target_modules"]
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if isinstance(targets, str):  # PEFT reads a string as a regular expression over module names
+        raise ValueError(f"{path}: target_modules {targets!r} is a regular expression; only a list of names is supported")
+    targets = tuple(targets)
     cfg = LoraConfig(c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), targets)
     tensors = load_file(os.path.join(in_dir, "adapter_model.safetensors"))
     return cfg, {from_peft_key(k): v for k, v in tensors.items()}
