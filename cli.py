@@ -615,6 +615,8 @@ def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
         errors.append("--lora with a mixture-of-experts model: adapters on the experts are not built")
     if args.init_adapter:
         errors += check_init_adapter(args, targets)
+    if args.export_adapter and Path(args.export_adapter).is_file():
+        errors.append(f"--export-adapter {args.export_adapter} is a file; it must be a folder (or not exist yet)")
     if args.qlora and args.export_hf:
         errors.append("--qlora with --export-hf: the merged model would need the NF4 base requantized (not "
                       "built); use --export-adapter DIR")

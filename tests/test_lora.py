@@ -329,3 +329,5 @@ def test_lora_flags_are_checked_by_name(tmp_path):
     moe = dataclasses.replace(M.PRESETS["tiny"], num_experts=4, model_type="mixtral")
     assert "mixture-of-experts" in errors("--lora", "4", cfg=moe)
     assert "--init-adapter" in errors("--lora", "4", "--init-adapter", str(tmp_path / "missing"))
+    (tmp_path / "f").write_text("")
+    assert "is a file; it must be a folder" in errors("--lora", "4", "--export-adapter", str(tmp_path / "f"))
