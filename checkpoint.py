@@ -183,11 +183,10 @@ def _check_layout(layout: Layout, group: dist.ProcessGroup | None) -> None:
 
 
 def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
-           layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
+           layout: Layout, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The pieces this rank writes, and their index entries (see the invariants).
 
     The pieces are flat views of its masters and moments, not copies."""
-    shapes = global_shapes(cfg)
     pieces = getattr(opt, "pieces", None)  # ZeRO 1-3: master i = flat piece of local param i
     replica_rank = getattr(opt, "replica_rank", lambda i: None)  # EP: an expert's rank among its holders
     tensors, entries = {}, []
@@ -226,7 +225,8 @@ def _owned(opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: LlamaConfig,
                     shards: dict[str, Shard], layout: Layout, extra: dict | None = None,
                     group: dist.ProcessGroup | None = None, keep: int | None = None,
-                    guard: Callable[[], None] | None = None) -> Path:
+                    guard: Callable[[], None] | None = None,
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> Path:
     """Write `<ckpt_dir>/step_<step>` atomically. Every rank of `group` (default: all) calls it.
 
       - opt: precision.MixedPrecisionOptimizer, or a zero.py/zero3.py optimizer (any stage).
@@ -237,17 +237,20 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
       - guard: the lead runs it before it writes anything.
         train.py checks that this run still holds the folder's lock.
         Its OSError stops every rank, like a full disk.
+      - shapes: the full shape of every tensor the optimizer steps (default: global_shapes(cfg)).
+        lora.py's adapters bring their own (lora.adapter_shapes).
     Each tensor streams from the device to its file on its own: no copy of the rank's share.
     Any rank's failure raises the same OSError on every rank, once the `.tmp` folder is removed.
     Returns the final path."""
     _check_layout(layout, group)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    shapes = global_shapes(cfg) if shapes is None else shapes
     final = Path(ckpt_dir) / f"step_{step:08d}"
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
     lead = layout.rank == 0
     meta = {"format": FORMAT, "step": step, "layout": {**layout.sizes(), "zero": getattr(opt, "stage", 0)},
-            "shapes": {k: list(v) for k, v in global_shapes(cfg).items()}, "extra": extra or {}}
+            "shapes": {k: list(v) for k, v in shapes.items()}, "extra": extra or {}}
     json.dumps(meta)  # a non-JSON-able extra fails here, before anything is written
     what = f"checkpoint step {step} not saved"
     report: dict[str, Any] = {"rank": layout.rank, "error": None}
@@ -263,7 +266,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, opt: Any, cfg: Llama
 
     report["files"] = {}
     try:
-        tensors, entries = _owned(opt, cfg, shards, layout)
+        tensors, entries = _owned(opt, cfg, shards, layout, shapes)
         name = f"rank{layout.rank:05d}"
         if tensors:
             specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]

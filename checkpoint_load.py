@@ -208,13 +208,15 @@ def _describe_mismatch(saved: dict[str, list], now: dict[str, list]) -> str | No
 
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards: dict[str, Shard],
-                    layout: Layout, group: dist.ProcessGroup | None = None, verify: bool = True) -> Restored:
+                    layout: Layout, group: dist.ProcessGroup | None = None, verify: bool = True,
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> Restored:
     """Fill `opt`'s masters and AdamW state from a checkpoint folder. Any layout, any ZeRO stage.
 
     Then it publishes them to the compute parameters. For ZeRO that is a collective: all ranks call it.
     It restores this rank's RNG when the layout is the saved one.
     Every check runs before anything is copied: files, sizes, shapes, tiling.
     With `verify` it checks the crc32 of each file this rank reads too.
+    shapes: the full shapes the checkpoint must hold (default: global_shapes(cfg); see save_checkpoint).
     The ranks agree over `group` (see `exchange`): when one fails, all raise."""
     _check_layout(layout, None)
     path = Path(path)
@@ -227,7 +229,8 @@ def load_checkpoint(path: str | os.PathLike, opt: Any, cfg: LlamaConfig, shards:
             meta = _read_json(path / "meta.json")
             if meta.get("format") not in READS:
                 raise ValueError(f"{path / 'meta.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
-            mismatch = _describe_mismatch(meta["shapes"], {k: list(v) for k, v in global_shapes(cfg).items()})
+            want = global_shapes(cfg) if shapes is None else shapes
+            mismatch = _describe_mismatch(meta["shapes"], {k: list(v) for k, v in want.items()})
             if mismatch:
                 raise ValueError(f"{path / 'meta.json'}: checkpoint does not match the model config: "
                                  f"{mismatch}")

@@ -208,6 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "is (default 0.02)")
     a("--muon-weight-decay", type=float, default=None, help="--optimizer muon: Muon's decoupled decay "
                                                             "(default 0)")
+    add_lora_flags(a)
     args = p.parse_args(argv)
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
@@ -287,6 +288,7 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
                       "exact-match accuracy on its built-in held-out chats")
     errors += validate_dpo(args)
     errors += validate_grpo(args)
+    errors += validate_lora(args, cfg)
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -635,3 +637,73 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
         torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def add_lora_flags(a) -> None:
+    """lora.py's flags (docs/lora.md)."""
+    a("--lora", type=int, default=0, help="LoRA rank r: freeze the model, train rank-r adapters (0: off)")
+    a("--lora-alpha", type=float, default=None, help="--lora: alpha; the adapters' scale is alpha / r "
+                                                      "(default: r, scale 1)")
+    a("--lora-dropout", type=float, default=0.0, help="--lora: dropout on the adapters' input")
+    a("--lora-targets", default=",".join(LORA_TARGETS),
+      help="--lora: comma-separated module names to adapt (default: every attention and MLP projection)")
+    a("--qlora", action="store_true", help="--lora: the frozen base of the adapted layers in NF4 with "
+                                           "double-quantized scales (qlora.py)")
+    a("--export-adapter", default=None, help="--lora: write the adapters here at the end, in PEFT's format "
+                                             "(peft.PeftModel.from_pretrained loads it)")
+    a("--init-adapter", default=None, help="--lora: start from this PEFT LoRA adapter folder (its r, alpha "
+                                           "and targets must match the flags)")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # lora.DEFAULT_TARGETS
+
+
+def validate_lora(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[str]:
+    """--lora and its flags; what it does not combine with yet, by name (docs/running.md)."""
+    errors = []
+    given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout or None),
+                            ("--lora-targets", args.lora_targets != ",".join(LORA_TARGETS) or None))
+             if v is not None]
+    given += [f for f, v in (("--export-adapter", args.export_adapter), ("--init-adapter", args.init_adapter),
+                             ("--qlora", args.qlora)) if v]
+    if not args.lora:
+        return [f"{' / '.join(given)} go with --lora R"] if given else []
+    if args.lora < 0:
+        errors.append(f"--lora must be a rank >= 1, got {args.lora}")
+    if not 0 <= args.lora_dropout < 1:
+        errors.append(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        errors.append(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    targets = [t for t in args.lora_targets.split(",") if t]
+    if not targets or set(targets) - set(LORA_TARGETS):
+        errors.append(f"--lora-targets {args.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
+    if cfg.num_experts:
+        errors.append("--lora with a mixture-of-experts model: adapters on the experts are not built")
+    if args.init_adapter:
+        errors += check_init_adapter(args, targets)
+    if args.export_adapter and Path(args.export_adapter).is_file():
+        errors.append(f"--export-adapter {args.export_adapter} is a file; it must be a folder (or not exist yet)")
+    if args.qlora and args.export_hf:
+        errors.append("--qlora with --export-hf: the merged model would need the NF4 base requantized (not "
+                      "built); use --export-adapter DIR")
+    for flag in ("fp8", "offload"):
+        if getattr(args, flag, None):
+            errors.append(f"--lora with --{flag}: not built (docs/running.md)")
+    if getattr(args, "optimizer", "adamw") not in ("adamw", None):
+        errors.append(f"--lora with --optimizer {args.optimizer}: not built (docs/running.md)")
+    return errors
+
+
+def check_init_adapter(args: argparse.Namespace, targets: list[str]) -> list[str]:
+    """--init-adapter: a PEFT LoRA folder whose r, alpha and targets are the flags'."""
+    import lora
+    try:
+        got, _ = lora.load_peft(args.init_adapter)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"--init-adapter {args.init_adapter}: {e}"]
+    alpha = args.lora if args.lora_alpha is None else args.lora_alpha
+    bad = [f"{what} {mine} but the adapter's {theirs}" for what, mine, theirs in (
+        ("--lora", args.lora, got.rank), ("--lora-alpha", alpha, got.alpha),
+        ("--lora-targets", sorted(targets), sorted(got.targets))) if mine != theirs]
+    return [f"--init-adapter {args.init_adapter}: {'; '.join(bad)}"] if bad else []

@@ -60,7 +60,9 @@ def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaC
     params = W.named_state(model)  # the parameters and the state buffers (DeepSeek's router bias)
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
-    units = itertools.chain(each(), [list(W.state_buffers(model))]) if each else [list(params)]
+    # what the optimizer does not hold is whole on every dp rank: one more unit (a frozen base:
+    # lora.py; state buffers: DeepSeek's router bias)
+    units = itertools.chain(each(), [[n for n, p in params.items() if not p.requires_grad]]) if each else [list(params)]
     ready, k = {}, 0
     for names in units:
         if at.dp_rank >= ep:

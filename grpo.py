@@ -344,8 +344,9 @@ class Trainer:
     `rollout_batch` turns the sampler's prompt indices into micro-batches: rollouts, rewards,
     advantages, old and reference log-probs. Build it after tp, since it wraps the model's loss_fn.
     Build it after the optimizer has materialized the parameters, too.
-    The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards.
-    It runs through torch.func.functional_call: one more copy of the weights, no second module."""
+    The reference (--grpo-kl > 0) is a copy of the initial trained parameters, this rank's shards.
+    Frozen ones (LoRA's base) never change: the reference shares them, so LoRA copies only its adapters.
+    It runs through torch.func.functional_call: no second module."""
 
     def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):
         self.model, self.args, self.tpl, self.device = model, args, tpl, device
@@ -353,8 +354,8 @@ class Trainer:
         self.loss = GRPOLoss(model.loss_fn, args.grpo_clip, args.grpo_kl)
         model.loss_fn = self.loss
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
-        self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
-                    else None)
+        self.ref = ({n: p.detach().clone() if p.requires_grad else p.detach() for n, p in model.named_parameters()}
+                    if args.grpo_kl > 0 else None)
         # Σr, Σr², replies, right (r >= 1), reply tokens, positions (rows × their length L), and
         # positions × L: attention's FLOPs grow with L, and MFU needs them
         self.local = torch.zeros(7, dtype=torch.float64)

@@ -60,7 +60,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ import feed
 import fp8 as FP8
 import grid as G
 import grpo as GR
+import lora as LO
 import memory as MEM
 import model as M
 import offload as OFF
@@ -88,6 +89,7 @@ import muon as MU
 import pp as PP
 import precision as P
 import preempt as PR
+import qlora as QL
 import sft
 import tp as TP
 import weights as W
@@ -222,6 +224,7 @@ def build_model(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> t
         args.fp8_kept = FP8.use_fp8(model, groups=(grid.tp_group, grid.cp_group))
     shards |= shard_experts(model, cfg, grid)
     init = W.param_reader(model, seed=args.seed, hf_dir=args.init_from, shards=shards)
+    init = add_lora(args, model, shards, init, grid)
     W.materialize_buffers(model, grid.device, init)
     balance_experts(model, cfg, args, grid)
     if args.ac or args.ac_mode:
@@ -248,7 +251,7 @@ def make_optimizer(args: argparse.Namespace, model: M.Llama, shards: dict, init:
     return make(model, args.zero, grid.dp_group, ocfg, dtype, bucket_mb=args.bucket_mb,
                 reduce_dtype=reduce_dtype, prefetch=args.prefetch,
                 norm_groups=[grid.tp_group, grid.pp_group], counted=counted,
-                tied=PP.tied_copy(model), embed_group=grid.embed_group,
+                tied=trained(PP.tied_copy(model)), embed_group=grid.embed_group,
                 init=init, device=grid.device, group_of=expert_reduction(model, grid),
                 rule=update_rule(args, shards, grid))
 
@@ -435,6 +438,9 @@ def finish(r: Run, stopped: int) -> None:
             G.fail(str(e), grid)
         if grid.rank == 0:
             print(f"exported HF model to {args.export_hf}", flush=True)
+    if args.export_adapter and not stopped:
+        with G.stage("LoRA adapter export", grid), meter.during("export"):
+            export_adapter(r)
     meter.close()  # the last settle: the final step's, the save's and the export's peaks
     if grid.rank == 0 and meter.available:
         print("peak memory by phase (rank 0): " + " · ".join(
@@ -450,8 +456,9 @@ def finish(r: Run, stopped: int) -> None:
 
 def export(r: Run) -> None:
     """The trained weights as a transformers model folder (export.py), with the tokenizer."""
-    EX.export_hf(r.model, r.opt, r.shards, r.cfg, r.grid.at, r.args.export_hf, r.grid.tp_group,
-                 r.grid.io_group, r.export_tok, ep_group=r.grid.ep_group)
+    with merged(r):
+        EX.export_hf(r.model, r.opt, r.shards, r.cfg, r.grid.at, r.args.export_hf, r.grid.tp_group,
+                     r.grid.io_group, r.export_tok, ep_group=r.grid.ep_group)
 
 
 # ------------------------------------------------------------------------------------------ logging
@@ -640,7 +647,7 @@ def resume(path: Path | None, args: argparse.Namespace, opt: Z.DataParallelOptim
         return 0
     try:
         got = CL.load_checkpoint(path, opt, cfg, shards, grid.at, group=grid.io_group,
-                                 verify=not args.skip_checksums)
+                                 verify=not args.skip_checksums, shapes=trained_shapes(args, cfg))
         sampler.load_state_dict(got.extra["sampler"])  # the global position: layout-free
     except (OSError, ValueError, KeyError) as e:
         G.fail(f"cannot resume from {path}: {e}", grid)
@@ -663,6 +670,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
     try:
         with G.stage("checkpoint save", grid):
             CK.save_checkpoint(args.save, step, opt, cfg, shards, grid.at, extra, group=grid.io_group,
+                               shapes=trained_shapes(args, cfg),
                                keep=args.keep, guard=lock.check if lock else None)
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
@@ -746,6 +754,75 @@ def fp8_text(args: argparse.Namespace) -> str:
     """The linears --fp8 left in the compute dtype: a local shape not a multiple of 16 (fp8.fits)."""
     kept = args.fp8_kept
     return f" ({len(kept)} kept unquantized, dims not multiples of 16: {', '.join(kept)})" if kept else ""
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init, grid: G.Grid) -> Z.Init:
+    """Step 5's LoRA (--lora R, lora.py): the model frozen, adapters on the targets, after tp split
+    the layers. The adapters' shards join the map. The frozen base is filled now, whole on every dp
+    rank; the optimizer builds only the adapters. Returns the reader that also gives the adapters."""
+    if not args.lora:
+        return init
+    LO.apply_lora(model, args.lora, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets.split(",")))
+    shards |= LO.shards(model)
+    adapters = LO.load_peft(args.init_adapter)[1] if args.init_adapter else None
+    if adapters is not None and (missing := set(LO.adapter_names(model)) - set(adapters)):
+        raise ValueError(f"--init-adapter {args.init_adapter}: no tensors for {sorted(missing)[:4]}...")
+    read = LO.reader(model, init, args.seed, adapters)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.qlora:  # each adapted weight read whole, quantized, then cut to this rank's slice
+        whole, shapes = W.param_reader(M.build(model.config), args.seed, args.init_from), M.global_shapes(model.config)
+        QL.apply_qlora(model, lambda n: whole(n, 0, math.prod(shapes[n])).view(shapes[n]), dtype, grid.device)
+    LO.materialize_frozen(model, read, grid.device, dtype)
+    return read
+
+
+@contextlib.contextmanager
+def merged(r: Run) -> Iterator[None]:
+    """--export-hf with --lora: the adapters merged into the weights while the export runs."""
+    if not r.args.lora:
+        yield
+        return
+    with r.opt.gathered():
+        LO.merge(r.model)
+    try:
+        yield
+    finally:
+        with r.opt.gathered():
+            LO.unmerge(r.model)
+
+
+def export_adapter(r: Run) -> None:
+    """--export-adapter DIR: PEFT's adapter folder. Each stage's (dp 0, tp 0) rank writes its
+    layers' full adapters to a part file; rank 0 joins the parts into one file."""
+    args, grid = r.args, r.grid
+    out = Path(args.export_adapter)
+    with r.opt.gathered():
+        full = LO.gather_adapters(r.model)
+    part = out / f".part-{grid.at.pp_rank}.safetensors"
+    from safetensors.torch import load_file, save_file
+    if grid.at.dp_rank == 0 and grid.at.tp_rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.float().contiguous().cpu() for n, t in full.items()}, part)
+    CK.exchange({}, grid.io_group)  # every part is written
+    if grid.rank == 0:
+        parts = sorted(out.glob(".part-*.safetensors"))
+        joined = {n: t for p in parts for n, t in load_file(p).items()}
+        LO.save_peft(joined, LO.LoraConfig(args.lora, args.lora_alpha or args.lora, args.lora_dropout,
+                                           tuple(args.lora_targets.split(","))), out, args.init_from)
+        for p in parts:
+            p.unlink()
+    CK.exchange({}, grid.io_group)
+
+
+def trained_shapes(args: argparse.Namespace, cfg: M.LlamaConfig) -> dict | None:
+    """What a --lora checkpoint holds: the adapters' full shapes (the base is --init-from's)."""
+    return LO.adapter_shapes(M.global_shapes(cfg), args.lora, tuple(args.lora_targets.split(","))) if args.lora else None
+
+
+def trained(p: torch.nn.Parameter | None) -> torch.nn.Parameter | None:
+    """A tied embedding the optimizer steps; None when frozen (--lora)."""
+    return p if p is not None and p.requires_grad else None
 
 
 if __name__ == "__main__":

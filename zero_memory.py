@@ -123,3 +123,25 @@ def fp8_gather_bytes(psi: int, linear: int, tensors: int, n: int) -> tuple[float
     share = (n - 1) / n  # the pieces that come from the other ranks
     return 2 * psi * share, (2 * (psi - linear) + linear + 4 * tensors) * share
 
+# ---- refinement: a frozen base (lora.py, qlora.py)
+# The optimizer holds only the trained parameters (the adapters): the ZeRO table applies to them.
+# The frozen base has no gradient, no master and no optimizer state: only its compute copy.
+# Here that copy is whole on every dp rank at every stage (tp and pp still split it).
+def lora_formula_bytes(stage: int, trained: int, frozen: int, n: int, frozen_bytes: float = 2.0) -> float:
+    """Bytes per rank between steps with a frozen base. trained: the adapters' parameters on this
+    rank; frozen: the base's. frozen_bytes: bytes per frozen parameter (2 in bf16, 4 in fp32; NF4:
+    `nf4_bytes_per_param`). Test: tests/test_lora.py::test_memory_formula_with_a_frozen_base."""
+    return formula_bytes(stage, trained, n) + frozen_bytes * frozen
+
+
+def nf4_bytes_per_param(block: int = 64, scale_block: int = 256) -> float:
+    """QLoRA's storage: a 4-bit code, an 8-bit scale code per block, an fp32 scale per block of
+    scales (plus one fp32 mean per weight, not counted): 0.5 + 1/64 + 4/16384 ≈ 0.5159 bytes."""
+    return 0.5 + 1 / block + 4 / (block * scale_block)
+
+
+def frozen_bytes(model: torch.nn.Module) -> int:
+    """The meter's side: bytes of the frozen parameters and of the NF4 weights (qlora.py) a model holds."""
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    nf4 = sum(m.nf4.nbytes() for m in model.modules() if hasattr(m, "nf4"))
+    return frozen + nf4
