@@ -1,0 +1,720 @@
+"""Check a launch line on this CPU before renting the GPUs: the same model kind, the same layout,
+equal to one process, with its collectives counted and ordered.
+
+What it does
+    `python -m verify` takes train.py's flags (cli.parse_args) plus --nproc and --json.
+    1. `shrink` cuts the model (a preset or --init-from's config.json) to a few layers and a narrow
+       width. It keeps the family and every option that changes the math, and says what it cut.
+    2. `run_layout` runs train.main on forked gloo ranks: once alone, once in the layout. The same
+       seeded weights, the same rows, a few steps.
+    3. `compare` checks each step's loss and grad norm, each parameter's gradient norm at each
+       step, and each exported parameter at the end. A failure names the parameter.
+    4. The ledger: every collective of a training step, per rank and group (op, dtype, bytes,
+       count), next to `closed_form`'s count for the layout, then scaled to the real model.
+    5. `order_check`: each communicator's members issue the same sequence. `deadlock_check` runs
+       the step's collectives under NCCL's model (one stream per rank and communicator, blocking).
+       The pipeline's messages go through pp_schedules.simulate.
+    6. `plan`: the real model's memory per rank (zero_memory's table), its pipeline bubble, and the
+       three largest byte counts of a step.
+
+The core idea
+    Every layout of attotron equals one process (fp32, ~1e-7). A bug in a layout breaks that
+    equality at a small size as surely as at a large one. So a small copy of the user's own model
+    in the user's own layout shows it, in minutes, on a laptop.
+
+Run
+    python -m verify --tp 2 --pp 2 --zero 1                     # 8 ranks: dp 2 beside ZeRO
+    python -m verify --init-from ~/models/Qwen3-30B-A3B --tp 2 --pp 2 --zero 3 --ac --ep 2 --json v.json
+
+Exit status: 0 exact and deadlock-free; 1 a mismatch, a deadlock or an order break; 2 bad input.
+
+Invariants
+    - The unchanged code passes; five mutations of known bug classes each fail, naming the place.
+      Test: tests/test_verify.py.
+    - The ledger equals the closed form for the layout. Test: tests/test_verify.py::test_ledger.
+
+Builds on: cli.py, data.py, grid.py, model.py, pp_schedules.py, precision.py, tp.py, train.py,
+    weights.py, zero_memory.py. It forks ranks itself (no tests/ import): this file stands alone.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import pickle
+import queue
+import sys
+import sysconfig
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cli
+import data
+import grid as G
+import model as M
+import pp_schedules as PS
+import precision as P
+import tp as TP
+import train
+import weights as W
+import zero_memory as ZM
+
+RTOL = 1e-5  # fp32: a layout changes only the order of the same sums (measured ≤ 3e-7)
+STEPS = 3  # steps run: step 1 names a wrong gradient; 2-3 show it in the loss
+MAX_WORLD = 16  # ranks this machine forks at most (2-16 cores: one intra-op thread each)
+LAYOUT_FLAGS = ("tp", "cp", "sp", "pp", "ep", "schedule", "virtual_stages", "zero", "ac", "ac_mode",
+                "ac_every", "prefetch")
+
+
+# ------------------------------------------------------------------------------------------ the shrunk model
+def divisible_seq(args: argparse.Namespace, want: int) -> int:
+    """The shortest --seq-len >= want that cp's 2·cp chunks and sp's tp shards divide."""
+    base = 2 * args.cp * (args.tp if args.sp else 1)
+    return base * math.ceil(want / base)
+
+
+def shrink(cfg: M.LlamaConfig, args: argparse.Namespace, seq_len: int) -> tuple[M.LlamaConfig, list, list]:
+    """A small config of the same kind: (config, what was kept, what was cut).
+    Kept: family, GQA ratio, head_dim, norms, biases, tying, rope, experts, top-k, router options.
+    Cut: layers to what pp · virtual stages need, width, intermediate sizes, vocabulary (the
+    byte tokenizer's 260), a window longer than the short rows."""
+    tp, stages = args.tp, args.pp * cli.virtual_stages(args)
+    ratio = cfg.num_attention_heads // cfg.num_key_value_heads
+    kv = tp  # the fewest kv heads tp divides
+    layers = max(stages, 2, cfg.decoder_sparse_step if cfg.num_experts else 1)
+    new = dict(num_key_value_heads=kv, num_attention_heads=kv * ratio, num_hidden_layers=layers,
+               hidden_size=min(cfg.hidden_size, 64), vocab_size=data.ByteTokenizer.vocab_size,
+               intermediate_size=tp * math.ceil(min(cfg.intermediate_size, 96) / tp),
+               bos_token_id=None, eos_token_id=None)
+    if cfg.moe_intermediate_size:
+        new["moe_intermediate_size"] = min(cfg.moe_intermediate_size, 32)
+    if cfg.layer_types:  # a prefix of the pattern, with every kind of layer the model has
+        types = list(cfg.layer_types[:layers])
+        for kind in sorted(set(cfg.layer_types) - set(types)):
+            types[-1 - sorted(set(cfg.layer_types) - set(types)).index(kind)] = kind
+        new["layer_types"] = tuple(types)
+    if cfg.mlp_only_layers:
+        dense = tuple(i for i in cfg.mlp_only_layers if i < layers)
+        new["mlp_only_layers"] = dense or (0,)
+    if cfg.sliding_window is not None and cfg.sliding_window >= seq_len:
+        # a window the short rows never reach would test nothing: make it act (cp needs >= seq-len)
+        new["sliding_window"] = seq_len if args.cp > 1 else seq_len // 2
+    small = dataclasses.replace(cfg, **new)
+    cut = [f"{k} {getattr(cfg, k)} → {v}" for k, v in new.items() if getattr(cfg, k) != v]
+    kept = [f"{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+            if f.name not in new and f.name not in ("initializer_range", "max_position_embeddings")]
+    kept.append(f"GQA ratio {ratio}")
+    return small, kept, cut
+
+
+def implied_world(args: argparse.Namespace) -> int:
+    """The smallest world of the flags: tp · cp · pp · dp, dp 2 under ZeRO, ep dividing dp · cp."""
+    dp = 2 if args.zero else 1
+    while (dp * args.cp) % args.ep:
+        dp += 1
+    return args.tp * args.cp * args.pp * dp
+
+
+def write_init(cfg: M.LlamaConfig, out: Path, seed: int) -> None:
+    """Seeded weights as an HF folder. Norms and biases move off 1 and 0, so a lost one shows."""
+    model = W.materialize(M.build(cfg), "cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = (p.detach() + 0.1 * torch.randn(p.shape, generator=g)) if p.dim() == 1 else p.detach()
+    W.save_hf(state, cfg, out)
+
+
+def write_corpus(out: Path) -> Path:
+    """A small pretraining set: the first 60,000 characters of the stdlib's sources, byte-tokenized."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.glob("[a-c]*.py")))
+    (out / "corpus.txt").write_text(text[:60_000])
+    data.prepare(out / "corpus.txt", out / "data")
+    return out / "data"
+
+
+def varied_reward(reply: str, gold: str) -> float:
+    """The GRPO verifier verify uses: a random model never answers right, so exact match would give
+    every reply 0 and every gradient 0. This one varies with the reply."""
+    return float(sum(map(ord, reply)) % 7) / 7
+
+
+# ------------------------------------------------------------------------------------------ forked ranks
+# A trimmed copy of tests/dist.py's harness: this file must stand alone. Ranks fork from this
+# process, one intra-op thread each. A rank's stdout and stderr go to its own log file.
+def _worker(fn: Callable, rank: int, world: int, port: Any, ready: Any, q: Any, log: str) -> None:
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        torch.set_num_threads(1)
+        if rank == 0:  # rank 0 serves the store on a port the OS picks; the others read it
+            store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+            port.value = store.port
+            ready.set()
+        elif not ready.wait(timeout=120):
+            raise TimeoutError("rank 0 opened no store within 120 s")
+        else:
+            store = dist.TCPStore("127.0.0.1", port.value, world, is_master=False)
+        dist.init_process_group("gloo", store=dist.PrefixStore("verify/", store), rank=rank, world_size=world)
+        fn(rank, world)
+        q.put((rank, None))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        q.put((rank, traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable, world: int, logs: Path, timeout: float) -> tuple[dict[int, str], list[int]]:
+    """fn(rank, world) on `world` forked gloo ranks. Returns (rank → traceback of each failed rank,
+    the ranks that never answered: killed after `timeout` seconds, or 10 s after a failure)."""
+    ctx = mp.get_context("fork")
+    q, port, ready = ctx.Queue(), ctx.Value("i", 0), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, ready, q, str(logs / f"rank{r}.log")),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    errors, answered = {}, set()
+    with contextlib.suppress(queue.Empty):
+        for _ in range(world):
+            rank, error = q.get(timeout=10.0 if errors else timeout)
+            answered.add(rank)
+            if error:
+                errors[rank] = error
+    for p in procs:
+        p.join(timeout=0 if len(answered) < world else 5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return errors, sorted(set(range(world)) - answered)
+
+
+# ------------------------------------------------------------------------------------------ inside a rank
+# Every collective of a training step, in issue order, one JSON line each, flushed before the call:
+# a rank stuck in one still left its record. Bytes: the full buffer (all-reduce: the tensor;
+# reduce-scatter: its input; all-gather: its output; all-to-all and send: what this rank sends).
+BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "all_gather_into_tensor": "output_tensor",
+          "all_gather_single": "output_tensor", "reduce_scatter_tensor": "input",
+          "reduce_scatter_single": "input", "all_to_all_single": "input"}
+ROLES = (("tp_group", "tp"), ("cp_group", "cp"), ("dp_group", "dp"), ("ep_group", "ep"),
+         ("replica_group", "replica"), ("pp_group", "pp"), ("embed_group", "embed"), ("pp_check", "pp_check"),
+         ("io_group", "io"))
+
+
+class Recorder:
+    """This rank's ledger file, its step, its groups' roles and each parameter's squared grad norm."""
+
+    def __init__(self, path: str):
+        self.out = open(path, "w", buffering=1)
+        self.step: int | None = None
+        self.depth = 0  # a wrapped call inside a wrapped call records once
+        self.roles: dict[str, str] = {}
+        self.update = 0  # optimizer steps so far
+
+    def group(self, g: Any) -> tuple[str, list[int]]:
+        g = g or dist.group.WORLD
+        return g.group_name, dist.get_process_group_ranks(g)
+
+    def write(self, op: str, group: Any, t: torch.Tensor | None, scale: int = 1, peer: int | None = None) -> None:
+        name, ranks = self.group(group)
+        self.out.write(json.dumps({"step": self.step, "group": name, "role": self.roles.get(name, "world"),
+                                   "ranks": ranks, "op": op, "dtype": str(t.dtype).removeprefix("torch.") if
+                                   t is not None else "-", "numel": t.numel() * scale if t is not None else 0,
+                                   "bytes": t.numel() * t.element_size() * scale if t is not None else 0,
+                                   "peer": peer}) + "\n")
+
+    def wrap(self, op: str, fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+
+        def call(*a: Any, **k: Any) -> Any:
+            if self.step is not None and not self.depth:
+                got = sig.bind(*a, **k).arguments
+                if op == "batch_isend_irecv":
+                    for o in got["p2p_op_list"]:
+                        self.write("send" if "send" in o.op.__name__ else "recv", o.group, o.tensor, peer=o.peer)
+                elif op == "all_gather":
+                    self.write(op, got.get("group"), got["tensor"], len(got["tensor_list"]))
+                else:
+                    self.write(op, got.get("group"), got.get(BUFFER.get(op, ""), None))
+            self.depth += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.depth -= 1
+        return call
+
+    def install(self, sq: dict) -> None:
+        """Wrap torch.distributed's collectives, tp's functional all-reduce, the step, the grid's
+        groups and the grad norm's per-parameter squares. Evaluation is skipped: verify compares
+        training. Only this forked rank is changed."""
+        for op in (*BUFFER, "all_gather", "barrier", "batch_isend_irecv", "all_gather_object",
+                   "broadcast_object_list"):
+            setattr(dist, op, self.wrap(op, getattr(dist, op)))
+        functional = TP._all_reduce
+
+        def tp_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+            if self.step is not None and not self.depth:
+                self.write("all_reduce", group, x)
+            return functional(x, group)
+        TP._all_reduce = tp_all_reduce
+        one_step, make_grid = train.one_step, G.make_grid
+
+        def step(r: Any, i: int, micro: list) -> Any:
+            self.step = i
+            try:
+                return one_step(r, i, micro)
+            finally:
+                self.step = None
+        train.one_step = step
+
+        def grid(g: G.Grid, *a: Any, **k: Any) -> None:
+            make_grid(g, *a, **k)
+            for attr, role in ROLES:
+                if getattr(g, attr, None) is not None and dist.get_world_size(getattr(g, attr)) > 1:
+                    name = getattr(g, attr).group_name
+                    self.roles[name] = self.roles[name] + "/" + role if name in self.roles else role
+            for group in g.pp_peers.values():
+                self.roles.setdefault(group.group_name, "pp_pair")
+        G.make_grid = grid
+        train.evaluate = lambda *a, **k: None
+        square_sum, opt_step = P.MixedPrecisionOptimizer._square_sum, P.MixedPrecisionOptimizer.step
+
+        def squares(opt: Any, grads: list, counted: list) -> torch.Tensor:
+            for name, g, c in zip(opt.names, grads, counted):
+                if g is not None and c:
+                    key = f"{self.update}:{name}"
+                    sq[key] = sq.get(key, 0.0) + float(g.double().square().sum())
+            return square_sum(opt, grads, counted)
+
+        def counted_step(opt: Any, lr: float) -> float:
+            try:
+                return opt_step(opt, lr)
+            finally:
+                self.update += 1
+        P.MixedPrecisionOptimizer._square_sum = squares
+        P.MixedPrecisionOptimizer.step = counted_step
+
+
+def rank_main(argv: list[str], out: Path, patch: Callable[[int], None] | None) -> Callable:
+    """The function each forked rank runs: record, apply the test's mutation, train, save the squares."""
+    def fn(rank: int, world: int) -> None:
+        rec, sq = Recorder(str(out / f"ledger{rank}.jsonl")), {}
+        rec.install(sq)
+        if patch is not None:
+            patch(rank)
+        try:
+            train.main(argv)
+        finally:
+            (out / f"squares{rank}.json").write_text(json.dumps(sq))
+    return fn
+
+
+# ------------------------------------------------------------------------------------------ the two runs
+@dataclasses.dataclass
+class Setup:
+    """What verify runs: the real run's flags and model, the small ones, and the world."""
+    args: argparse.Namespace  # the real run's flags (cli.parse_args)
+    cfg: M.LlamaConfig  # the real model
+    small: M.LlamaConfig
+    world: int  # ranks of the layout run
+    real_world: int  # ranks of the real run (--nproc, else the implied world)
+    seq_len: int
+    micro: int  # micro-batches per dp rank in the layout run
+    kept: list
+    cut: list
+    notes: list
+
+
+def plan_setup(args: argparse.Namespace, cfg: M.LlamaConfig, nproc: int | None) -> tuple[Setup | None, list[str]]:
+    """Check the real run's flags (cli.validate at its world), then size the small one."""
+    real_world = nproc or implied_world(args)
+    errors = cli.validate(args, cfg, argparse.Namespace(world=real_world))
+    if errors:
+        return None, errors
+    notes, world = [], real_world
+    cells = args.tp * args.cp * args.pp
+    if world > MAX_WORLD:  # dp is free: the fewest dp replicas that keep ZeRO's and ep's rules
+        dp = 2 if args.zero else 1
+        while (dp * args.cp) % args.ep:
+            dp += 1
+        if cells * dp > MAX_WORLD:
+            return None, [f"tp × cp × pp × dp = {cells * dp} ranks: more than this machine forks ({MAX_WORLD})"]
+        world = cells * dp
+        notes.append(f"world cut from {real_world} to {world} ranks (dp {real_world // cells} → {dp})")
+    dp = world // cells
+    seq = divisible_seq(args, 64 if args.sft or args.dpo or args.grpo else 32)
+    micro = min(cli.micro_batches(args, real_world), 8)
+    if args.pp > 1 and micro < args.pp:
+        micro = args.pp
+    small, kept, cut = shrink(cfg, args, seq)
+    cut.insert(0, f"seq_len {args.seq_len} → {seq}")
+    cut.append(f"rows per step {args.batch_size} → {dp * micro} (dp {dp} × {micro} micro-batches of one row)")
+    if args.compile:
+        notes.append("--compile left out: the layers run eagerly (tests/test_compile.py checks compiled layers)")
+    if args.dtype == "bf16" or args.reduce_dtype == "bf16":
+        notes.append("bf16 checked in fp32: equality to one process is exact only in fp32")
+    return Setup(args, cfg, small, world, real_world, seq, micro, kept, cut, notes), []
+
+
+def train_argv(s: Setup, d: Path, layout: bool) -> list[str]:
+    """train.py's flags for one of the two runs: the small model, the run's kind of data, verify's
+    steps and outputs; the layout's flags only for the layout run. The reference runs the same rows
+    per forward (its micro-batches are the layout's times dp: MoE's aux loss is per forward)."""
+    a = s.args
+    dp = s.world // (a.tp * a.cp * a.pp)
+    name = "layout" if layout else "single"
+    argv = ["--init-from", str(d / "init"), "--steps", str(STEPS), "--seq-len", str(s.seq_len),
+            "--batch-size", str(dp * s.micro), "--micro-batches", str(s.micro if layout else s.micro * dp),
+            "--lr", str(a.lr), "--min-lr", str(a.min_lr), "--warmup", str(a.warmup),
+            "--weight-decay", str(a.weight_decay), "--clip", str(a.clip), "--seed", str(a.seed),
+            "--dtype", "fp32", "--timeout", "60", "--metrics", str(d / f"{name}.jsonl"),
+            "--export-hf", str(d / f"{name}-export"), "--log-every", str(STEPS)]
+    if a.sft:
+        argv += ["--sft", "--packing", a.packing, "--overlong", a.overlong]
+    elif a.dpo:
+        argv += ["--dpo", "--dpo-beta", str(a.dpo_beta), "--packing", a.packing]
+    elif a.grpo:
+        argv += ["--grpo", "--verifier", "verify:varied_reward"]
+        argv += [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in cli.GRPO_DEFAULTS if k != "verifier"]
+    else:
+        argv += ["--data", str(d / "data")]
+    if layout:
+        argv += ["--tp", str(a.tp), "--cp", str(a.cp), "--pp", str(a.pp), "--ep", str(a.ep), "--zero", str(a.zero),
+                 "--schedule", a.schedule, "--virtual-stages", str(cli.virtual_stages(a)), "--prefetch", str(a.prefetch),
+                 "--bucket-mb", "0.02"]  # ~5,000 fp32 elements a bucket: several buckets even when small
+        argv += ["--sp"] * a.sp + (["--ac-mode", a.ac_mode or "selective", "--ac-every", str(a.ac_every)]
+                                   if a.ac or a.ac_mode else [])
+    return argv
+
+
+def run_layout(s: Setup, d: Path, layout: bool, patch: Callable | None, timeout: float) -> dict:
+    """One of the two runs, its ledger and squares read back."""
+    out = d / ("layout" if layout else "single")
+    out.mkdir()
+    world = s.world if layout else 1
+    t0 = time.time()
+    errors, missing = run_ranks(rank_main(train_argv(s, d, layout), out, patch if layout else None),
+                                world, out, timeout)
+    result = {"world": world, "wall_s": time.time() - t0, "errors": errors, "missing": missing,
+              "ledger": [], "squares": []}
+    for r in range(world):
+        f = out / f"ledger{r}.jsonl"
+        result["ledger"].append([json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else [])
+        f = out / f"squares{r}.json"
+        result["squares"].append(json.loads(f.read_text()) if f.exists() else {})
+    result["log_tail"] = {r: (out / f"rank{r}.log").read_text()[-1500:] for r in sorted({*errors, *missing} or {0})
+                          if (out / f"rank{r}.log").exists()}
+    return result
+
+
+# ------------------------------------------------------------------------------------------ comparison
+def _close(got: float, want: float, scale: float = 0.0) -> bool:
+    return abs(got - want) <= RTOL * max(abs(want), scale)
+
+
+def _layer_order(name: str) -> tuple:
+    """Parameters in model order: embedding, layers by index, then the rest."""
+    parts = name.split(".")
+    idx = next((int(p) for p in parts if p.isdigit()), -1)
+    return (0 if "embed" in name else 2 if idx < 0 else 1, idx, name)
+
+
+def grad_norms(squares: list[dict], s: Setup, layout: bool) -> dict[str, float]:
+    """Per (update, parameter) the global grad norm. ZeRO-0's dp replicas each hold the whole
+    gradient: their squares divide by the replicas (dp·cp, and dp·cp/ep for experts)."""
+    a, total = s.args, defaultdict(float)
+    dpn = s.world // (a.tp * a.pp) if layout else 1
+    for sq in squares:
+        for key, v in sq.items():
+            reps = 1 if a.zero or not layout else dpn // (a.ep if W.expert_tensor(key.split(":", 1)[1]) else 1)
+            total[key] += v / reps
+    return {k: math.sqrt(v) for k, v in total.items()}
+
+
+def compare(s: Setup, d: Path, single: dict, layout: dict) -> dict:
+    """Each step's loss and grad norm, each parameter's grad norm at each update, each exported
+    parameter. The first step where a parameter's gradient parts ways names it."""
+    out = {"tolerance": f"{RTOL:g} relative (fp32: a layout changes only summation orders)",
+           "steps": [], "gradients": [], "parameters": [], "exact": True}
+    read = lambda n: [json.loads(x) for x in (d / f"{n}.jsonl").read_text().splitlines()]  # noqa: E731
+    ref, got = read("single"), read("layout")
+    for r, g in zip(ref, got):
+        ok = _close(g["loss"], r["loss"]) and _close(g["grad_norm"], r["grad_norm"])
+        out["steps"].append({"step": r["step"], "loss": [r["loss"], g["loss"]],
+                             "grad_norm": [r["grad_norm"], g["grad_norm"]], "ok": ok})
+        out["exact"] &= ok
+    if len(ref) != len(got):
+        out["exact"] = False
+        out["steps"].append({"error": f"{len(got)} steps logged by the layout, {len(ref)} by one process"})
+    rn, gn = grad_norms(single["squares"], s, False), grad_norms(layout["squares"], s, True)
+    by_update = defaultdict(list)
+    for key in sorted(set(rn) | set(gn), key=lambda k: (int(k.split(":")[0]), _layer_order(k.split(":", 1)[1]))):
+        by_update[int(key.split(":")[0])].append(key)
+    for u, keys in sorted(by_update.items()):
+        top = max((rn.get(k, 0.0) for k in keys), default=0.0)
+        bad = [(k.split(":", 1)[1], rn.get(k), gn.get(k)) for k in keys
+               if k not in rn or k not in gn or not _close(gn[k], rn[k], 1e-3 * top)]
+        if bad:
+            out["exact"] = False
+            out["gradients"] = [{"update": u + 1, "parameter": n, "single": a, "layout": b} for n, a, b in bad]
+            break  # the first update where they part: later ones follow from it
+    out["parameters"] = compare_exports(d / "single-export", d / "layout-export")
+    out["exact"] &= not out["parameters"]
+    return out
+
+
+def compare_exports(ref_dir: Path, got_dir: Path) -> list[dict]:
+    """Each exported tensor (transformers' names, one per expert), largest difference first."""
+    from safetensors.torch import load_file
+    load = lambda p: {k: v for f in sorted(p.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    if not ref_dir.exists() or not got_dir.exists():
+        return [{"parameter": "-", "error": "an export is missing"}]
+    ref, got = load(ref_dir), load(got_dir)
+    bad = []
+    for name in sorted(set(ref) | set(got), key=_layer_order):
+        if name not in ref or name not in got or ref[name].shape != got[name].shape:
+            bad.append({"parameter": name, "error": "missing or of another shape"})
+            continue
+        diff = float((got[name].double() - ref[name].double()).abs().max()) if ref[name].numel() else 0.0
+        scale = float(ref[name].double().abs().max()) if ref[name].numel() else 0.0
+        if diff > RTOL * max(scale, 1e-3):
+            bad.append({"parameter": name, "max_abs_diff": diff, "max_abs": scale})
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+def ledger(records: list[list[dict]], step: int) -> list[dict]:
+    """One row per (rank, group, op, dtype) of one training step: count and bytes."""
+    rows: dict[tuple, dict] = {}
+    for rank, recs in enumerate(records):
+        for x in recs:
+            if x["step"] != step:
+                continue
+            key = (rank, x["role"], tuple(x["ranks"]), x["op"], x["dtype"])
+            row = rows.setdefault(key, {"rank": rank, "role": x["role"], "ranks": x["ranks"], "op": x["op"],
+                                        "dtype": x["dtype"], "count": 0, "bytes": 0})
+            row["count"] += 1
+            row["bytes"] += x["bytes"]
+    return list(rows.values())
+
+
+def per_role(rows: list[dict]) -> dict[str, dict]:
+    """The ledger per (role, op): the most any rank issues, count and bytes."""
+    out: dict[str, dict] = {}
+    by_rank = defaultdict(lambda: [0, 0])
+    for r in rows:
+        c = by_rank[(r["role"], r["op"], r["rank"])]
+        c[0] += r["count"]
+        c[1] += r["bytes"]
+    for (role, op, _), (count, nbytes) in by_rank.items():
+        k = f"{role} {op}"
+        old = out.get(k, {"count": 0, "bytes": 0})
+        out[k] = {"count": max(old["count"], count), "bytes": max(old["bytes"], nbytes)}
+    return dict(sorted(out.items()))
+
+
+# ------------------------------------------------------------------------------------------ order and deadlock
+def _sig(x: dict) -> tuple:
+    """What the members of a communicator must agree on: the op, the dtype, and the size where
+    the op needs equal sizes (an all-to-all's splits differ by rank)."""
+    sized = x["op"] not in ("all_to_all_single", "all_gather_object", "broadcast_object_list", "barrier")
+    return (x["step"], x["op"], x["dtype"], x["numel"] if sized else None)
+
+
+def _name(x: dict | None) -> str:
+    if x is None:
+        return "nothing (it never got there)"
+    return f"{x['op']} {x['dtype']} {x['numel']} elements (step {x['step'] + 1})"
+
+
+def order_check(records: list[list[dict]]) -> list[str]:
+    """Each communicator's members issue the same sequence; each pair's sends meet the peer's
+    receives in order. Returns one line per break, naming the group, the ranks and the ops."""
+    seqs: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    members, roles, lanes = {}, {}, defaultdict(lambda: ([], []))
+    for rank, recs in enumerate(records):
+        for x in recs:
+            if x["op"] in ("send", "recv"):
+                src, dst = (rank, x["peer"]) if x["op"] == "send" else (x["peer"], rank)
+                lanes[(x["group"], src, dst)][x["op"] == "recv"].append(x)
+                continue
+            seqs[x["group"]][rank].append(x)
+            members[x["group"]], roles[x["group"]] = x["ranks"], x["role"]
+    breaks = []
+    for g, by_rank in seqs.items():
+        n = max(len(v) for v in by_rank.values())
+        for i in range(n):
+            at = {r: (by_rank[r][i] if i < len(by_rank[r]) else None) for r in members[g]}
+            if len({_sig(x) if x else None for x in at.values()}) > 1:
+                breaks.append(f"{roles[g]} group {members[g]}, collective #{i + 1}: " + "; ".join(
+                    f"rank {r} issues {_name(x)}" for r, x in at.items()))
+                break
+    for (g, src, dst), (sends, recvs) in lanes.items():
+        for i in range(max(len(sends), len(recvs))):
+            s_, r_ = (sends[i] if i < len(sends) else None), (recvs[i] if i < len(recvs) else None)
+            if s_ is None or r_ is None or s_["numel"] != r_["numel"]:
+                breaks.append(f"pipeline pair {src} → {dst}, message #{i + 1}: rank {src} sends {_name(s_)}; "
+                              f"rank {dst} receives {_name(r_)}")
+                break
+    return breaks
+
+
+def deadlock_check(records: list[list[dict]]) -> str | None:
+    """The step's collectives under NCCL's model: one stream per rank and communicator, each rank
+    blocking in its collectives in issue order (the strictest host). A collective runs once all its
+    members reached it. None if every rank finishes; else the cycle, each stuck rank and its op.
+    Pipeline messages are left to pp_schedules.simulate (batched P2P does not block the host)."""
+    seq = [[x for x in recs if x["op"] not in ("send", "recv")] for recs in records]
+    pc = [0] * len(seq)
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(seq):
+            if pc[rank] >= len(ops):
+                continue
+            x = ops[pc[rank]]
+            if all(pc[m] < len(seq[m]) and seq[m][pc[m]]["group"] == x["group"] for m in x["ranks"]):
+                for m in x["ranks"]:
+                    pc[m] += 1
+                progress = True
+    stuck = [r for r in range(len(seq)) if pc[r] < len(seq[r])]
+    if not stuck:
+        return None
+    return "cycle: " + "; ".join(f"rank {r} waits in {seq[r][pc[r]]['role']} {seq[r][pc[r]]['ranks']} "
+                                 f"#{pc[r] + 1} {_name(seq[r][pc[r]])}" for r in stuck)
+
+
+def pipeline_verdict(args: argparse.Namespace, micro: int) -> str | None:
+    """pp_schedules.simulate over the run's schedule, one communicator per neighbour pair (pp.py)."""
+    if args.pp == 1:
+        return None
+    import pp as PP
+    v = cli.virtual_stages(args)
+    try:
+        sim = PS.simulate([PP.SCHEDULES[args.schedule](micro, s, args.pp, v) for s in range(args.pp)], 1,
+                          1 if args.schedule == "zb" else 2, 1, communicator=PS.pair_groups)
+    except (RuntimeError, ValueError) as e:
+        return f"pipeline: {e}"
+    return None if sim else "pipeline: no result"
+
+
+# ------------------------------------------------------------------------------------------ the verdict
+def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], None] | None = None,
+           timeout: float = 300.0, workdir: str | None = None) -> dict:
+    """The whole check of train.py's flags `argv`; returns the report (see `main`). `patch(rank)`
+    runs in each rank of the layout run before training: the tests' mutations. Raises ValueError
+    on bad input, naming the flag or file."""
+    t0 = time.time()
+    try:
+        args = cli.parse_args(argv)
+    except SystemExit:
+        raise ValueError("train.py's flags: see the message above") from None
+    cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    s, errors = plan_setup(args, cfg, nproc)
+    if errors:
+        raise ValueError("\n  ".join(["invalid configuration:"] + errors))
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        d = Path(tmp)
+        write_init(s.small, d / "init", args.seed)
+        if not (args.sft or args.dpo or args.grpo):
+            write_corpus(d)
+        single = run_layout(s, d, False, None, timeout)
+        if single["errors"] or single["missing"]:
+            raise RuntimeError(f"the one-process run failed: {single['errors'] or single['missing']}\n"
+                               f"{single['log_tail']}")
+        layout = run_layout(s, d, True, patch, timeout)
+        failed = bool(layout["errors"] or layout["missing"])
+        report = {"argv": argv, "world": s.world, "real_world": s.real_world,
+                  "layout": {k: getattr(args, k) for k in LAYOUT_FLAGS} | {"micro_batches": s.micro},
+                  "model": {"family": cfg.model_type, "kept": s.kept, "cut": s.cut}, "notes": s.notes,
+                  "wall_s": {"single": single["wall_s"], "layout": layout["wall_s"]}}
+        report["run"] = {"failed_ranks": sorted(layout["errors"]), "unanswered_ranks": layout["missing"],
+                         "log_tail": layout["log_tail"] if failed else {}}
+        report["comparison"] = compare(s, d, single, layout) if not failed else {"exact": False}
+    records = layout["ledger"]
+    rows = ledger(records, STEPS - 1)
+    report["ledger"] = {"step": STEPS, "per_role": per_role(rows), "rows": rows,
+                        "bytes_convention": "all-reduce: the tensor; reduce-scatter: its input; all-gather: "
+                                            "its output; all-to-all and send: what the rank sends"}
+    report["order"] = order_check(records)
+    report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro)
+    report["exact"] = report["comparison"]["exact"] and not failed
+    report["ok"] = report["exact"] and not report["order"] and not report["deadlock"]
+    report["wall_s"]["total"] = time.time() - t0
+    return report
+
+
+def summary(rep: dict) -> str:
+    """The few lines a user reads: what was checked, the verdict, where it parted ways."""
+    lines = [f"verify: {rep['model']['family']} at world {rep['world']} ({rep['layout']}), "
+             f"{STEPS} steps against one process, {rep['wall_s']['total']:.0f} s"]
+    lines.append("  kept: " + ", ".join(rep["model"]["kept"]))
+    lines.append("  cut:  " + ", ".join(rep["model"]["cut"]))
+    lines += [f"  note: {n}" for n in rep["notes"]]
+    c = rep["comparison"]
+    for st in c.get("steps", []):
+        if "error" in st:
+            lines.append(f"  {st['error']}")
+        else:
+            lines.append(f"  step {st['step']}: loss {st['loss'][0]:.7f} vs {st['loss'][1]:.7f}, grad norm "
+                         f"{st['grad_norm'][0]:.7f} vs {st['grad_norm'][1]:.7f} {'ok' if st['ok'] else 'DIFFERENT'}")
+    for g in c.get("gradients", [])[:8]:
+        lines.append(f"  gradient of {g['parameter']} at update {g['update']}: norm {g['single']} alone, "
+                     f"{g['layout']} in the layout")
+    for p in c.get("parameters", [])[:8]:
+        lines.append(f"  parameter {p['parameter']} after {STEPS} steps: {p.get('error') or p}")
+    if rep["run"]["failed_ranks"] or rep["run"]["unanswered_ranks"]:
+        lines.append(f"  the layout run failed: ranks {rep['run']['failed_ranks']} raised, ranks "
+                     f"{rep['run']['unanswered_ranks']} never finished (stuck in a collective)")
+    lines.append("  ledger (step %d, the most any rank issues):" % rep["ledger"]["step"])
+    for k, v in rep["ledger"]["per_role"].items():
+        lines.append(f"    {k}: {v['count']} calls, {v['bytes']:,} bytes")
+    lines += [f"  order: {b}" for b in rep["order"]]
+    if rep["deadlock"]:
+        lines.append(f"  deadlock: {rep['deadlock']}")
+    lines.append(f"verdict: {'exact' if rep['exact'] else 'NOT exact'} (tolerance {RTOL:g} relative), "
+                 f"{'deadlock-free' if not rep['deadlock'] else 'DEADLOCK'}, "
+                 f"{'collective order agrees' if not rep['order'] else 'collective ORDER BREAKS'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m verify [train.py's flags] [--nproc N] [--json FILE]`. Exit 0, 1 or 2."""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--nproc", type=int, default=None)
+    own.add_argument("--json", default=None)
+    mine, rest = own.parse_known_args(argv)
+    if mine.json and not Path(mine.json).resolve().parent.is_dir():
+        print(f"error: --json {mine.json}: its folder does not exist", file=sys.stderr)
+        return 2
+    try:
+        rep = verify(rest, mine.nproc)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(rep), flush=True)
+    if mine.json:
+        Path(mine.json).write_text(json.dumps(rep, indent=1, default=str))
+    return 0 if rep["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
