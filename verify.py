@@ -47,6 +47,7 @@ import math
 import os
 import pickle
 import queue
+import re
 import sys
 import sysconfig
 import tempfile
@@ -339,6 +340,7 @@ class Setup:
     kept: list
     cut: list
     notes: list
+    layout_args: argparse.Namespace | None = None  # the layout run's flags, parsed
 
 
 def plan_setup(args: argparse.Namespace, cfg: M.LlamaConfig, nproc: int | None) -> tuple[Setup | None, list[str]]:
@@ -529,6 +531,111 @@ def per_role(rows: list[dict]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
+# ---- the closed form: what the layout must issue, from the config and the flags alone
+TP_SHARDED = re.compile(r".*(q_proj|k_proj|v_proj|o_proj\.weight|gate_proj|up_proj|down_proj|embed_tokens|lm_head).*")
+
+
+def rank_params(cfg: M.LlamaConfig, args: argparse.Namespace, stage: int) -> tuple[int, int]:
+    """Parameters one rank of pipeline stage `stage` holds: its layers (and embedding or head),
+    tp's share of the sharded matrices (the vocab padded to tp), ep's share of the experts.
+    Returns (the rest, the experts): they reduce over different groups."""
+    ranges = cli.layer_ranges(args, cfg)
+    layers = {i for k, r in enumerate(ranges) if k % args.pp == stage for i in r}
+    n, experts, last = 0, 0, args.pp - 1
+    for name, shape in M.global_shapes(cfg).items():
+        idx = re.search(r"layers\.(\d+)\.", name)
+        if idx and int(idx.group(1)) not in layers or not idx and (
+                "embed_tokens" in name and stage != 0 and not (cfg.tie_word_embeddings and stage == last)
+                or ("lm_head" in name or name == "model.norm.weight") and stage != last):
+            continue
+        size = math.prod(shape)
+        if W.expert_tensor(name):
+            experts += size // args.ep
+            continue
+        if TP_SHARDED.fullmatch(name) and "experts" not in name:
+            if "embed_tokens" in name or "lm_head" in name:
+                size = math.ceil(cfg.vocab_size / args.tp) * cfg.hidden_size
+            else:
+                size //= args.tp
+        n += size
+    return n, experts
+
+
+def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro: int, seq: int) -> dict[str, dict]:
+    """Per (group, op): the most one rank issues in a step, count and bytes (fp32), by formula.
+    tp: 2 all-reduces per layer forward and 2 backward (Megatron's f and g), the vocab-parallel
+    embedding's 1, the fused loss's 3 forward and 1 backward, the grad norm's 1.
+    pp: per micro-batch, each chunk boundary a message forward and one back (with MoE's router
+    statistics beside the hidden state). dp: the step's target count, its loss and (ZeRO) the grad
+    norm; stage 0's all-reduce or ZeRO-1/2's reduce-scatter and all-gather of the rank's Ψ.
+    ep: per sparse layer and micro-batch the counts and four exchanges of N·k rows of H (bytes
+    summed over the ep group: a rank's rows vary). Layouts without a formula here: sp, cp, ZeRO-3."""
+    tp, pp, v, ep = args.tp, args.pp, cli.virtual_stages(args), args.ep
+    dp = world // (tp * pp * args.cp)
+    ranges = cli.layer_ranges(args, cfg)
+    tokens, H, f4 = seq // args.cp, cfg.hidden_size, 4  # one row per micro-batch
+    full_ac = args.ac_mode == "full"
+    out: dict[str, dict] = {}
+
+    def put(key: str, count: int, nbytes: int) -> None:
+        old = out.get(key, {"count": 0, "bytes": 0})
+        out[key] = {"count": max(old["count"], count), "bytes": max(old["bytes"], nbytes)}
+    for s in range(pp):
+        layers = [i for k, r in enumerate(ranges) if k % pp == s for i in r]
+        if tp > 1 and not args.sp and args.cp == 1:
+            sparse = sum(cfg.is_sparse(i) for i in layers)  # its experts whole: 2 router sums of E
+            calls = len(layers) * (4 + 2 * full_ac) * micro
+            nbytes = (calls - 2 * sparse * micro) * tokens * H * f4 + 2 * sparse * micro * cfg.num_experts * f4
+            if s == 0:
+                calls, nbytes = calls + micro, nbytes + micro * tokens * H * f4
+            if s == pp - 1:
+                calls, nbytes = calls + 4 * micro, nbytes + micro * (3 * tokens * f4 + tokens * H * f4)
+            put("tp all_reduce", calls + 1, nbytes + 4)
+        if pp > 1:
+            msgs = sum((k < pp * v - 1) + (k > 0) for k in range(s, pp * v, pp)) * micro
+            side = (2 * cfg.num_experts + 2) * f4 if cfg.num_experts else 0
+            nbytes = msgs * (tokens * H * f4 // (tp if args.sp else 1) + side)
+            put("pp_pair send", msgs * (2 if side else 1), nbytes)
+            put("pp_pair recv", msgs * (2 if side else 1), nbytes)
+        psi, experts = rank_params(cfg, args, s)
+        if dp * args.cp > 1 and args.zero in (1, 2):
+            put("dp reduce_scatter_single", 0, psi * f4)
+            put("dp all_gather_single", 0, psi * f4)
+            if experts and dp * args.cp // ep > 1:
+                put("replica reduce_scatter_single", 0, experts * f4)
+                put("replica all_gather_single", 0, experts * f4)
+        sparse = sum(cfg.is_sparse(i) for i in layers)
+        if ep > 1 and sparse:
+            put("ep all_to_all_single", 5 * sparse * micro,
+                ep * sparse * micro * (4 * tokens * cfg.num_experts_per_tok * H * f4 + cfg.num_experts * 8))
+    if dp * args.cp > 1:
+        put("dp all_reduce", 2 + (args.zero > 0), 8 + 4 + 4 * (args.zero > 0))
+    return out
+
+
+def ledger_vs_formula(measured: dict, rows: list[dict], formula: dict) -> list[dict]:
+    """Each formula row beside the ledger. An ep all-to-all's bytes are the ep group's sum. ZeRO's
+    buffers are padded to a multiple of N per bucket (and its count is the buckets): bytes within
+    0.5%, count not compared."""
+    out = []
+    for key, want in formula.items():
+        role, op = key.split(" ", 1)
+        got = next((v for k, v in measured.items() if k.split(" ", 1)[1] == op and role in k.split(" ")[0].split("/")),
+                   {"count": 0, "bytes": 0})
+        if role == "ep":
+            groups = defaultdict(int)
+            for r in rows:
+                if r["op"] == op and "ep" in r["role"].split("/"):
+                    groups[tuple(r["ranks"])] += r["bytes"]
+            got = {"count": got["count"], "bytes": max(groups.values(), default=0)}
+        padded = op in ("reduce_scatter_single", "all_gather_single")
+        if padded:
+            got = {"count": 0, "bytes": got["bytes"]}
+        equal = (abs(got["bytes"] - want["bytes"]) <= 0.005 * want["bytes"] if padded else got == want)
+        out.append({"what": key, "formula": want, "ledger": got, "equal": equal})
+    return out
+
+
 # ------------------------------------------------------------------------------------------ order and deadlock
 def _sig(x: dict) -> tuple:
     """What the members of a communicator must agree on: the op, the dtype, and the size where
@@ -640,6 +747,7 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
         if single["errors"] or single["missing"]:
             raise RuntimeError(f"the one-process run failed: {single['errors'] or single['missing']}\n"
                                f"{single['log_tail']}")
+        s.layout_args = cli.parse_args(train_argv(s, d, True))
         layout = run_layout(s, d, True, patch, timeout)
         failed = bool(layout["errors"] or layout["missing"])
         report = {"argv": argv, "world": s.world, "real_world": s.real_world,
@@ -654,6 +762,9 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     report["ledger"] = {"step": STEPS, "per_role": per_role(rows), "rows": rows,
                         "bytes_convention": "all-reduce: the tensor; reduce-scatter: its input; all-gather: "
                                             "its output; all-to-all and send: what the rank sends"}
+    report["ledger"]["closed_form"] = ledger_vs_formula(
+        report["ledger"]["per_role"], rows, closed_form(s.small, s.layout_args, s.world, s.micro, s.seq_len))
+    report["ledger"]["real"] = closed_form(cfg, args, s.real_world, cli.micro_batches(args, s.real_world), args.seq_len)
     report["order"] = order_check(records)
     report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro)
     report["exact"] = report["comparison"]["exact"] and not failed
@@ -687,6 +798,12 @@ def summary(rep: dict) -> str:
     lines.append("  ledger (step %d, the most any rank issues):" % rep["ledger"]["step"])
     for k, v in rep["ledger"]["per_role"].items():
         lines.append(f"    {k}: {v['count']} calls, {v['bytes']:,} bytes")
+    for c in rep["ledger"]["closed_form"]:
+        lines.append(f"    closed form {c['what']}: {c['formula']['count']} calls, {c['formula']['bytes']:,} bytes "
+                     f"{'= ledger' if c['equal'] else '≠ ledger ' + str(c['ledger'])}")
+    lines.append("  the real run's bytes per step and rank, by the closed form:")
+    for k, v in rep["ledger"]["real"].items():
+        lines.append(f"    {k}: {v['count']} calls, {v['bytes'] / 2**20:,.1f} MiB")
     lines += [f"  order: {b}" for b in rep["order"]]
     if rep["deadlock"]:
         lines.append(f"  deadlock: {rep['deadlock']}")
