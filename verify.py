@@ -461,6 +461,8 @@ def compare(s: Setup, d: Path, single: dict, layout: dict) -> dict:
         out["steps"].append({"step": r["step"], "loss": [r["loss"], g["loss"]],
                              "grad_norm": [r["grad_norm"], g["grad_norm"]], "ok": ok})
         out["exact"] &= ok
+    if out["steps"] and not _close(got[0]["loss"], ref[0]["loss"]):
+        out["loss_origin"] = "step 1's loss: the forward or the loss's normalization (before any update)"
     if len(ref) != len(got):
         out["exact"] = False
         out["steps"].append({"error": f"{len(got)} steps logged by the layout, {len(ref)} by one process"})
@@ -475,13 +477,21 @@ def compare(s: Setup, d: Path, single: dict, layout: dict) -> dict:
         if bad:
             out["exact"] = False
             out["gradients"] = [{"update": u + 1, "parameter": n, "single": a, "layout": b} for n, a, b in bad]
+            # backward meets the parameters from the last to the first: the last wrong one in the
+            # forward order is where the gradients start to part
+            order = {n: i for i, n in enumerate(M.global_shapes(s.small))}
+            out["origin"] = max((g["parameter"] for g in out["gradients"]), key=lambda n: order.get(n, -1))
             break  # the first update where they part: later ones follow from it
-    out["parameters"] = compare_exports(d / "single-export", d / "layout-export")
+    # An element whose gradient lies within rounding of 0 can take another Adam step (its update
+    # is m/√v, near ±lr whatever the size): 5% of the summed lr covers that (measured up to 0.3%).
+    slack = 0.05 * sum(cli.lr_at(i, s.layout_args) for i in range(STEPS))
+    out["parameters"] = compare_exports(d / "single-export", d / "layout-export", slack)
+    out["parameter_tolerance"] = f"{RTOL:g} × the tensor's largest value + {slack:.3g} (5% of the summed lr)"
     out["exact"] &= not out["parameters"]
     return out
 
 
-def compare_exports(ref_dir: Path, got_dir: Path) -> list[dict]:
+def compare_exports(ref_dir: Path, got_dir: Path, slack: float) -> list[dict]:
     """Each exported tensor (transformers' names, one per expert), largest difference first."""
     from safetensors.torch import load_file
     load = lambda p: {k: v for f in sorted(p.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
@@ -495,7 +505,7 @@ def compare_exports(ref_dir: Path, got_dir: Path) -> list[dict]:
             continue
         diff = float((got[name].double() - ref[name].double()).abs().max()) if ref[name].numel() else 0.0
         scale = float(ref[name].double().abs().max()) if ref[name].numel() else 0.0
-        if diff > RTOL * max(scale, 1e-3):
+        if diff > RTOL * scale + slack:
             bad.append({"parameter": name, "max_abs_diff": diff, "max_abs": scale})
     return bad
 
@@ -787,6 +797,10 @@ def summary(rep: dict) -> str:
         else:
             lines.append(f"  step {st['step']}: loss {st['loss'][0]:.7f} vs {st['loss'][1]:.7f}, grad norm "
                          f"{st['grad_norm'][0]:.7f} vs {st['grad_norm'][1]:.7f} {'ok' if st['ok'] else 'DIFFERENT'}")
+    if c.get("loss_origin"):
+        lines.append(f"  first difference: {c['loss_origin']}")
+    if c.get("origin"):
+        lines.append(f"  first wrong gradient (backward order): {c['origin']}")
     for g in c.get("gradients", [])[:8]:
         lines.append(f"  gradient of {g['parameter']} at update {g['update']}: norm {g['single']} alone, "
                      f"{g['layout']} in the layout")
