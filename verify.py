@@ -99,8 +99,9 @@ def shrink(cfg: M.LlamaConfig, args: argparse.Namespace, seq_len: int) -> tuple[
                hidden_size=min(cfg.hidden_size, 64), vocab_size=data.ByteTokenizer.vocab_size,
                intermediate_size=tp * math.ceil(min(cfg.intermediate_size, 96) / tp),
                bos_token_id=None, eos_token_id=None)
-    if cfg.moe_intermediate_size:
-        new["moe_intermediate_size"] = min(cfg.moe_intermediate_size, 32)
+    if cfg.moe_intermediate_size:  # Mixtral and OLMoE size their experts by intermediate_size
+        same = cfg.moe_intermediate_size == cfg.intermediate_size
+        new["moe_intermediate_size"] = new["intermediate_size"] if same else min(cfg.moe_intermediate_size, 32)
     if cfg.layer_types:  # a prefix of the pattern, with every kind of layer the model has
         types = list(cfg.layer_types[:layers])
         for kind in sorted(set(cfg.layer_types) - set(types)):
@@ -112,6 +113,8 @@ def shrink(cfg: M.LlamaConfig, args: argparse.Namespace, seq_len: int) -> tuple[
     if cfg.sliding_window is not None and cfg.sliding_window >= seq_len:
         # a window the short rows never reach would test nothing: make it act (cp needs >= seq-len)
         new["sliding_window"] = seq_len if args.cp > 1 else seq_len // 2
+    if cfg.qk_norm_whole:  # OLMoE's q/k norm spans the whole projection: hidden = heads · head_dim
+        new["hidden_size"] = new["num_attention_heads"] * cfg.head_dim
     small = dataclasses.replace(cfg, **new)
     cut = [f"{k} {getattr(cfg, k)} → {v}" for k, v in new.items() if getattr(cfg, k) != v]
     kept = [f"{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
@@ -161,6 +164,7 @@ def _worker(fn: Callable, rank: int, world: int, port: Any, ready: Any, q: Any, 
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)  # also past a test's capture
         torch.set_num_threads(1)
         if rank == 0:  # rank 0 serves the store on a port the OS picks; the others read it
             store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
@@ -341,6 +345,7 @@ class Setup:
     cut: list
     notes: list
     layout_args: argparse.Namespace | None = None  # the layout run's flags, parsed
+    collective_timeout: float = 60.0
 
 
 def plan_setup(args: argparse.Namespace, cfg: M.LlamaConfig, nproc: int | None) -> tuple[Setup | None, list[str]]:
@@ -385,7 +390,7 @@ def train_argv(s: Setup, d: Path, layout: bool) -> list[str]:
             "--batch-size", str(dp * s.micro), "--micro-batches", str(s.micro if layout else s.micro * dp),
             "--lr", str(a.lr), "--min-lr", str(a.min_lr), "--warmup", str(a.warmup),
             "--weight-decay", str(a.weight_decay), "--clip", str(a.clip), "--seed", str(a.seed),
-            "--dtype", "fp32", "--timeout", "60", "--metrics", str(d / f"{name}.jsonl"),
+            "--dtype", "fp32", "--timeout", str(s.collective_timeout), "--metrics", str(d / f"{name}.jsonl"),
             "--export-hf", str(d / f"{name}-export"), "--log-every", str(STEPS)]
     if a.sft:
         argv += ["--sft", "--packing", a.packing, "--overlong", a.overlong]
@@ -593,9 +598,13 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
     for s in range(pp):
         layers = [i for k, r in enumerate(ranges) if k % pp == s for i in r]
         if tp > 1 and not args.sp and args.cp == 1:
-            sparse = sum(cfg.is_sparse(i) for i in layers)  # its experts whole: 2 router sums of E
-            calls = len(layers) * (4 + 2 * full_ac) * micro
-            nbytes = (calls - 2 * sparse * micro) * tokens * H * f4 + 2 * sparse * micro * cfg.num_experts * f4
+            # an MoE block has no f and g (its experts whole on every rank); a per-head q/k norm's
+            # weight gradients sum over tp there, 2 of head_dim
+            sparse = sum(cfg.is_sparse(i) for i in layers)
+            calls = (len(layers) * (4 + 2 * full_ac) - 2 * sparse) * micro
+            nbytes = calls * tokens * H * f4
+            if cfg.qk_norm and not cfg.qk_norm_whole:
+                calls, nbytes = calls + 2 * sparse * micro, nbytes + 2 * sparse * micro * cfg.head_dim * f4
             if s == 0:
                 calls, nbytes = calls + micro, nbytes + micro * tokens * H * f4
             if s == pp - 1:
@@ -733,10 +742,11 @@ def pipeline_verdict(args: argparse.Namespace, micro: int) -> str | None:
 
 # ------------------------------------------------------------------------------------------ the verdict
 def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], None] | None = None,
-           timeout: float = 300.0, workdir: str | None = None) -> dict:
+           timeout: float = 300.0, workdir: str | None = None, collective_timeout: float = 60.0) -> dict:
     """The whole check of train.py's flags `argv`; returns the report (see `main`). `patch(rank)`
-    runs in each rank of the layout run before training: the tests' mutations. Raises ValueError
-    on bad input, naming the flag or file."""
+    runs in each rank of the layout run before training: the tests' mutations. `timeout`: seconds
+    a run may take; `collective_timeout`: seconds a collective waits (train.py's --timeout).
+    Raises ValueError on bad input, naming the flag or file."""
     t0 = time.time()
     try:
         args = cli.parse_args(argv)
@@ -746,6 +756,8 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     s, errors = plan_setup(args, cfg, nproc)
+    if s is not None:
+        s.collective_timeout = collective_timeout
     if errors:
         raise ValueError("\n  ".join(["invalid configuration:"] + errors))
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -769,6 +781,8 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
         report["comparison"] = compare(s, d, single, layout) if not failed else {"exact": False}
     records = layout["ledger"]
     rows = ledger(records, STEPS - 1)
+    if os.environ.get("VERIFY_DEBUG"):
+        print([(x["op"], x["numel"]) for x in records[0] if x["step"] == STEPS - 1 and x["role"] == "tp"])
     report["ledger"] = {"step": STEPS, "per_role": per_role(rows), "rows": rows,
                         "bytes_convention": "all-reduce: the tensor; reduce-scatter: its input; all-gather: "
                                             "its output; all-to-all and send: what the rank sends"}
