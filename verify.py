@@ -759,6 +759,68 @@ def pipeline_verdict(args: argparse.Namespace, micro: int) -> str | None:
     return None if sim else "pipeline: no result"
 
 
+# ------------------------------------------------------------------------------------------ the plan
+def activation_bytes(cfg: M.LlamaConfig, args: argparse.Namespace, rows: int) -> float:
+    """Bytes one layer keeps for backward per micro-batch in bf16 (docs/ac.md's table), divided by
+    tp (heads and MLP columns; sp also the norms), the tokens by cp. An MoE layer counts its k
+    experts' activations as its MLP's."""
+    s, h, a = args.seq_len // args.cp, cfg.hidden_size, cfg.num_attention_heads
+    g = cfg.num_key_value_heads / a
+    i = cfg.num_experts_per_tok * (cfg.moe_intermediate_size or cfg.intermediate_size) if cfg.num_experts \
+        else cfg.intermediate_size
+    mode = args.ac_mode or ("selective" if args.ac else "none")
+    per = {"none": s * rows * h * (12 + 4 * g + 6 * i / h) + 4 * s * rows * a + 8 * s * rows,
+           "selective": s * rows * h * (8 + 4 * g + 4 * i / h) + 4 * s * rows * a + 8 * s * rows,
+           "full": 2 * s * rows * h}[mode]
+    return per / args.tp
+
+
+def zero_extras(cfg: M.LlamaConfig, args: argparse.Namespace, stage: int, n: int) -> float:
+    """zero_memory.peak_extras' backward bound on a GPU, from the config: k = 2 buckets in flight of
+    B elements, bf16 compute (c = 2) and fp32 reductions (r = 4): (k+2)·B·r + k·(B/N)·r. At
+    ZeRO-3 the bucket is the largest unit (a layer, or the embedding), and prefetch + 1 gathered
+    units plus the one in backward come on top: (prefetch+2)·B·c."""
+    c, r, k = 2, 4, 2
+    if args.zero == 3:
+        layer = sum(math.prod(sh) for name, sh in M.global_shapes(cfg).items() if ".layers.0." in name) // args.tp
+        embed = math.ceil(cfg.vocab_size / args.tp) * cfg.hidden_size if stage in (0, args.pp - 1) else 0
+        B = max(embed, layer)
+        return (args.prefetch + 2) * B * c + (k + 2) * B * r + k * B / n * r
+    B = args.bucket_mb * 2**20 / r
+    return (k + 2) * B * r + k * B / n * r if n > 1 or args.zero == 0 else 0.0
+
+
+def plan(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, ledger_real: dict) -> dict:
+    """The real run's memory per rank (its largest stage), pipeline bubble and three largest byte
+    counts of a step. Memory: zero_memory's table for the rank's parameters (ep_formula_bytes: the
+    experts shard over their replicas), plus the saved activations of the micro-batches the
+    schedule keeps in flight (pp_schedules.simulate), plus ZeRO-3's gathered units in bf16."""
+    import pp as PP
+    micro, v = cli.micro_batches(args, world), cli.virtual_stages(args)
+    n = world // (args.tp * args.pp)  # the ZeRO group: dp · cp
+    dp = n // args.cp
+    rows = max(args.batch_size // (dp * micro), 1)
+    sim = PS.simulate([PP.SCHEDULES[args.schedule](micro, s, args.pp, v) for s in range(args.pp)], 1,
+                      1 if args.schedule == "zb" else 2, 1)
+    ranges, stages = cli.layer_ranges(args, cfg), []
+    for s in range(args.pp):
+        dense, experts = rank_params(cfg, args, s)
+        state = ZM.ep_formula_bytes(args.zero, dense, experts * args.ep, n, args.ep)
+        chunk_layers = max(len(r) for k, r in enumerate(ranges) if k % args.pp == s)
+        acts = sim.peak_in_flight[s] * chunk_layers * activation_bytes(cfg, args, rows)
+        extras = zero_extras(cfg, args, s, n)
+        stages.append({"stage": s, "params": dense + experts, "state_bytes": state, "activation_bytes": acts,
+                       "extras_bytes": extras, "peak_bytes": state + acts + extras,
+                       "micro_batches_in_flight": sim.peak_in_flight[s]})
+    costs = sorted(ledger_real.items(), key=lambda kv: -kv[1]["bytes"])[:3]
+    return {"per_stage": stages, "peak_bytes": max(st["peak_bytes"] for st in stages),
+            "bubble": float(sim.bubble), "micro_batches": micro,
+            "largest_costs": [f"{k}: {v['bytes'] / 2**30:,.2f} GiB a step per rank ({v['count']} calls)"
+                              for k, v in costs],
+            "assumes": "bf16 params and grads, fp32 masters and Adam moments (zero_memory); activations in "
+                       "bf16 by docs/ac.md; no allocator fragmentation or kernel workspaces"}
+
+
 # ------------------------------------------------------------------------------------------ the verdict
 def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], None] | None = None,
            timeout: float = 300.0, workdir: str | None = None, collective_timeout: float = 60.0) -> dict:
@@ -808,6 +870,7 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     report["ledger"]["closed_form"] = ledger_vs_formula(
         report["ledger"]["per_role"], rows, closed_form(s.small, s.layout_args, s.world, s.micro, s.seq_len))
     report["ledger"]["real"] = closed_form(cfg, args, s.real_world, cli.micro_batches(args, s.real_world), args.seq_len)
+    report["plan"] = plan(cfg, args, s.real_world, report["ledger"]["real"])
     report["order"] = order_check(records)
     report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro)
     report["exact"] = report["comparison"]["exact"] and not failed
@@ -851,6 +914,14 @@ def summary(rep: dict) -> str:
     lines.append("  the real run's bytes per step and rank, by the closed form:")
     for k, v in rep["ledger"]["real"].items():
         lines.append(f"    {k}: {v['count']} calls, {v['bytes'] / 2**20:,.1f} MiB")
+    p = rep["plan"]
+    top = max(p["per_stage"], key=lambda x: x["peak_bytes"])
+    lines.append(f"  the real run (world {rep['real_world']}): peak ≤ {p['peak_bytes'] / 2**30:.2f} GiB per rank "
+                 f"(stage {top['stage']}: state {top['state_bytes'] / 2**30:.2f} + activations "
+                 f"{top['activation_bytes'] / 2**30:.2f} + in-flight buffers {top['extras_bytes'] / 2**30:.2f} GiB), "
+                 f"pipeline bubble "
+                 f"{p['bubble']:.1%} at {p['micro_batches']} micro-batches")
+    lines += [f"    largest: {c}" for c in p["largest_costs"]]
     lines += [f"  order: {b}" for b in rep["order"]]
     if rep["deadlock"]:
         lines.append(f"  deadlock: {rep['deadlock']}")
