@@ -11,10 +11,10 @@ of a step's collectives (its ledger), each communicator's members against each o
   (SFT rows: target counts differ) → step 1's loss; a pipeline stage's router statistics not
   summed with the earlier stage's → step 1's loss and a router's gradient; two reduce-scatters in
   another order on rank 1 → the order check names the dp group, both ranks and both sizes.
-- Bad input: exit 2 with one message, before any rank runs.
+- Bad input: exit 2 with one message, before any rank runs. The README's command exits 0.
 Small worlds (2-4 ranks), 2 layers, 3 steps: each case takes a few seconds.
 """
-import json
+from pathlib import Path
 
 import pytest
 import transformers as T
@@ -26,6 +26,8 @@ import tp as TP
 import train
 import verify
 import zero as Z
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MOE = dict(vocab_size=260, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -131,3 +133,8 @@ def test_bad_input_exits_2_before_any_rank(capsys, tmp_path):
     assert verify.main(["--model", "tiny", "--tp", "3"]) == 2
     assert "tp=3 must divide" in capsys.readouterr().err
     assert verify.main(["--model", "tiny", "--json", str(tmp_path / "no" / "r.json")]) == 2
+
+
+def test_readme_command_exits_0():
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.strip().startswith("python -m verify"))
+    assert verify.main(line.split("#")[0].split()[3:]) == 0
