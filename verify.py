@@ -601,8 +601,8 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
     pp: per micro-batch, each chunk boundary a message forward and one back (with MoE's router
     statistics beside the hidden state). dp: the step's target count, its loss and (ZeRO) the grad
     norm; stage 0's all-reduce or ZeRO-1/2's reduce-scatter and all-gather of the rank's Ψ.
-    ep: per sparse layer and micro-batch the counts and four exchanges of N·k rows of H (bytes
-    summed over the ep group: a rank's rows vary). ZeRO-3 gives estimates only (2 gathers and a
+    ep: per sparse layer and micro-batch the counts and four exchanges of N·k rows of H (bytes:
+    the ep group's mean, as a rank's rows vary). ZeRO-3 gives estimates only (2 gathers and a
     reduce-scatter of each unit per micro-batch; the embedding's unit is gathered more often).
     Layouts without a formula here: sp, cp."""
     tp, pp, v, ep = args.tp, args.pp, cli.virtual_stages(args), args.ep
@@ -652,7 +652,7 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
         sparse = sum(cfg.is_sparse(i) for i in layers)
         if ep > 1 and sparse:
             put("ep all_to_all_single", 5 * sparse * micro,
-                ep * sparse * micro * (4 * tokens * cfg.num_experts_per_tok * H * f4 + cfg.num_experts * 8))
+                sparse * micro * (4 * tokens * cfg.num_experts_per_tok * H * f4 + cfg.num_experts * 8))
     if cfg.tie_word_embeddings and pp > 1:  # the tied copies' gradient sum: ZeRO's piece, or all of it
         put("embed all_reduce", 1, math.ceil(cfg.vocab_size / tp) * H * f4 // (dp * args.cp if args.zero else 1))
     if dp * args.cp > 1:  # stage 0 adds its gradient buckets' all-reduces (a count of buckets)
@@ -661,8 +661,13 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
     return out
 
 
+def ep_size(rows: list[dict]) -> int:
+    """The ep group's size, from the ledger's rows."""
+    return max((len(r["ranks"]) for r in rows if "ep" in r["role"].split("/")), default=1)
+
+
 def ledger_vs_formula(measured: dict, rows: list[dict], formula: dict) -> list[dict]:
-    """Each formula row beside the ledger. An ep all-to-all's bytes are the ep group's sum. ZeRO's
+    """Each formula row beside the ledger. An ep all-to-all's bytes are the ep group's mean. ZeRO's
     buffers are padded to a multiple of N per bucket (and its count is the buckets): bytes within
     0.5%, count not compared."""
     out = []
@@ -677,7 +682,8 @@ def ledger_vs_formula(measured: dict, rows: list[dict], formula: dict) -> list[d
             for r in rows:
                 if r["op"] == op and "ep" in r["role"].split("/"):
                     groups[tuple(r["ranks"])] += r["bytes"]
-            got = {"count": got["count"], "bytes": max(groups.values(), default=0)}
+            # a rank's share of the rows varies: the group's mean
+            got = {"count": got["count"], "bytes": max(groups.values(), default=0) // max(ep_size(rows), 1)}
         padded = want["count"] == 0  # a count of buckets: bytes only, up to ZeRO's padding
         if padded:
             got = {"count": 0, "bytes": got["bytes"]}
