@@ -759,7 +759,9 @@ def deadlock_check(records: list[list[dict]]) -> str | None:
             if pc[rank] >= len(ops):
                 continue
             x = ops[pc[rank]]
-            if all(pc[m] < len(seq[m]) and seq[m][pc[m]]["group"] == x["group"] for m in x["ranks"]):
+            # a collective runs once all members reached it, the same op of the same size
+            if all(pc[m] < len(seq[m]) and seq[m][pc[m]]["group"] == x["group"] and _sig(seq[m][pc[m]]) == _sig(x)
+                   for m in x["ranks"]):
                 for m in x["ranks"]:
                     pc[m] += 1
                 progress = True
@@ -886,18 +888,20 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
                          "log_tail": layout["log_tail"] if failed else {}}
         report["comparison"] = compare(s, d, single, layout) if not failed else {"exact": False}
     records = layout["ledger"]
-    rows = ledger(records, STEPS - 1)
+    last = max((x["step"] for recs in records for x in recs), default=0)  # a stopped run: its last step
+    rows = ledger(records, last)
     if os.environ.get("VERIFY_DEBUG"):
         print([(x["op"], x["numel"]) for x in records[0] if x["step"] == STEPS - 1 and x["role"] == "tp"])
-    report["ledger"] = {"step": STEPS, "per_role": per_role(rows), "rows": rows,
+    report["ledger"] = {"step": last + 1, "per_role": per_role(rows), "rows": rows,
                         "bytes_convention": "all-reduce: the tensor; reduce-scatter: its input; all-gather: "
                                             "its output; all-to-all and send: what the rank sends"}
-    report["ledger"]["closed_form"] = ledger_vs_formula(
+    report["ledger"]["closed_form"] = [] if failed else ledger_vs_formula(  # a stopped step: not comparable
         report["ledger"]["per_role"], rows, closed_form(s.small, s.layout_args, s.world, s.micro, s.seq_len))
     report["ledger"]["real"] = closed_form(cfg, args, s.real_world, cli.micro_batches(args, s.real_world), args.seq_len)
     report["plan"] = plan(cfg, args, s.real_world, report["ledger"]["real"])
     report["order"] = order_check(records)
-    report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro)
+    report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro) or (
+        f"the layout run hung: ranks {layout['missing']} never finished" if layout["missing"] else None)
     report["exact"] = report["comparison"]["exact"] and not failed
     report["ok"] = report["exact"] and not report["order"] and not report["deadlock"]
     report["wall_s"]["total"] = time.time() - t0

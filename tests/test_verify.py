@@ -10,7 +10,8 @@ of a step's collectives (its ledger), each communicator's members against each o
   of dp (the ep ranks hold other experts) → an expert tensor; the loss normalized per micro-batch
   (SFT rows: target counts differ) → step 1's loss; a pipeline stage's router statistics not
   summed with the earlier stage's → step 1's loss and a router's gradient; two reduce-scatters in
-  another order on rank 1 → the order check names the dp group, both ranks and both sizes.
+  another order on rank 1 → the order check names the dp group, both ranks and both sizes; the
+  deadlock check names the cycle.
 - Bad input: exit 2 with one message, before any rank runs. The README's command exits 0.
 Small worlds (2-4 ranks), 2 layers, 3 steps: each case takes a few seconds.
 """
@@ -126,7 +127,8 @@ def _two_buckets_swapped_on_rank_1(rank):
 def test_collectives_in_another_order_on_one_rank_are_named():
     rep = check(["--model", "tiny", "--zero", "1"], 2, _two_buckets_swapped_on_rank_1, timeout=30)
     assert not rep["ok"] and rep["order"], verify.summary(rep)
-    assert rep["order"][0].startswith("dp group [0, 1], collective #2") and "rank 1 issues reduce_scatter_single" in rep["order"][0]
+    assert rep["order"][0].startswith("dp group [0, 1], collective #2")
+    assert rep["deadlock"].startswith("cycle: rank 0 waits in dp [0, 1] #2 reduce_scatter_single") and "rank 1 issues reduce_scatter_single" in rep["order"][0]
 
 
 def test_bad_input_exits_2_before_any_rank(capsys, tmp_path):
