@@ -610,7 +610,7 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
     ep: per sparse layer and micro-batch the counts and four exchanges of N·k rows of H (bytes:
     the ep group's mean, as a rank's rows vary). ZeRO-3 gives estimates only (2 gathers and a
     reduce-scatter of each unit per micro-batch; the embedding's unit is gathered more often).
-    Layouts without a formula here: sp, cp."""
+    sp: dense models without q/k norms. Layouts without a formula here: cp, sp on the rest."""
     tp, pp, v, ep = args.tp, args.pp, cli.virtual_stages(args), args.ep
     dp = world // (tp * pp * args.cp)
     ranges = cli.layer_ranges(args, cfg)
@@ -639,6 +639,19 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
             if s == pp - 1:
                 calls, nbytes = calls + 4 * micro, nbytes + micro * (3 * tokens * f4 + tokens * H * f4)
             put("tp all_reduce", calls + 1, nbytes + 4)
+        if tp > 1 and args.sp and args.cp == 1 and not args.grpo and not cfg.num_experts and not cfg.qk_norm:
+            # sp: each layer gathers before attention and the MLP and reduce-scatters after them,
+            # backward the reverse; AC's recompute gathers again (full AC also reduce-scatters once);
+            # the embedding reduce-scatters, the head gathers; the norms' weight gradients and the
+            # loss's 3 statistics all-reduce
+            ac = bool(args.ac or args.ac_mode)
+            ends = (s == 0) + (s == pp - 1)
+            gathers, scatters = ((4 + 2 * ac) * len(layers) + ends) * micro, ((4 + full_ac) * len(layers) + ends) * micro
+            put("tp all_gather", gathers, gathers * tokens * H * f4)
+            put("tp reduce_scatter_single", scatters, scatters * tokens * H * f4)
+            last = s == pp - 1
+            put("tp all_reduce", (3 * last + 2 * len(layers) + last) * micro + 1,
+                micro * (3 * last * tokens * f4 + (2 * len(layers) + last) * H * f4) + 4)
         if pp > 1:
             msgs = sum((k < pp * v - 1) + (k > 0) for k in range(s, pp * v, pp)) * micro
             side = (2 * cfg.num_experts + 2) * f4 if cfg.num_experts else 0
