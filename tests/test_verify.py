@@ -12,9 +12,11 @@ of a step's collectives (its ledger), each communicator's members against each o
   summed with the earlier stage's → step 1's loss and a router's gradient; two reduce-scatters in
   another order on rank 1 → the order check names the dp group, both ranks and both sizes; the
   deadlock check names the cycle.
-- Bad input: exit 2 with one message, before any rank runs. The README's command exits 0.
+- Bad input: exit 2 with one message, before any rank runs. The README's command (tp 2 · pp 2 · dp 2,
+  ZeRO-1) exits 0, its ledger equal to the closed form.
 Small worlds (2-4 ranks), 2 layers, 3 steps: each case takes a few seconds.
 """
+import json
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,9 @@ def test_bad_input_exits_2_before_any_rank(capsys, tmp_path):
     assert verify.main(["--model", "tiny", "--json", str(tmp_path / "no" / "r.json")]) == 2
 
 
-def test_readme_command_exits_0():
+def test_readme_command_exits_0_with_the_ledger_equal_to_the_closed_form(tmp_path):
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.strip().startswith("python -m verify"))
-    assert verify.main(line.split("#")[0].split()[3:]) == 0
+    assert verify.main(line.split("#")[0].split()[3:] + ["--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["ledger"]["closed_form"]
+    assert {"tp all_reduce", "pp_pair send", "dp reduce_scatter_single"} <= {c["what"] for c in rows}
+    assert all(c["equal"] for c in rows), rows
