@@ -31,7 +31,8 @@ Exit status: 0 exact and deadlock-free; 1 a mismatch, a deadlock or an order bre
 Invariants
     - The unchanged code passes; five mutations of known bug classes each fail, naming the place.
       Test: tests/test_verify.py.
-    - The ledger equals the closed form for the layout. Test: tests/test_verify.py::test_ledger.
+    - The ledger equals the closed form for the layout.
+      Test: tests/test_verify.py::test_readme_command_exits_0_with_the_ledger_equal_to_the_closed_form.
 
 Builds on: cli.py, data.py, grid.py, model.py, pp_schedules.py, precision.py, tp.py, train.py,
     weights.py, zero_memory.py. It forks ranks itself (no tests/ import): this file stands alone.
@@ -39,14 +40,12 @@ Builds on: cli.py, data.py, grid.py, model.py, pp_schedules.py, precision.py, tp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import faulthandler
 import inspect
 import json
 import math
 import os
-import pickle
 import queue
 import re
 import sys

@@ -8,13 +8,13 @@ of a step's collectives (its ledger), each communicator's members against each o
   tp's backward all-reduce dropped → the first wrong gradient is the final norm's, where
   backward first meets an f (before the vocab-parallel head); expert gradients reduced over all
   of dp (the ep ranks hold other experts) → an expert tensor; the loss normalized per micro-batch
-  (SFT rows: target counts differ) → step 1's loss; a pipeline stage's router statistics not
+  (SFT rows: target counts differ) → a step's loss, every earlier gradient equal; a pipeline stage's router statistics not
   summed with the earlier stage's → step 1's loss and a router's gradient; two reduce-scatters in
   another order on rank 1 → the order check names the dp group, both ranks and both sizes; the
   deadlock check names the cycle.
 - Bad input: exit 2 with one message, before any rank runs. The README's command (tp 2 · pp 2 · dp 2,
   ZeRO-1) exits 0, its ledger equal to the closed form.
-Small worlds (2-4 ranks), 2 layers, 3 steps: each case takes a few seconds.
+Small worlds (2-4 ranks; the README's 8), 2 layers, 3 steps: each case takes a few seconds.
 """
 import json
 from pathlib import Path
