@@ -967,18 +967,26 @@ def summary(rep: dict) -> str:
     lines += [f"  order: {b}" for b in rep["order"]]
     if rep["deadlock"]:
         lines.append(f"  deadlock: {rep['deadlock']}")
+    fits = "" if "fits" not in p else (f", fits {p['gpu_gib']:g} GiB" if p["fits"] else
+                                       f", does NOT fit {p['gpu_gib']:g} GiB ({p['peak_bytes'] / 2**30:.1f})")
     lines.append(f"verdict: {'exact' if rep['exact'] else 'NOT exact'} (tolerance {RTOL:g} relative), "
                  f"{'deadlock-free' if not rep['deadlock'] else 'DEADLOCK'}, "
-                 f"{'collective order agrees' if not rep['order'] else 'collective ORDER BREAKS'}")
+                 f"{'collective order agrees' if not rep['order'] else 'collective ORDER BREAKS'}{fits}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m verify [train.py's flags] [--nproc N] [--json FILE]`. Exit 0, 1 or 2."""
+    """`python -m verify [train.py's flags] [--nproc N] [--json FILE] [--gpu-gib G]`. Exit 0, 1 or 2.
+    --gpu-gib: one GPU's memory; the verdict says whether the plan's peak fits (it leaves the exit
+    status alone: the peak is a bound)."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--nproc", type=int, default=None)
     own.add_argument("--json", default=None)
+    own.add_argument("--gpu-gib", type=float, default=80.0)  # the memory of one GPU, for "fits or not"
     mine, rest = own.parse_known_args(argv)
+    if not mine.gpu_gib > 0:
+        print(f"error: --gpu-gib must be > 0, got {mine.gpu_gib}", file=sys.stderr)
+        return 2
     if mine.json and not Path(mine.json).resolve().parent.is_dir():
         print(f"error: --json {mine.json}: its folder does not exist", file=sys.stderr)
         return 2
@@ -990,6 +998,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # the one-process run itself failed: nothing to compare with
         print(f"error: {e}", file=sys.stderr)
         return 1
+    rep["plan"]["fits"] = rep["plan"]["peak_bytes"] <= mine.gpu_gib * 2**30
+    rep["plan"]["gpu_gib"] = mine.gpu_gib
     print(summary(rep), flush=True)
     if mine.json:
         Path(mine.json).write_text(json.dumps(rep, indent=1, default=str))

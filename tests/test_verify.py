@@ -137,6 +137,7 @@ def test_bad_input_exits_2_before_any_rank(capsys, tmp_path):
     assert verify.main(["--model", "tiny", "--tp", "3"]) == 2
     assert "tp=3 must divide" in capsys.readouterr().err
     assert verify.main(["--model", "tiny", "--json", str(tmp_path / "no" / "r.json")]) == 2
+    assert verify.main(["--model", "tiny", "--gpu-gib", "0"]) == 2
 
 
 def test_readme_command_exits_0_with_the_ledger_equal_to_the_closed_form(tmp_path):
