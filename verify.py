@@ -609,7 +609,8 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
     ep: per sparse layer and micro-batch the counts and four exchanges of N·k rows of H (bytes:
     the ep group's mean, as a rank's rows vary). ZeRO-3 gives estimates only (2 gathers and a
     reduce-scatter of each unit per micro-batch; the embedding's unit is gathered more often).
-    sp: dense models without q/k norms. Layouts without a formula here: cp, sp on the rest."""
+    sp: dense models without q/k norms. cp: the ring of a dense model (tokens are T/cp).
+    Layouts without a formula here: sp and cp on the rest."""
     tp, pp, v, ep = args.tp, args.pp, cli.virtual_stages(args), args.ep
     dp = world // (tp * pp * args.cp)
     ranges = cli.layer_ranges(args, cfg)
@@ -622,7 +623,7 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
         out[key] = {"count": max(old["count"], count), "bytes": max(old["bytes"], nbytes)}
     for s in range(pp):
         layers = [i for k, r in enumerate(ranges) if k % pp == s for i in r]
-        if tp > 1 and not args.sp and args.cp == 1 and not args.grpo:  # (GRPO's rollouts decode in the step)
+        if tp > 1 and not args.sp and not args.grpo:  # (GRPO's rollouts decode in the step)
             # per layer: attention's f and g; a dense MLP's f and g (an MoE block has none: its
             # experts are whole on every rank); a per-head q/k norm's 2 weight-gradient sums of
             # head_dim; a whole-projection q/k norm's statistics, 2 forward and 2 backward, of
@@ -651,6 +652,13 @@ def closed_form(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, micro:
             last = s == pp - 1
             put("tp all_reduce", (3 * last + 2 * len(layers) + last) * micro + 1,
                 micro * (3 * last * tokens * f4 + (2 * len(layers) + last) * H * f4) + 4)
+        if args.cp > 1 and not cfg.num_experts:
+            # the ring, per layer and micro-batch: cp-1 K/V blocks forward, cp-1 again and cp dK/dV
+            # hops backward (full AC: the forward's again), each 2·(kv heads / tp)·(T/cp)·head_dim
+            hops = len(layers) * micro * (3 * args.cp - 2 + (args.cp - 1) * full_ac)
+            kv = 2 * cfg.num_key_value_heads // tp * tokens * cfg.head_dim * f4
+            put("cp send", hops, hops * kv)
+            put("cp recv", hops, hops * kv)
         if pp > 1:
             msgs = sum((k < pp * v - 1) + (k > 0) for k in range(s, pp * v, pp)) * micro
             side = (2 * cfg.num_experts + 2) * f4 if cfg.num_experts else 0
