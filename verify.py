@@ -983,13 +983,35 @@ def summary(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def all_layouts(argv: list[str], nproc: int | None) -> list[dict]:
+    """`verify` for every (tp, cp, pp) whose product divides the world; dp is what is left. The other
+    flags stay. A layout cli.validate refuses is listed with its reason, not run."""
+    args = cli.parse_args(argv)
+    world = nproc or implied_world(args)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    out = []
+    for tp in divisors:
+        for cp in divisors:
+            for pp in divisors:
+                if world % (tp * cp * pp):
+                    continue
+                layout = ["--tp", str(tp), "--cp", str(cp), "--pp", str(pp)]  # argparse: the last one wins
+                try:
+                    out.append({"layout": " ".join(layout), "report": verify(argv + layout, world)})
+                except ValueError as e:
+                    out.append({"layout": " ".join(layout), "skipped": str(e).replace("\n", " ")})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m verify [train.py's flags] [--nproc N] [--json FILE] [--gpu-gib G]`. Exit 0, 1 or 2.
+    """`python -m verify [train.py's flags] [--nproc N] [--json FILE] [--gpu-gib G] [--all-layouts]`.
+    Exit 0, 1 or 2.
     --gpu-gib: one GPU's memory; the verdict says whether the plan's peak fits (it leaves the exit
     status alone: the peak is a bound)."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--nproc", type=int, default=None)
     own.add_argument("--json", default=None)
+    own.add_argument("--all-layouts", action="store_true")  # every (tp, cp, pp) of the world
     own.add_argument("--gpu-gib", type=float, default=80.0)  # the memory of one GPU, for "fits or not"
     mine, rest = own.parse_known_args(argv)
     if not mine.gpu_gib > 0:
@@ -998,6 +1020,19 @@ def main(argv: list[str] | None = None) -> int:
     if mine.json and not Path(mine.json).resolve().parent.is_dir():
         print(f"error: --json {mine.json}: its folder does not exist", file=sys.stderr)
         return 2
+    if mine.all_layouts:
+        try:
+            reps = all_layouts(rest, mine.nproc)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for r in reps:
+            print(f"{r['layout']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else
+                                        summary(r["report"]).splitlines()[-1]), flush=True)
+        if mine.json:
+            Path(mine.json).write_text(json.dumps(reps, indent=1, default=str))
+        ran = [r["report"] for r in reps if "report" in r]
+        return 2 if not ran else 0 if all(r["ok"] for r in ran) else 1
     try:
         rep = verify(rest, mine.nproc)
     except (ValueError, OSError) as e:
