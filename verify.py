@@ -910,8 +910,6 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     records = layout["ledger"]
     last = max((x["step"] for recs in records for x in recs), default=0)  # a stopped run: its last step
     rows = ledger(records, last)
-    if os.environ.get("VERIFY_DEBUG"):
-        print([(x["op"], x["numel"]) for x in records[0] if x["step"] == STEPS - 1 and x["role"] == "tp"])
     report["ledger"] = {"step": last + 1, "per_role": per_role(rows), "rows": rows,
                         "bytes_convention": "all-reduce: the tensor; reduce-scatter: its input; all-gather: "
                                             "its output; all-to-all and send: what the rank sends"}
