@@ -878,7 +878,9 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     t0 = time.time()
     try:
         args = cli.parse_args(argv)
-    except SystemExit:
+    except SystemExit as e:
+        if not e.code:  # --help
+            raise
         raise ValueError("train.py's flags: see the message above") from None
     cfg = W.load_config(args.init_from) if args.init_from else M.PRESETS[args.model]
     if nproc is not None and nproc < 1:
@@ -918,7 +920,7 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
     report["ledger"]["real"] = closed_form(cfg, args, s.real_world, cli.micro_batches(args, s.real_world), args.seq_len)
     report["plan"] = plan(cfg, args, s.real_world, report["ledger"]["real"])
     report["order"] = order_check(records)
-    report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, s.micro) or (
+    report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, cli.micro_batches(args, s.real_world)) or (
         f"the layout run hung: ranks {layout['missing']} never finished" if layout["missing"] else None)
     report["exact"] = report["comparison"]["exact"] and not failed
     report["ok"] = report["exact"] and not report["order"] and not report["deadlock"]
