@@ -837,6 +837,48 @@ def zero_extras(cfg: M.LlamaConfig, args: argparse.Namespace, stage: int, n: int
     return (k + 2) * B * r + k * B / n * r if n > 1 or args.zero == 0 else 0.0
 
 
+def _meta_counts(cfg: M.LlamaConfig, args: argparse.Namespace, q: Any) -> None:
+    """In a forked process: each stage of the real model built on the meta device (no memory), split
+    and tp-sharded under torch's fake process group of tp ranks; its parameters counted (the
+    experts ÷ ep, as shard_experts keeps them)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import pp as PP
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
+        counts = []
+        for stage in range(args.pp):
+            model = M.build(cfg)
+            PP.split_stage(model, stage, args.pp, cli.layer_ranges(args, cfg))
+            TP.apply_tp(model, None, sequence_parallel=args.sp)
+            counts.append(sum(p.numel() // (args.ep if W.expert_tensor(n) else 1)
+                              for n, p in model.named_parameters()))
+        q.put(counts)
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        q.put(traceback.format_exc())
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def meta_check(cfg: M.LlamaConfig, args: argparse.Namespace) -> dict:
+    """One rank per stage at the real size, without allocating it: its parameters beside the
+    closed form's (rank_params), which the plan's memory rests on."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_meta_counts, args=(cfg, args, q), daemon=True)
+    proc.start()
+    try:
+        got = q.get(timeout=600)
+    except queue.Empty:
+        got = "no answer within 600 s"
+    proc.join(timeout=5)
+    if isinstance(got, str):
+        return {"error": got[-800:]}
+    want = [sum(rank_params(cfg, args, s)) for s in range(args.pp)]
+    return {"built": got, "formula": want, "equal": got == want}
+
+
 def plan(cfg: M.LlamaConfig, args: argparse.Namespace, world: int, ledger_real: dict) -> dict:
     """The real run's memory per rank (its largest stage), pipeline bubble and three largest byte
     counts of a step. Memory: zero_memory's table for the rank's parameters (ep_formula_bytes: the
@@ -919,6 +961,7 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
         report["ledger"]["per_role"], rows, closed_form(s.small, s.layout_args, s.world, s.micro, s.seq_len))
     report["ledger"]["real"] = closed_form(cfg, args, s.real_world, cli.micro_batches(args, s.real_world), args.seq_len)
     report["plan"] = plan(cfg, args, s.real_world, report["ledger"]["real"])
+    report["plan"]["meta_check"] = meta_check(cfg, args)
     report["order"] = order_check(records)
     report["deadlock"] = deadlock_check(records) or pipeline_verdict(args, cli.micro_batches(args, s.real_world)) or (
         f"the layout run hung: ranks {layout['missing']} never finished" if layout["missing"] else None)
@@ -972,6 +1015,12 @@ def summary(rep: dict) -> str:
                  f"pipeline bubble "
                  f"{p['bubble']:.1%} at {p['micro_batches']} micro-batches")
     lines += [f"    largest: {c}" for c in p["largest_costs"]]
+    m = p.get("meta_check", {})
+    if "error" in m:
+        lines.append(f"  meta build at the real size failed: {m['error'].splitlines()[-1]}")
+    elif m:
+        lines.append(f"  parameters per rank, each stage built on meta at the real size: {m['built']} "
+                     f"{'= the formula' if m['equal'] else '≠ the formula ' + str(m['formula'])}")
     lines += [f"  order: {b}" for b in rep["order"]]
     if rep["deadlock"]:
         lines.append(f"  deadlock: {rep['deadlock']}")

@@ -3,7 +3,8 @@
 Reference: verify's own one-process run of the same small model (its comparison), the closed form
 of a step's collectives (its ledger), each communicator's members against each other (its order).
 - Unchanged: a Qwen3-MoE-like model at tp 2 · dp 2 · ep 2 with ZeRO-1 is exact, its order agrees,
-  and the ledger equals the closed form (tp, dp, ZeRO's reduce-scatter and all-gather, ep's all-to-all).
+  and the ledger equals the closed form (tp, dp, ZeRO's reduce-scatter and all-gather, ep's all-to-all);
+  the parameters a rank holds, built on meta under the fake process group, equal the formula's.
 - Mutations, each inside the layout's forked ranks only (the reference stays right):
   tp's backward all-reduce dropped → the first wrong gradient is the final norm's, where
   backward first meets an f (before the vocab-parallel head); expert gradients reduced over all
@@ -55,6 +56,7 @@ def test_unmutated_moe_layout_is_exact_and_the_ledger_equals_the_closed_form(moe
     assert {"tp all_reduce", "ep all_to_all_single", "dp reduce_scatter_single", "dp all_gather_single"} <= set(rows)
     assert all(c["equal"] for c in rows.values()), rows
     assert rep["ledger"]["per_role"]["tp all_reduce"]["count"] > 0
+    assert rep["plan"]["meta_check"]["equal"], rep["plan"]["meta_check"]  # each stage built on meta
     assert "qk_norm True" in rep["model"]["kept"] and any("seq_len" in c for c in rep["model"]["cut"])
 
 
