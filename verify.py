@@ -575,7 +575,8 @@ TP_SHARDED = re.compile(r".*(q_proj|k_proj|v_proj|o_proj\.weight|gate_proj|up_pr
 
 def rank_params(cfg: M.LlamaConfig, args: argparse.Namespace, stage: int) -> tuple[int, int]:
     """Parameters one rank of pipeline stage `stage` holds: its layers (and embedding or head),
-    tp's share of the sharded matrices (the vocab padded to tp), ep's share of the experts.
+    tp's share of the sharded matrices (the vocab padded to tp; a whole-projection q/k norm too),
+    ep's share of the experts.
     Returns (the rest, the experts): they reduce over different groups."""
     ranges = cli.layer_ranges(args, cfg)
     layers = {i for k, r in enumerate(ranges) if k % args.pp == stage for i in r}
@@ -590,7 +591,8 @@ def rank_params(cfg: M.LlamaConfig, args: argparse.Namespace, stage: int) -> tup
         if W.expert_tensor(name):
             experts += size // args.ep
             continue
-        if TP_SHARDED.fullmatch(name) and "experts" not in name:
+        if (TP_SHARDED.fullmatch(name) or cfg.qk_norm_whole and re.search(r"[qk]_norm", name)) \
+                and "experts" not in name:
             if "embed_tokens" in name or "lm_head" in name:
                 size = math.ceil(cfg.vocab_size / args.tp) * cfg.hidden_size
             else:
