@@ -975,7 +975,12 @@ def verify(argv: list[str], nproc: int | None = None, patch: Callable[[int], Non
 
 def summary(rep: dict) -> str:
     """The few lines a user reads: what was checked, the verdict, where it parted ways."""
-    lines = [f"verify: {rep['model']['family']} at world {rep['world']} ({rep['layout']}), "
+    lay = rep["layout"]
+    dp = rep["world"] // (lay["tp"] * lay["cp"] * lay["pp"])
+    shape = (f"tp {lay['tp']} · cp {lay['cp']} · dp {dp} · pp {lay['pp']} ({lay['schedule']}, {lay['micro_batches']} "
+             f"micro-batches) · ep {lay['ep']} · ZeRO-{lay['zero']}" + (" · sp" if lay["sp"] else "")
+             + (f" · AC {lay['ac_mode'] or 'selective'}" if lay["ac"] or lay["ac_mode"] else ""))
+    lines = [f"verify: {rep['model']['family']} at world {rep['world']} = {shape}, "
              f"{STEPS} steps against one process, {rep['wall_s']['total']:.0f} s"]
     lines.append("  kept: " + ", ".join(rep["model"]["kept"]))
     lines.append("  cut:  " + ", ".join(rep["model"]["cut"]))
@@ -1026,12 +1031,18 @@ def summary(rep: dict) -> str:
     lines += [f"  order: {b}" for b in rep["order"]]
     if rep["deadlock"]:
         lines.append(f"  deadlock: {rep['deadlock']}")
+    lines.append(verdict(rep))
+    return "\n".join(lines)
+
+
+def verdict(rep: dict) -> str:
+    """The last line: exact or not, deadlock-free or not, the order, fits or not (with --gpu-gib)."""
+    p = rep.get("plan", {})
     fits = "" if "fits" not in p else (f", fits {p['gpu_gib']:g} GiB" if p["fits"] else
                                        f", does NOT fit {p['gpu_gib']:g} GiB ({p['peak_bytes'] / 2**30:.1f})")
-    lines.append(f"verdict: {'exact' if rep['exact'] else 'NOT exact'} (tolerance {RTOL:g} relative), "
-                 f"{'deadlock-free' if not rep['deadlock'] else 'DEADLOCK'}, "
-                 f"{'collective order agrees' if not rep['order'] else 'collective ORDER BREAKS'}{fits}")
-    return "\n".join(lines)
+    return (f"verdict: {'exact' if rep['exact'] else 'NOT exact'} (tolerance {RTOL:g} relative), "
+            f"{'deadlock-free' if not rep['deadlock'] else 'DEADLOCK'}, "
+            f"{'collective order agrees' if not rep['order'] else 'collective ORDER BREAKS'}{fits}")
 
 
 def all_layouts(argv: list[str], nproc: int | None) -> list[dict]:
@@ -1078,8 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for r in reps:
-            print(f"{r['layout']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else
-                                        summary(r["report"]).splitlines()[-1]), flush=True)
+            print(f"{r['layout']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else verdict(r["report"])),
+                  flush=True)
         if mine.json:
             Path(mine.json).write_text(json.dumps(reps, indent=1, default=str))
         ran = [r["report"] for r in reps if "report" in r]

@@ -158,13 +158,8 @@ def test_all_layouts_runs_every_valid_layout_of_the_world(monkeypatch, capsys):
         seen.append((a.tp, a.cp, a.pp))
         if a.tp == 4:
             raise ValueError("tp=4 must divide num_key_value_heads=2")
-        return {"ok": (a.tp, a.cp, a.pp) != (1, 2, 2), "exact": True, "deadlock": None, "order": [],
-                "comparison": {}, "model": {"family": "llama", "kept": [], "cut": []}, "notes": [], "world": 4,
-                "layout": {}, "wall_s": {"total": 0}, "run": {"failed_ranks": [], "unanswered_ranks": []},
-                "ledger": {"step": 3, "per_role": {}, "closed_form": [], "real": {}}, "real_world": 4,
-                "plan": {"per_stage": [{"peak_bytes": 0, "stage": 0, "state_bytes": 0, "activation_bytes": 0,
-                                        "extras_bytes": 0}], "peak_bytes": 0, "bubble": 0.0, "micro_batches": 1,
-                         "largest_costs": []}}
+        ok = (a.tp, a.cp, a.pp) != (1, 2, 2)
+        return {"ok": ok, "exact": ok, "deadlock": None, "order": []}
     monkeypatch.setattr(verify, "verify", fake)
     assert verify.main(["--model", "tiny", "--nproc", "4", "--all-layouts"]) == 1  # (1, 2, 2) fails
     assert sorted(seen) == sorted((t, c, p) for t in (1, 2, 4) for c in (1, 2, 4) for p in (1, 2, 4) if t * c * p <= 4)
