@@ -191,7 +191,7 @@ def dpo_argv(tmp_path, name: str, *extra: str) -> list[str]:
     path = tmp_path / "pairs.jsonl"
     if not path.exists():
         path.write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs(32, seed=5)))
-    return ["--dpo", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
+    return ["--dpo", "--allow-random-init", "--data", str(path), "--model", "tiny", "--seq-len", "192", "--batch-size", "4",
             "--steps", "4", "--lr", "1e-2", "--warmup", "0", "--dpo-beta", "0.5", "--log-every", "100",
             "--lora", "4", "--metrics", str(tmp_path / f"{name}.jsonl"), *extra]
 

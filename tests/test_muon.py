@@ -251,9 +251,9 @@ def test_flags_are_checked_and_combinations_refused_by_name():
     assert "--muon-lr goes with --optimizer muon" in problems("--muon-lr", "0.1")
     assert "--muon-lr must be a finite number >= 0, got nan" in problems("--optimizer", "muon", "--muon-lr", "nan")
     assert "--muon-weight-decay must be" in problems("--optimizer", "muon", "--muon-weight-decay", "-1")
-    for flag in ("lora", "fp8", "offload"):
-        assert f"--optimizer muon with --{flag}:" in problems("--optimizer", "muon", **{flag: True})
-        assert problems(**{flag: True}) == ""
+    for flags in (["--lora", "4"], ["--fp8"], ["--offload", "--zero", "1"]):
+        assert f"--optimizer muon with {flags[0]}:" in problems("--optimizer", "muon", *flags)
+        assert problems(*flags) == ""
 
 
 def test_experts_under_ep_and_zero_equal_one_process(tmp_path):
