@@ -156,7 +156,7 @@ def configure(argv: list[str] | None, cleanup: contextlib.ExitStack) -> Run:
     if errors:
         G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
     args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
-    stopper = PR.StopSignal()
+    stopper = PR.StopSignal(speaks=grid.rank == 0)
     cleanup.callback(stopper.close)
     if lock := take_lock(args, grid):
         cleanup.callback(lock.release)  # before stopper.close: the stack runs backwards
@@ -400,8 +400,8 @@ def save_or_stop(r: Run, step: int, sampler_state: dict) -> int:
                 save(args, step, r.opt, r.cfg, r.shards, sampler_state, r.grid, r.metrics, r.lock)
         if r.grid.rank == 0:
             print(f"stopped by {signal.Signals(stopped).name} after step {step}: " + (
-                  f"saved {args.save}, --resume auto continues" if args.save else
-                  "no --save, nothing saved"), flush=True)
+                  f"saved {args.save}; to continue, run the same command with --resume auto" if args.save
+                  else "no --save, nothing saved"), flush=True)
     return stopped
 
 
@@ -639,6 +639,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
     record. A skipped, non-finite step never saves. The ranks wait for each other in the io group
     (long timeout). Rank 0 prunes to --keep inside the save, up to this step only.
     sampler_state: the sampler after this step's batch (feed.Prefetcher.next)."""
+    t0 = time.time()
     if metrics:
         os.fsync(metrics.fileno())
     opt.finish_gathers()  # the checkpoint sees complete parameters (ZeRO-1/2 gather into the next forward)
@@ -649,6 +650,8 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
                                keep=args.keep, guard=lock.check if lock else None)
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
+    if grid.rank == 0:  # a stop must fit torchrun's --shutdown-timeout: the log shows what a save takes
+        print(f"saved step {step} to {Path(args.save) / f'step_{step:08d}'} in {time.time() - t0:.1f} s", flush=True)
 
 # ------------------------------------------------------------------------------------------ extensions
 # Expert parallelism and compiled layers, as the composition's steps 5, 7 and 8 call them.
@@ -706,3 +709,6 @@ if __name__ == "__main__":
     except G.StageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # peers may be stuck in a collective: exit without waiting for them
+    except KeyboardInterrupt:  # Ctrl-C outside the loop's handler (setup, teardown): nothing to save
+        print("\ninterrupted before training started or after it ended: nothing saved", file=sys.stderr, flush=True)
+        os._exit(PR.exit_status(signal.SIGINT))
