@@ -87,14 +87,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="share of the documents held out (whole documents, spread over the corpus) when --data "
            "is prepared: the split of the validation loss")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft "
-                                                "and --data)")
-    a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16; with "
-                                                   "--grpo prompts, default 64)")
+                                                "and --data, fewer when the longest chat is shorter)")
+    a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16, at most "
+                                                   "the rows --sft --data fills; with --grpo prompts, 64)")
     a("--micro-batches", type=int, default=None,
       help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
            "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
     a("--steps", type=int, default=None, help="optimizer steps (default 50; 1000 for the built-in --sft demo, "
                                               "100 for --grpo on the built-in questions)")
+    a("--epochs", type=float, default=None, help="passes over the training set, instead of --steps (may be "
+                                                 "fractional): steps = ceil(epochs × steps per epoch)")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft/--dpo/--grpo: "
                                               "post-training wants a lower rate than pretraining; 3e-3 for "
                                               "the built-in --sft demo, which trains from scratch)")
@@ -191,12 +193,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # pretraining lr, more steps; --grpo on the built-in questions starts from it (docs/post-training.md:
     # what each reaches)
     demo = args.sft and args.data is None and args.init_from is None
+    # SFT on the user's chats: the defaults a small set shrinks to fit (feed.fit_small_set logs it)
+    fits = args.sft and args.data
+    args.fit_to_data = [f for f in ("seq_len", "batch_size") if fits and getattr(args, f) is None]
     rl_demo = args.grpo and args.data is None
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
     if args.lr is None:
         args.lr = 3e-3 if demo else 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
-    if args.steps is None:
+    if args.steps is None and args.epochs is None:  # --epochs: train.load_data counts the steps
         args.steps = 1000 if demo else 100 if rl_demo else 50
     if args.batch_size is None:  # GRPO's gradient is one reward a reply: more prompts a step, less noise
         args.batch_size = 64 if args.grpo else 16
@@ -256,6 +261,10 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
                       "exact-match accuracy on its built-in held-out chats")
     errors += validate_dpo(args)
     errors += validate_grpo(args)
+    if args.epochs is not None and args.steps is not None:
+        errors.append(f"--epochs {args.epochs:g} and --steps {args.steps} both set the run's length: give one")
+    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
+        errors.append(f"--epochs must be a positive number of passes over the data, got {args.epochs}")
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -492,6 +501,11 @@ def parse_layers(text: str | None) -> list[int] | None:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"--pp-layers {text!r}: expected comma-separated integers like 3,3,2") from None
+
+
+def steps_for_epochs(args: argparse.Namespace, steps_per_epoch: int) -> int:
+    """--epochs as optimizer steps, once the data set's size is known (train.load_data)."""
+    return max(1, math.ceil(args.epochs * steps_per_epoch - 1e-9))  # 3 × 7 steps is 21, not 22
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

@@ -9,6 +9,7 @@ What it does
     load_val, val_loss         the held-out split and its loss. The forward runs through the same
                                pipeline, tp and ZeRO code as training, normalized like its loss.
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
+    fit_seq_len, fit_batch_size  SFT's defaults shrunk to a small set of chats, said in the log
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -208,10 +209,12 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
     tokenized = sft.read_cache(prepared_once(prepare, grid))
     if tokenized is None:  # prepared_once checked its meta.json: only its arrays can be missing
         raise ValueError(f"the SFT cache {out} rank 0 wrote is incomplete on rank {grid.rank}")
+    fitted = fit_seq_len(args, int(tokenized.lengths.max(initial=0)))  # a small set: shorter rows
     ds = sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong, template=tpl)
+    fitted += fit_batch_size(args, len(ds), grid.world)
     if grid.rank == 0:
         bad = tokenized.skipped
-        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else ""), flush=True)
+        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else "") + fitted, flush=True)
     return ds, tpl, eval_set
 
 
@@ -342,3 +345,31 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A device value copied to host memory without waiting (CUDA: pinned, in stream order). Read
     after a later host sync, such as the step's grad norm, it costs nothing."""
     return t.detach().to("cpu", non_blocking=True)
+
+
+# ------------------------------------------------------------------------------------------ small SFT sets
+# The SFT defaults (--seq-len 1024, --batch-size 16) suit thousands of chats. Fifty short chats
+# would pack into three rows, and a batch of 16 would repeat each about five times a step. So a
+# default the user did not set (cli: args.fit_to_data) shrinks to the data, and the log says so.
+def fit_seq_len(args: argparse.Namespace, longest: int) -> str:
+    """Rows as long as the longest chat needs (a power of two from 64: every cp/tp split divides
+    it), never longer than the default. Returns the log's note ('' when nothing changed)."""
+    if "seq_len" not in args.fit_to_data or longest < 1:
+        return ""
+    fit = max(64, 1 << (longest - 1).bit_length())
+    if fit >= args.seq_len:
+        return ""
+    default, args.seq_len = args.seq_len, fit
+    return (f"\n  --seq-len {fit}, not the default {default}: the longest chat has {longest} tokens "
+            f"(give --seq-len to choose)")
+
+
+def fit_batch_size(args: argparse.Namespace, rows: int, world: int) -> str:
+    """A global batch of at most the data's rows, in whole multiples of dp × micro-batches (each dp
+    rank gets the same rows). Returns the log's note ('' when nothing changed)."""
+    unit = world // (args.tp * args.cp * args.pp) * args.micro_batches
+    if "batch_size" not in args.fit_to_data or rows >= args.batch_size or unit < 1:
+        return ""
+    default, args.batch_size = args.batch_size, max(unit, rows // unit * unit)
+    return (f"\n  --batch-size {args.batch_size}, not the default {default}: the data has {rows} rows "
+            f"(give --batch-size to choose)")

@@ -177,6 +177,8 @@ def load_data(r: Run) -> None:
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         r.sampler = dp.DPSampler(len(r.ds), args.batch_size, *grid.data, args.seed,
                                  remainder="wrap" if chats else "drop")
+        if args.epochs is not None:  # the run's length, now that an epoch's steps are known
+            args.steps = cli.steps_for_epochs(args, r.sampler.steps_per_epoch)
     except (OSError, ValueError) as e:
         G.fail(str(e), grid)
 
@@ -312,7 +314,8 @@ def train(r: Run) -> int:
             continue
         bad, good = 0, good + 1
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **stats}
+                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt,
+                  "epoch": (step + 1) / r.sampler.steps_per_epoch, **stats}
         if logs:
             # steps run by this process only: a resumed run did not do the first `start`
             log_step(r, record, (time.time() - t_start) / (step + 1 - r.start) * (args.steps - step - 1))
@@ -451,6 +454,7 @@ def log_step(r: Run, record: dict, eta: float) -> None:
           f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
           f"peak mem {peak_text(r.meter.peak(*MEM.TRAINING))}"
           + (f" · {GR.stats_text(rec)}" if r.rl else f" · {DPO.stats_text(rec)}" if r.preference else "")
+          + (f" · epoch {rec['epoch']:.2f}/{args.epochs:g}" if args.epochs else "")
           + f" · ETA {eta:.0f}s", flush=True)
 
 
@@ -562,7 +566,8 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops",
+                "fit_to_data"}  # fit_to_data: which defaults the data shrank; their values are compared
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
@@ -590,10 +595,11 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
                 errors.append(f"{line}: {RESUME_ERRORS[k]}, so the saved data position would point elsewhere")
             else:
                 notes.append(line)
-    if 0 < args.steps < step:
+    steps = step if args.steps is None else args.steps  # --epochs: counted in load_data, not yet
+    if 0 < steps < step:
         errors.append(f"--steps {args.steps} is below the checkpoint's step {step}: nothing would be "
                       f"trained (continue with --steps > {step}; --steps 0 only exports)")
-    elif args.steps > step and all(k in saved for k in SCHEDULE):
+    elif steps > step and all(k in saved for k in SCHEDULE):
         if args.steps != saved["steps"]:
             notes.append(f"--steps {args.steps} (checkpoint's run: {saved['steps']}): the cosine decay now "
                          f"ends at step {args.steps}")

@@ -1,0 +1,56 @@
+"""The user's path: a small set of their own chats, --epochs, and a fast --help.
+
+- --epochs N: the run counts ceil(N × steps per epoch) steps (the sampler's epoch: every row once,
+  the last batch wrapped); each record holds its epoch, the log line shows it; with --steps it is
+  refused.
+- SFT on 10 short chats with the defaults: --seq-len shrinks from 1024 to the longest chat's power
+  of two and --batch-size to the rows there are, each said in the log; a flag the user gave stays.
+"""
+import json
+import math
+import re
+
+import sft
+from dist import run_ranks
+from test_faults import _run
+
+
+def chats_file(tmp_path, n: int):
+    chats, _ = sft.arithmetic_chats(n_train=n, n_eval=1, seed=4)
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    return path
+
+
+def test_epochs_and_sft_defaults_fit_a_small_set(tmp_path, capfd):
+    """10 chats: they fill fewer rows than a default batch holds."""
+    data, m = chats_file(tmp_path, 10), tmp_path / "m.jsonl"
+    assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "3", "--metrics", str(m),
+                               "--warmup", "1"]) == [0]
+    out = capfd.readouterr().out
+    longest = int(re.search(r"--seq-len (\d+), not the default 1024: the longest chat has (\d+) tokens", out).group(2))
+    seq = max(64, 1 << (longest - 1).bit_length())
+    rows, got_seq = map(int, re.search(r"data (\d+) sequences of (\d+)", out).groups())
+    assert got_seq == seq and rows < 16
+    assert f"--batch-size {rows}, not the default 16: the data has {rows} rows" in out
+    records = [json.loads(line) for line in m.read_text().splitlines()]
+    assert len(records) == 3  # one step an epoch: every row once
+    assert [r["epoch"] for r in records] == [1.0, 2.0, 3.0]
+    assert "step 3/3 · loss" in out and "epoch 3.00/3" in out
+
+
+def test_epochs_count_steps_and_user_flags_stay(tmp_path, capfd):
+    """--batch-size 4 given: kept; 50 chats at seq-len 64 in R rows give ceil(R/4) steps an epoch;
+    --epochs 1.5 runs ceil(1.5 × that)."""
+    data, m = chats_file(tmp_path, 50), tmp_path / "m.jsonl"
+    assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "1.5", "--batch-size", "4",
+                               "--seq-len", "64", "--metrics", str(m), "--warmup", "1"]) == [0]
+    out = capfd.readouterr().out
+    assert "not the default" not in out
+    rows = int(re.search(r"data (\d+) sequences of 64", out).group(1))
+    per_epoch = math.ceil(rows / 4)
+    records = [json.loads(line) for line in m.read_text().splitlines()]
+    assert len(records) == math.ceil(1.5 * per_epoch)
+    assert records[-1]["epoch"] == len(records) / per_epoch
+    assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "2", "--steps", "3"]) == [2]
+    assert "--epochs 2 and --steps 3 both set the run's length: give one" in capfd.readouterr().err
