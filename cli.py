@@ -34,6 +34,8 @@ Invariants
       cheap checks first, so a bad command line costs seconds, not a data preparation.
     - validate returns messages and raises nothing: the user sees every problem at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
+    - The flags parse before torch loads: each function imports the siblings it calls. So
+      `train.py --help` answers in under a second (tests/test_user_path.py).
 
 Builds on: grid.py, grpo.py, model.py, pp.py, sft.py, tp.py, weights.py
     grid.py gives a Grid's world size; grpo.py checks its verifier.
@@ -45,16 +47,17 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from pp_schedules import SCHEDULES  # torch-free
 
-import grid as G
-import grpo
-import model as M
-import pp as PP
-import sft
-import tp as TP
-import weights as W
+if TYPE_CHECKING:  # the annotations' names. Each function imports what it calls: the flags parse before torch loads
+    import torch
+
+    import grid as G
+    import model as M
+
+PRESETS = ("1b", "small", "tiny")  # model.PRESETS' names, for --help without torch (tests/test_user_path.py)
 
 
 # ------------------------------------------------------------------------------------------ flags
@@ -77,7 +80,7 @@ DESCRIPTION = "attotron's trainer: flags, process grid, composition in a fixed o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=HelpWithDefaults)
     a = p.add_argument
-    a("--model", default=None, choices=sorted(M.PRESETS),
+    a("--model", default=None, choices=PRESETS,
       help="preset for random init (default: tiny; not with --init-from, whose config.json is the model)")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
@@ -171,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "taken from the dp·cp ranks (ep divides them)")
     a("--pp-layers", default=None, help="layers per (virtual) stage, e.g. 3,3,2 (default: balanced, the "
                                         "last stage's lm_head + loss counted as layers by their FLOPs)")
-    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule")
     a("--virtual-stages", type=int, default=None,
       help="model chunks per pp rank for interleaved / zb (default: 2 for interleaved, else 1)")
     a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
@@ -188,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
+    import sft  # after parsing: --help and a mistyped flag answer before torch loads
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
     # pretraining lr, more steps; --grpo on the built-in questions starts from it (docs/post-training.md:
@@ -221,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ checks
 def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list[str]:
     """Every check that needs no heavy work, all reported at once."""
+    import tp as TP
+    import weights as W
     errors = []
     if args.model is not None and args.init_from is not None:
         errors.append(f"--model {args.model} with --init-from: the model is --init-from's config.json; "
@@ -382,11 +388,13 @@ def micro_batches(args: argparse.Namespace, world: int) -> int:
         return args.micro_batches
     dp_size = max(world // max(args.tp * args.cp * args.pp, 1), 1)
     rows = args.batch_size // dp_size if args.batch_size >= dp_size else 1
+    import pp as PP
     return PP.default_microbatches(args.schedule, max(args.pp, 1), max(rows, 1))
 
 
 def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
     """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
+    import pp as PP
     return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
                         head=PP.head_cost(cfg, args.seq_len))
 
@@ -446,6 +454,7 @@ def validate_grpo(args: argparse.Namespace) -> list[str]:
     if not (math.isfinite(args.grpo_kl) and args.grpo_kl >= 0):
         errors.append(f"--grpo-kl must be >= 0, got {args.grpo_kl}")
     try:
+        import grpo
         grpo.load_verifier(args.verifier)
     except ValueError as e:
         errors.append(f"--verifier: {e}")
@@ -530,6 +539,7 @@ def active_params(cfg: M.LlamaConfig) -> int:
     embedding, a lookup with no FLOPs. A tied matrix counts once, as lm_head. Of a sparse layer's
     experts, only the k of E its router picks count: k·3·H·I of E·3·H·I. The router's (E, H)
     reads whole. A dense model counts every parameter."""
+    import model as M
     n = 0
     for name, shape in M.global_shapes(cfg).items():
         size = math.prod(shape)
@@ -564,6 +574,7 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
         return args.peak_tflops * 1e12
     if device.type != "cuda":
         return None
+    import torch
     found = gpu_peak(torch.cuda.get_device_name(device))
     return None if found is None else found[args.dtype != "bf16"] * 1e12
 
@@ -579,6 +590,7 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
         # legacy reader raise "mix of the legacy and new APIs". Those readers include
         # torch.get_float32_matmul_precision and torch._C._get_cublas_allow_tf32 (torch._dynamo's).
         # cuDNN (convolutions only) keeps its default, TF32 on.
+        import torch
         torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype

@@ -61,6 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+if __name__ == "__main__":  # the flags first: --help and a mistyped flag answer before torch loads
+    import cli
+    cli.parse_args()
+
 import torch
 import torch.distributed as dist
 

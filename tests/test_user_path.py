@@ -5,11 +5,19 @@
   refused.
 - SFT on 10 short chats with the defaults: --seq-len shrinks from 1024 to the longest chat's power
   of two and --batch-size to the rows there are, each said in the log; a flag the user gave stays.
+- `python train.py --help` and a mistyped flag import no torch (python -X importtime lists every
+  import), and `python bench/bench_theory.py --help` runs by path.
 """
 import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import cli
+import model as M
+import pp_schedules
 import sft
 from dist import run_ranks
 from test_faults import _run
@@ -54,3 +62,19 @@ def test_epochs_count_steps_and_user_flags_stay(tmp_path, capfd):
     assert records[-1]["epoch"] == len(records) / per_epoch
     assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "2", "--steps", "3"]) == [2]
     assert "--epochs 2 and --steps 3 both set the run's length: give one" in capfd.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_imports_no_torch():
+    for flags, rc, shown in ((["--help"], 0, "--epochs EPOCHS"), (["--bogus"], 2, "unrecognized arguments")):
+        run = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), *flags],
+                             capture_output=True, text=True, timeout=120)
+        imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if "|" in line]
+        assert run.returncode == rc and shown in run.stdout + run.stderr, run.stderr[-2000:]
+        assert "cli" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
+    assert cli.PRESETS == tuple(sorted(M.PRESETS)) and "1f1b" in pp_schedules.SCHEDULES
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_theory.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--zero" in run.stdout, run.stderr
