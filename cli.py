@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="compute dtype, masters stay fp32 (auto: bf16 on CUDA, fp32 on CPU; fp32 on CUDA uses TF32)")
     a("--seed", type=int, default=0, help="init and data-order seed")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
+    a("--log-to", default=None, type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+      help="also log each record to tensorboard and/or wandb, comma-separated (beside --metrics: "
+           "<metrics>.tensorboard/, wandb/; set WANDB_MODE=offline without a network)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--save", default=None, help="checkpoint dir (step_XXXXXXXX/ folders: safetensors + JSON)")
     a("--save-every", type=int, default=0, help="save every N steps (0: only after the last step)")
@@ -308,6 +311,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
         errors.append(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.sp and args.tp < 2:
         errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
+    errors += validate_log_to(args)
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
     return errors + check_outputs(args)
@@ -344,6 +348,21 @@ def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -
     if data_ranks % args.ep:
         errors.append(f"--ep {args.ep} must divide the {data_ranks} dp·cp ranks (world / (--tp {args.tp} × "
                       f"--pp {args.pp})): the ep ranks are taken from them")
+    return errors
+
+
+def validate_log_to(args: argparse.Namespace) -> list[str]:
+    """--log-to: known trackers, their packages installed, and --metrics, which they sit beside."""
+    if not args.log_to:
+        return []
+    import trackers
+    unknown = [t for t in args.log_to if t not in trackers.PACKAGES]
+    if unknown:
+        return [f"--log-to {','.join(unknown)}: unknown; choose from {', '.join(trackers.PACKAGES)}"]
+    errors = [f"--log-to {t}: the {trackers.PACKAGES[t]} package is not installed (pip install "
+              f"{trackers.PACKAGES[t]}), or drop {t} from --log-to" for t in trackers.missing(args.log_to)]
+    if not args.metrics:
+        errors.append("--log-to needs --metrics FILE.jsonl: the trackers write beside it")
     return errors
 
 

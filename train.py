@@ -86,6 +86,7 @@ import moe as MOE
 import pp as PP
 import precision as P
 import preempt as PR
+import trackers as TK
 import sft
 import tp as TP
 import weights as W
@@ -126,6 +127,7 @@ class Run:
     rl: GR.Trainer | None = None
     # announce
     metrics: TextIO | None = None
+    trackers: TK.Trackers | None = None  # --log-to: TensorBoard, W&B (rank 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,6 +273,7 @@ def announce(r: Run) -> None:
     if grid.rank != 0:
         return
     r.metrics = open_metrics(args.metrics, r.start) if args.metrics else None
+    r.trackers = TK.Trackers(args.log_to, args.metrics, vars(args)) if args.log_to else None
     peak = cli.peak_flops(args, grid.device)
     print(f"model {cfg.num_params() / 1e6:.2f}M params" + active_text(cfg)
           + f" · data {len(r.ds)} sequences of {args.seq_len} · "
@@ -294,7 +297,7 @@ def train(r: Run) -> int:
                       for mb in feed.host_batch(r.ds, rows, args.micro_batches, grid)])
     prefetch = feed.Prefetcher(load, r.sampler, max(args.steps - r.start, 0), grid.device)
     if r.rl and r.eval_set and r.start == 0:  # GRPO's "before": the same eval on the starting policy
-        write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)})
+        write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)}, r.trackers)
     # positions a step runs: --dpo --packing none has two rows a pair (--batch-size counts pairs)
     tokens_per_step = args.batch_size * args.seq_len * (2 if args.dpo and args.packing == "none" else 1)
     # tokens trained so far; GRPO's steps differ in size, so a resumed GRPO run counts from its resume
@@ -324,7 +327,7 @@ def train(r: Run) -> int:
             # steps run by this process only: a resumed run did not do the first `start`
             log_step(r, record, (time.time() - t_start) / (step + 1 - r.start) * (args.steps - step - 1))
         evaluate(r, step + 1, record)
-        write_record(r.metrics, record)
+        write_record(r.metrics, record, r.trackers)
         stopped = save_or_stop(r, step + 1, sampler_state)
         if stopped:
             break
@@ -431,6 +434,8 @@ def finish(r: Run, stopped: int) -> None:
             f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
     if r.metrics:
         r.metrics.close()
+    if r.trackers:
+        r.trackers.close()
     r.stopper.wait()  # the agreement in flight, before its group goes
     r.opt.teardown()
     dist.destroy_process_group()
@@ -472,11 +477,14 @@ def skip_step(r: Run, step: int, loss: float, grad_norm: float, bad: int) -> Non
         G.fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", r.grid)
 
 
-def write_record(metrics: TextIO | None, record: dict) -> None:
-    """One JSON line, flushed (rank 0 with --metrics; open_metrics opened the file)."""
+def write_record(metrics: TextIO | None, record: dict, trackers: TK.Trackers | None = None) -> None:
+    """One JSON line, flushed (rank 0 with --metrics; open_metrics opened the file). --log-to's
+    trackers get the same record."""
     if metrics:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
+    if trackers:
+        trackers.write(record)
 
 
 def held_out_eval(r: Run, step: int) -> dict[str, float]:
@@ -571,7 +579,7 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
                 "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops",
-                "fit_to_data"}  # fit_to_data: which defaults the data shrank; their values are compared
+                "fit_to_data", "log_to"}  # fit_to_data: which defaults the data shrank; their values are compared
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 

@@ -5,6 +5,8 @@
   refused.
 - SFT on 10 short chats with the defaults: --seq-len shrinks from 1024 to the longest chat's power
   of two and --batch-size to the rows there are, each said in the log; a flag the user gave stays.
+- --log-to tensorboard: its scalars equal the JSONL's (tensorboard's own reader); a tracker whose
+  package is missing (wandb here), an unknown one, or one without --metrics is refused by name.
 - `python train.py --help` and a mistyped flag import no torch (python -X importtime lists every
   import), and `python bench/bench_theory.py --help` runs by path.
 """
@@ -14,6 +16,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 import cli
 import model as M
@@ -78,3 +82,33 @@ def test_help_imports_no_torch():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_theory.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--zero" in run.stdout, run.stderr
+
+
+def test_log_to_tensorboard_equals_the_jsonl_and_missing_trackers_are_refused(tmp_path, capfd, monkeypatch):
+    """TensorBoard's scalars, read back with its own EventAccumulator, are the JSONL's numbers in
+    float32 (its storage). W&B, when installed, runs offline. A missing package, an unknown tracker
+    and --log-to without --metrics are refused by name."""
+    import trackers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    (tmp_path / "corpus.txt").write_text("".join(p.read_text() for p in sorted(ROOT.glob("*.py")))[:20_000])
+    m = tmp_path / "run.jsonl"
+    base = ["--data", str(tmp_path / "corpus.txt"), "--steps", "3", "--seq-len", "32", "--batch-size", "4",
+            "--metrics", str(m)]
+    wandb = not trackers.missing(["wandb"])
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the forked rank inherits it
+    assert run_ranks(_run, 1, [*base, "--log-to", "tensorboard,wandb" if wandb else "tensorboard"]) == [0]
+    records = [json.loads(line) for line in m.read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run.tensorboard"))
+    events.Reload()
+    for key in ("loss", "grad_norm", "lr", "epoch"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert got == [(r["step"], float(np.float32(r[key]))) for r in records], key
+    if wandb:
+        assert list((tmp_path / "wandb").glob("offline-run-*"))
+    else:
+        assert run_ranks(_run, 1, [*base, "--log-to", "wandb"]) == [2]
+        assert "--log-to wandb: the wandb package is not installed (pip install wandb)" in capfd.readouterr().err
+    assert run_ranks(_run, 1, [*base, "--log-to", "mlflow"]) == [2]
+    assert "--log-to mlflow: unknown; choose from tensorboard, wandb" in capfd.readouterr().err
+    assert run_ranks(_run, 1, [*base[:-2], "--log-to", "tensorboard"]) == [2]
+    assert "--log-to needs --metrics FILE.jsonl" in capfd.readouterr().err
