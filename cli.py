@@ -238,7 +238,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_position_embeddings:
-        errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
+        errors.append(f"--seq-len {args.seq_len} > the model's max_position_embeddings {cfg.max_position_embeddings}"
+                      + seq_len_fix(args, cfg))
     if args.tp < 1 or args.pp < 1 or args.cp < 1 or grid.world % (args.tp * args.cp * args.pp):
         errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --cp {args.cp} × "
                       f"--pp {args.pp}")
@@ -349,6 +350,17 @@ def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -
         errors.append(f"--ep {args.ep} must divide the {data_ranks} dp·cp ranks (world / (--tp {args.tp} × "
                       f"--pp {args.pp})): the ep ranks are taken from them")
     return errors
+
+
+def seq_len_fix(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
+    """What to change when --seq-len exceeds the model's positions: the sequence, or the model."""
+    import model as M
+    longer = [f"--model {n} ({M.PRESETS[n].max_position_embeddings})" for n in PRESETS
+              if M.PRESETS[n].max_position_embeddings >= args.seq_len]
+    model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
+    return (f" ({model}): use --seq-len {cfg.max_position_embeddings} or less"
+            + (f", or a model with more positions: {' or '.join(longer)}" if longer and not args.init_from
+               else ", or a model with more positions (--init-from DIR)"))
 
 
 def validate_log_to(args: argparse.Namespace) -> list[str]:

@@ -201,7 +201,7 @@ def test_validation_messages():
     assert "--pp-layers 'a,b'" in validate(["--pp", "2", "--pp-layers", "a,b"], 2)
     assert ("--batch-size 10 is not divisible by dp size 4 × --micro-batches 2"
             in validate(["--batch-size", "10", "--micro-batches", "2"], 4))
-    assert "--seq-len 100 > max_position_embeddings 64" in validate(["--seq-len", "100"], 1)
+    assert "--seq-len 100 > the model's max_position_embeddings 64" in validate(["--seq-len", "100"], 1)
     tied = M.LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
     assert validate(["--pp", "2", "--zero", "1"], 2, tied) == ""  # tied copies are summed under ZeRO
     assert "--ac-every" in validate(["--ac-every", "2"], 1)
