@@ -10,6 +10,7 @@ What it does
                                pipeline, tp and ZeRO code as training, normalized like its loss.
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
     fit_seq_len, fit_batch_size  SFT's defaults shrunk to a small set of chats, said in the log
+    held_out_chats, chat_val   the user's chats held out for SFT's validation loss
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -49,6 +50,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -210,11 +212,15 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
     if tokenized is None:  # prepared_once checked its meta.json: only its arrays can be missing
         raise ValueError(f"the SFT cache {out} rank 0 wrote is incomplete on rank {grid.rank}")
     fitted = fit_seq_len(args, int(tokenized.lengths.max(initial=0)))  # a small set: shorter rows
-    ds = sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong, template=tpl)
+    held, said = held_out_chats(args, len(tokenized.lengths))  # --data: the validation loss's chats
+    rows = lambda only: sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong,  # noqa: E731
+                                       template=tpl, only=only)
+    ds = rows(None if held is None else ~held)
+    ds.held_out = None if held is None else rows(held)
     fitted += fit_batch_size(args, len(ds), grid.world)
     if grid.rank == 0:
         bad = tokenized.skipped
-        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else "") + fitted, flush=True)
+        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else "") + fitted + said, flush=True)
     return ds, tpl, eval_set
 
 
@@ -373,3 +379,54 @@ def fit_batch_size(args: argparse.Namespace, rows: int, world: int) -> str:
     default, args.batch_size = args.batch_size, max(unit, rows // unit * unit)
     return (f"\n  --batch-size {args.batch_size}, not the default {default}: the data has {rows} rows "
             f"(give --batch-size to choose)")
+
+
+# ------------------------------------------------------------------------------------------ held-out chats
+# SFT on the user's chats holds some out for a validation loss. --val-fraction's pretraining
+# default (1%) holds out nothing of 50 chats, so a post-training set gets at least a few.
+def held_out_chats(args: argparse.Namespace, n: int) -> tuple[np.ndarray | None, str]:
+    """A (n,) bool mask of the samples held out, spread evenly over the file, and the log's line.
+    --val-fraction given: that share. Default: 1%, but at least min(5, n/10) samples."""
+    if not args.data:
+        return None, ""
+    k = round(args.val_fraction * n)
+    if "val_fraction" in args.fit_to_data:
+        k = max(k, min(5, n // 10))
+    k = min(k, n - 1)
+    if k < 1:
+        return None, (f"\n  no validation loss: {n} samples × --val-fraction {args.val_fraction:g} holds "
+                      f"out none (raise --val-fraction)")
+    mask = np.zeros(n, dtype=bool)
+    mask[np.linspace(0, n - 1, k).round().astype(int)] = True
+    how = ("--val-fraction" if "val_fraction" not in args.fit_to_data else
+           "the post-training default: 1%, at least min(5, a tenth); --val-fraction to choose")
+    return mask, f"\n  held out {k} of {n} samples for the validation loss ({how})"
+
+
+class HeldOutRows:
+    """A held-out SFT set padded to whole global batches with rows that hold no target: val_loss
+    then reads every real row once, and the padding rows add nothing to its sums."""
+
+    def __init__(self, ds: sft.SFTDataset, batch_size: int, drop: tuple[str, ...]):
+        self.ds, self.drop = ds, drop
+        self.batches = -(-len(ds) // batch_size)
+        self.length = self.batches * batch_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ds[min(i, len(self.ds) - 1)]
+        if i >= len(self.ds):  # padding: the same shapes, no targets, no real tokens
+            row = {**row, "labels": torch.full_like(row["labels"], sft.IGNORE_INDEX),
+                   "real_tokens": torch.zeros_like(row["real_tokens"])}
+        return {k: v for k, v in row.items() if k not in self.drop}
+
+
+def chat_val(args: argparse.Namespace, ds: Any, drop: tuple[str, ...]) -> tuple[HeldOutRows | None, int]:
+    """SFT's held-out rows and the global batches one evaluation reads ((None, 0) when none)."""
+    held = getattr(ds, "held_out", None)
+    if held is None:
+        return None, 0
+    val = HeldOutRows(held, args.batch_size, drop)
+    return val, val.batches

@@ -178,7 +178,8 @@ def load_data(r: Run) -> None:
         r.ds, r.tpl, r.eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
                                    else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
         r.ds.check_vocab(r.cfg.vocab_size)
-        r.val, r.val_batches = (None, 0) if chats else feed.load_val(args, r.ds, grid)
+        r.val, r.val_batches = (feed.chat_val(args, r.ds, unread_keys(r)) if chats
+                                else feed.load_val(args, r.ds, grid))
         G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         r.sampler = dp.DPSampler(len(r.ds), args.batch_size, *grid.data, args.seed,

@@ -112,3 +112,44 @@ def test_log_to_tensorboard_equals_the_jsonl_and_missing_trackers_are_refused(tm
     assert "--log-to mlflow: unknown; choose from tensorboard, wandb" in capfd.readouterr().err
     assert run_ranks(_run, 1, [*base[:-2], "--log-to", "tensorboard"]) == [2]
     assert "--log-to needs --metrics FILE.jsonl" in capfd.readouterr().err
+
+
+def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
+    """50 chats, the defaults: 5 held out (1% would be none), spread over the file; --eval-every 2
+    prints their loss at steps 2 and 4. --lr 0 keeps the initial weights, so the last one equals
+    transformers' loss on the held-out chats (one per row, assistant tokens only), 1e-5. --dpo
+    with --eval-every is refused by name: it has no held-out evaluation."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import data
+    import feed
+    import weights as W
+    cfg = M.PRESETS["tiny"]
+    W.save_hf(dict(W.materialize(M.build(cfg), "cpu", seed=3).named_parameters()), cfg, tmp_path / "init")
+    chats = chats_file(tmp_path, 50)
+    m = tmp_path / "m.jsonl"
+    assert run_ranks(_run, 1, ["--sft", "--init-from", str(tmp_path / "init"), "--data", str(chats),
+                               "--packing", "none", "--steps", "4", "--eval-every", "2", "--lr", "0",
+                               "--metrics", str(m)]) == [0]
+    out = capfd.readouterr().out
+    assert "held out 5 of 50 samples for the validation loss (the post-training default" in out
+    assert "eval step 2: val loss" in out and "eval step 4: val loss" in out
+    got = [json.loads(line)["val_loss"] for line in m.read_text().splitlines() if "val_loss" in line]
+    args = cli.parse_args(["--sft", "--data", str(chats)])
+    held, _ = feed.held_out_chats(args, 50)
+    convs = [json.loads(line)["messages"] for line in chats.read_text().splitlines()]
+    tpl = sft.chat_template(data.load_tokenizer(None))
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "init").eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in held.nonzero()[0]:
+            (ids, labels), = sft.tokenize_samples(convs[i], tpl)[0]
+            logits = hf(torch.tensor([ids[:-1]])).logits[0]
+            lab = torch.tensor(labels)
+            total += torch.nn.functional.cross_entropy(logits, lab, ignore_index=-100, reduction="sum").item()
+            count += int((lab != -100).sum())
+    assert len(got) == 2 and got[0] == got[1]
+    assert abs(got[-1] - total / count) <= 1e-5 * total / count, (got, total / count)
+    assert run_ranks(_run, 1, ["--dpo", "--init-from", str(tmp_path / "init"), "--eval-every", "2"]) == [2]
+    assert "--eval-every 2 with --dpo: there is no held-out evaluation" in capfd.readouterr().err
