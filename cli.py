@@ -128,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-every", type=int, default=0,
       help="evaluate every N steps and after the last (0: only after the last): the validation loss "
            "on the held-out split; with --sft, exact-match accuracy on the built-in held-out chats")
+    a("--sample-prompts", default=None, help="a text file, one prompt a line: each one's greedy reply is "
+                                              "printed at every evaluation (chat modes: a user turn)")
     a("--eval-batches", type=int, default=None,
       help="global batches of the held-out split per validation loss (default 10, fewer when the "
            "split is smaller)")
@@ -279,6 +281,11 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         errors.append(f"--eval-every {args.eval_every} with --{'dpo' if args.dpo else 'grpo'}"
                       f"{' --data' if args.data else ''}: there is no held-out evaluation for it (the "
                       f"step line shows the training batch's numbers); drop --eval-every")
+    if args.sample_prompts and (args.pp > 1 or args.cp > 1 or args.sp):
+        errors.append("--sample-prompts generates with the whole model and whole sequences: use --pp 1, "
+                      "--cp 1 and no --sp")
+    if args.sample_prompts and not Path(args.sample_prompts).is_file():
+        errors.append(f"--sample-prompts {args.sample_prompts}: no such file (one prompt a line)")
     if args.epochs is not None and args.steps is not None:
         errors.append(f"--epochs {args.epochs:g} and --steps {args.steps} both set the run's length: give one")
     if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):

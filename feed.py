@@ -11,6 +11,7 @@ What it does
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
     fit_seq_len, fit_batch_size  SFT's defaults shrunk to a small set of chats, said in the log
     held_out_chats, chat_val   the user's chats held out for SFT's validation loss
+    sample_replies             --sample-prompts: greedy replies printed at each evaluation
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -430,3 +431,33 @@ def chat_val(args: argparse.Namespace, ds: Any, drop: tuple[str, ...]) -> tuple[
         return None, 0
     val = HeldOutRows(held, args.batch_size, drop)
     return val, val.batches
+
+
+# ------------------------------------------------------------------------------------------ sample replies
+SAMPLE_TOKENS = 48  # new tokens a --sample-prompts reply may have
+
+
+def read_sample_prompts(path: str) -> list[str]:
+    """--sample-prompts: one prompt a line (blank lines skipped)."""
+    prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--sample-prompts {path}: no prompt in it (one a line)")
+    return prompts
+
+
+@torch.no_grad()
+def sample_replies(model: torch.nn.Module, prompts: list[str], tokenizer: Any,
+                   template: sft.ChatTemplate | None) -> list[str]:
+    """Each prompt's greedy continuation: a user turn rendered by the chat template, or raw text
+    (pretraining, ending at the tokenizer's eos). One prompt at a time: no padding to mind."""
+    device = next(model.parameters()).device
+    replies = []
+    for text in prompts:
+        if template is not None:
+            ids = template.render([{"role": "user", "content": text}], True)
+            end, decode = template.end_id, template.decode
+        else:
+            ids, end, decode = tokenizer.encode(text), tokenizer.eos_id, tokenizer.decode
+        new = M.generate(model, torch.tensor([ids], device=device), SAMPLE_TOKENS, end)[0, len(ids):].tolist()
+        replies.append(decode(new[:new.index(end)] if end in new else new))
+    return replies

@@ -388,6 +388,8 @@ def evaluate(r: Run, step: int, record: dict) -> None:
     r.opt.finish_gathers()  # evaluation reads complete parameters
     if r.eval_set:
         record.update(held_out_eval(r, step))
+    if args.sample_prompts:
+        record["samples"] = sample_replies(r, step)
     if r.val is not None:
         with G.stage("validation loss (forward over the held-out split)", grid):
             record["val_loss"] = feed.val_loss(r.chunks, r.val, r.val_batches, args, grid)
@@ -504,6 +506,19 @@ def held_out_eval(r: Run, step: int) -> dict[str, float]:
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
                  f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
     return out
+
+
+def sample_replies(r: Run, step: int) -> list[str]:
+    """--sample-prompts: each prompt's greedy reply (feed.sample_replies, all ranks: tp runs inside),
+    printed on rank 0."""
+    prompts = feed.read_sample_prompts(r.args.sample_prompts)
+    tok = None if r.tpl else export_tokenizer(r.args, r.ds)
+    with G.stage("sample replies (generation)", r.grid), r.opt.gathered():
+        replies = feed.sample_replies(r.model, prompts, tok, r.tpl)
+    if r.grid.rank == 0:
+        for prompt, reply in zip(prompts, replies):
+            print(f"sample step {step}: {prompt!r} → {reply!r}", flush=True)
+    return replies
 
 
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:

@@ -117,7 +117,8 @@ def test_log_to_tensorboard_equals_the_jsonl_and_missing_trackers_are_refused(tm
 def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
     """50 chats, the defaults: 5 held out (1% would be none), spread over the file; --eval-every 2
     prints their loss at steps 2 and 4. --lr 0 keeps the initial weights, so the last one equals
-    transformers' loss on the held-out chats (one per row, assistant tokens only), 1e-5. --dpo
+    transformers' loss on the held-out chats (one per row, assistant tokens only), 1e-5, and each
+    --sample-prompts reply is transformers' greedy generate on the rendered user turn. --dpo
     with --eval-every is refused by name: it has no held-out evaluation."""
     import torch
     from transformers import LlamaForCausalLM
@@ -128,10 +129,11 @@ def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
     cfg = M.PRESETS["tiny"]
     W.save_hf(dict(W.materialize(M.build(cfg), "cpu", seed=3).named_parameters()), cfg, tmp_path / "init")
     chats = chats_file(tmp_path, 50)
-    m = tmp_path / "m.jsonl"
+    m, prompts = tmp_path / "m.jsonl", tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 2?\n\nWhat is 40 + 2?\n")
     assert run_ranks(_run, 1, ["--sft", "--init-from", str(tmp_path / "init"), "--data", str(chats),
                                "--packing", "none", "--steps", "4", "--eval-every", "2", "--lr", "0",
-                               "--metrics", str(m)]) == [0]
+                               "--metrics", str(m), "--sample-prompts", str(prompts)]) == [0]
     out = capfd.readouterr().out
     assert "held out 5 of 50 samples for the validation loss (the post-training default" in out
     assert "eval step 2: val loss" in out and "eval step 4: val loss" in out
@@ -150,6 +152,15 @@ def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
             total += torch.nn.functional.cross_entropy(logits, lab, ignore_index=-100, reduction="sum").item()
             count += int((lab != -100).sum())
     assert len(got) == 2 and got[0] == got[1]
+    samples = [json.loads(line)["samples"] for line in m.read_text().splitlines() if "samples" in line]
+    for k, text in enumerate(("What is 2 + 2?", "What is 40 + 2?")):
+        ids = tpl.render([{"role": "user", "content": text}], True)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=feed.SAMPLE_TOKENS, do_sample=False,
+                           eos_token_id=tpl.end_id, pad_token_id=tpl.end_id)[0, len(ids):].tolist()
+        want = tpl.decode(want[:want.index(tpl.end_id)] if tpl.end_id in want else want)
+        assert samples == [[samples[0][0], samples[0][1]]] * 2 and samples[0][k] == want, (samples, want)
+        assert f"sample step 4: {text!r} → {want!r}" in out
+    assert any(samples[0])  # not vacuous: the replies hold text
     assert abs(got[-1] - total / count) <= 1e-5 * total / count, (got, total / count)
     assert run_ranks(_run, 1, ["--dpo", "--init-from", str(tmp_path / "init"), "--eval-every", "2"]) == [2]
     assert "--eval-every 2 with --dpo: there is no held-out evaluation" in capfd.readouterr().err
