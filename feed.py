@@ -12,6 +12,7 @@ What it does
     fit_seq_len, fit_batch_size  SFT's defaults shrunk to a small set of chats, said in the log
     held_out_chats, chat_val   the user's chats held out for SFT's validation loss
     sample_replies             --sample-prompts: greedy replies printed at each evaluation
+    split_prompts              GRPO's held-out prompts, whose greedy replies' reward is evaluated
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -190,7 +191,7 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
 
 
 def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
-    """Chats from --data (no eval set), or the built-in arithmetic set (train + held-out eval).
+    """Chats from --data (a few held out: ds.held_out), or the built-in arithmetic set (train + held-out eval).
     Rank 0 tokenizes them once into a cache every rank maps (sft.prepare_sft). The cache sits next
     to --data, or in ~/.cache/attotron for the built-in set. A new data file, tokenizer or chat
     template remakes it."""
@@ -385,7 +386,8 @@ def fit_batch_size(args: argparse.Namespace, rows: int, world: int) -> str:
 # ------------------------------------------------------------------------------------------ held-out chats
 # SFT on the user's chats holds some out for a validation loss. --val-fraction's pretraining
 # default (1%) holds out nothing of 50 chats, so a post-training set gets at least a few.
-def held_out_chats(args: argparse.Namespace, n: int) -> tuple[np.ndarray | None, str]:
+def held_out_chats(args: argparse.Namespace, n: int, what: str = "samples",
+                   purpose: str = "the validation loss") -> tuple[np.ndarray | None, str]:
     """A (n,) bool mask of the samples held out, spread evenly over the file, and the log's line.
     --val-fraction given: that share. Default: 1%, but at least min(5, n/10) samples."""
     if not args.data:
@@ -395,13 +397,13 @@ def held_out_chats(args: argparse.Namespace, n: int) -> tuple[np.ndarray | None,
         k = max(k, min(5, n // 10))
     k = min(k, n - 1)
     if k < 1:
-        return None, (f"\n  no validation loss: {n} samples × --val-fraction {args.val_fraction:g} holds "
+        return None, (f"\n  no held-out split: {n} {what} × --val-fraction {args.val_fraction:g} holds "
                       f"out none (raise --val-fraction)")
     mask = np.zeros(n, dtype=bool)
     mask[np.linspace(0, n - 1, k).round().astype(int)] = True
     how = ("--val-fraction" if "val_fraction" not in args.fit_to_data else
            "the post-training default: 1%, at least min(5, a tenth); --val-fraction to choose")
-    return mask, f"\n  held out {k} of {n} samples for the validation loss ({how})"
+    return mask, f"\n  held out {k} of {n} {what} for {purpose} ({how})"
 
 
 class HeldOutRows:
@@ -446,18 +448,35 @@ def read_sample_prompts(path: str) -> list[str]:
 
 
 @torch.no_grad()
+def greedy_replies(model: torch.nn.Module, prompts: list[list[int]], end_id: int, max_new: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, without its end token. One prompt at a time: no padding."""
+    device = next(model.parameters()).device
+    replies = []
+    for ids in prompts:
+        new = M.generate(model, torch.tensor([ids], device=device), max_new, end_id)[0, len(ids):].tolist()
+        replies.append(new[:new.index(end_id)] if end_id in new else new)
+    return replies
+
+
 def sample_replies(model: torch.nn.Module, prompts: list[str], tokenizer: Any,
                    template: sft.ChatTemplate | None) -> list[str]:
     """Each prompt's greedy continuation: a user turn rendered by the chat template, or raw text
-    (pretraining, ending at the tokenizer's eos). One prompt at a time: no padding to mind."""
-    device = next(model.parameters()).device
-    replies = []
-    for text in prompts:
-        if template is not None:
-            ids = template.render([{"role": "user", "content": text}], True)
-            end, decode = template.end_id, template.decode
-        else:
-            ids, end, decode = tokenizer.encode(text), tokenizer.eos_id, tokenizer.decode
-        new = M.generate(model, torch.tensor([ids], device=device), SAMPLE_TOKENS, end)[0, len(ids):].tolist()
-        replies.append(decode(new[:new.index(end)] if end in new else new))
-    return replies
+    (pretraining, ending at the tokenizer's eos)."""
+    if template is not None:
+        ids = [template.render([{"role": "user", "content": text}], True) for text in prompts]
+        return [template.decode(r) for r in greedy_replies(model, ids, template.end_id, SAMPLE_TOKENS)]
+    ids = [tokenizer.encode(text) for text in prompts]
+    return [tokenizer.decode(r) for r in greedy_replies(model, ids, tokenizer.eos_id, SAMPLE_TOKENS)]
+
+
+def split_prompts(args: argparse.Namespace, ds: Any, grid: G.Grid) -> tuple[Any, Any]:
+    """GRPO's prompts from --data: (the training ones, the held-out ones scored at each evaluation:
+    None when none), by held_out_chats' rule. The log names how many."""
+    held, said = held_out_chats(args, len(ds), "prompts", "the held-out reward")
+    if grid.rank == 0 and said:
+        print(said.strip(), flush=True)
+    if held is None:
+        return ds, None
+    part = lambda mask: type(ds)([p for p, k in zip(ds.prompts, mask) if k],  # noqa: E731
+                                 [g for g, k in zip(ds.golds, mask) if k])
+    return part(~held), part(held)

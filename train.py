@@ -110,6 +110,7 @@ class Run:
     ds: data.TokenDataset | sft.SFTDataset | None = None
     tpl: sft.ChatTemplate | None = None
     eval_set: list = field(default_factory=list)  # held-out questions (chat modes)
+    held_prompts: GR.PromptSet | None = None  # --grpo --data: the prompts held out for the reward
     val: data.TokenDataset | None = None  # the validation split (pretraining)
     val_batches: int = 0
     sampler: dp.DPSampler | None = None
@@ -177,6 +178,8 @@ def load_data(r: Run) -> None:
     try:
         r.ds, r.tpl, r.eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
                                    else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
+        if args.grpo and args.data:  # some prompts held out: their greedy replies' reward, at each eval
+            r.ds, r.held_prompts = feed.split_prompts(args, r.ds, grid)
         r.ds.check_vocab(r.cfg.vocab_size)
         r.val, r.val_batches = (feed.chat_val(args, r.ds, unread_keys(r)) if chats
                                 else feed.load_val(args, r.ds, grid))
@@ -388,6 +391,8 @@ def evaluate(r: Run, step: int, record: dict) -> None:
     r.opt.finish_gathers()  # evaluation reads complete parameters
     if r.eval_set:
         record.update(held_out_eval(r, step))
+    if r.held_prompts is not None:
+        record["val_reward"] = held_out_reward(r, step)
     if args.sample_prompts:
         record["samples"] = sample_replies(r, step)
     if r.val is not None:
@@ -506,6 +511,19 @@ def held_out_eval(r: Run, step: int) -> dict[str, float]:
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
                  f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
     return out
+
+
+def held_out_reward(r: Run, step: int) -> float:
+    """--grpo --data: the verifier's mean reward on the held-out prompts' greedy replies (all ranks
+    generate: tp runs inside), printed on rank 0."""
+    held, tpl = r.held_prompts, r.tpl
+    with G.stage("held-out reward (generation)", r.grid), r.opt.gathered():
+        replies = feed.greedy_replies(r.model, held.prompts, tpl.end_id, r.args.grpo_max_new)
+    reward = sum(float(r.rl.verifier(tpl.decode(reply), gold)) for reply, gold in zip(replies, held.golds))
+    reward /= len(held.golds)
+    if r.grid.rank == 0:
+        print(f"eval step {step}: held-out reward {reward:.3f} (greedy, {len(held.golds)} prompts)", flush=True)
+    return reward
 
 
 def sample_replies(r: Run, step: int) -> list[str]:

@@ -164,3 +164,41 @@ def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
     assert abs(got[-1] - total / count) <= 1e-5 * total / count, (got, total / count)
     assert run_ranks(_run, 1, ["--dpo", "--init-from", str(tmp_path / "init"), "--eval-every", "2"]) == [2]
     assert "--eval-every 2 with --dpo: there is no held-out evaluation" in capfd.readouterr().err
+
+
+def length_reward(reply: str, gold: str) -> float:
+    """A verifier with partial credit, so that a random model's held-out reward is not 0."""
+    return len(reply) / 100
+
+
+def test_grpo_holds_out_prompts_for_a_reward(tmp_path, capfd):
+    """--grpo --data with 50 prompts: 5 held out; --lr 0 keeps the initial weights, so the held-out
+    reward at each evaluation is the verifier's mean over transformers' greedy replies to them."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import data
+    import feed
+    import weights as W
+    cfg = M.PRESETS["tiny"]
+    W.save_hf(dict(W.materialize(M.build(cfg), "cpu", seed=3).named_parameters()), cfg, tmp_path / "init")
+    items = [{"prompt": f"What is {a} + {a + 1}?", "answer": str(2 * a + 1)} for a in range(50)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    m = tmp_path / "m.jsonl"
+    assert run_ranks(_run, 1, ["--grpo", "--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "p.jsonl"),
+                               "--steps", "2", "--eval-every", "1", "--lr", "0", "--batch-size", "2",
+                               "--grpo-group", "2", "--verifier", "test_user_path:length_reward",
+                               "--metrics", str(m)]) == [0]
+    out = capfd.readouterr().out
+    assert "held out 5 of 50 prompts for the held-out reward" in out and "eval step 2: held-out reward" in out
+    got = [json.loads(line)["val_reward"] for line in m.read_text().splitlines() if "val_reward" in line]
+    held, _ = feed.held_out_chats(cli.parse_args(["--grpo", "--data", "x"]), 50)
+    tpl = sft.chat_template(data.load_tokenizer(None))
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "init").eval()
+    rewards = []
+    for i in held.nonzero()[0]:
+        ids = tpl.render([{"role": "user", "content": items[i]["prompt"]}], True)
+        new = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=tpl.end_id,
+                          pad_token_id=tpl.end_id)[0, len(ids):].tolist()
+        rewards.append(length_reward(tpl.decode(new[:new.index(tpl.end_id)] if tpl.end_id in new else new), ""))
+    assert got == [sum(rewards) / len(rewards)] * 2 and got[0] > 0, (got, rewards)
