@@ -80,7 +80,7 @@ DESCRIPTION = "attotron's trainer: flags, process grid, composition in a fixed o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=HelpWithDefaults)
     a = p.add_argument
-    a("--model", default=None, choices=PRESETS,
+    a("--model", default=None, metavar="{" + ",".join(PRESETS) + "}",
       help="preset for random init (default: tiny; not with --init-from, whose config.json is the model)")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
@@ -197,7 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--peak-tflops", type=float, default=None,
       help="the accelerator's dense peak TFLOP/s for MFU (default: from the GPU's name, GPU_PEAK_TFLOPS)")
     args = p.parse_args(argv)
-    import sft  # after parsing: --help and a mistyped flag answer before torch loads
+    import model as M  # after parsing: --help and a mistyped flag answer before torch loads
+    import sft
+    if args.model is not None and args.model not in M.PRESETS:  # argparse's own words for a bad choice
+        p.error(f"argument --model: invalid choice: {args.model!r} (choose from {', '.join(sorted(M.PRESETS))})")
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
     # pretraining lr, more steps; --grpo on the built-in questions starts from it (docs/post-training.md:
