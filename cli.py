@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--tokenizer", default=None, help="local HF tokenizer dir used to prepare --data (default: bytes)")
     a("--val-fraction", type=float, default=None,
       help="share of the documents held out (whole documents, spread over the corpus) when --data "
-           "is prepared: the split of the validation loss (default 0.01; --sft/--grpo --data: at "
-           "least min(5, a tenth) of the chats or prompts)")
+           "is prepared: the split of the validation loss (default 0.01; --sft/--dpo/--grpo --data: "
+           "at least min(5, a tenth) of the chats, pairs or prompts)")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft "
                                                 "and --data, fewer when the longest chat is shorter)")
     a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16, at most "
@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fit_to_data = [f for f in ("seq_len", "batch_size") if fits and getattr(args, f) is None]
     if args.val_fraction is None:
         args.val_fraction = 0.01
-        args.fit_to_data += ["val_fraction"] if args.data and (args.sft or args.grpo) else []
+        args.fit_to_data += ["val_fraction"] if args.data and (args.sft or args.dpo or args.grpo) else []
     rl_demo = args.grpo and args.data is None
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
@@ -280,9 +280,9 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
                       "exact-match accuracy on its built-in held-out chats")
     errors += validate_dpo(args)
     errors += validate_grpo(args)
-    if args.eval_every and args.dpo:
-        errors.append(f"--eval-every {args.eval_every} with --dpo: there is no held-out evaluation for it "
-                      f"(the step line shows the training batch's rewards); drop --eval-every")
+    if args.eval_every and args.dpo and not args.data:
+        errors.append(f"--eval-every {args.eval_every} with --dpo on the built-in pairs: they hold none out "
+                      f"(--dpo --data holds some of yours out); drop --eval-every")
     if args.sample_prompts and (args.pp > 1 or args.cp > 1 or args.sp):
         errors.append("--sample-prompts generates with the whole model and whole sequences: use --pp 1, "
                       "--cp 1 and no --sp")

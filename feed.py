@@ -13,6 +13,7 @@ What it does
     held_out_chats, chat_val   the user's chats held out for SFT's validation loss
     sample_replies             --sample-prompts: greedy replies printed at each evaluation
     split_prompts              GRPO's held-out prompts, whose greedy replies' reward is evaluated
+    split_pairs, dpo_val       DPO's held-out pairs and their implicit rewards (reward accuracy)
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -44,6 +45,7 @@ Builds on: grid.py, cp.py, data.py, dp.py, model.py, pp.py, precision.py, sft.py
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import hashlib
 import json
@@ -480,3 +482,61 @@ def split_prompts(args: argparse.Namespace, ds: Any, grid: G.Grid) -> tuple[Any,
     part = lambda mask: type(ds)([p for p, k in zip(ds.prompts, mask) if k],  # noqa: E731
                                  [g for g, k in zip(ds.golds, mask) if k])
     return part(~held), part(held)
+
+
+def split_pairs(args: argparse.Namespace, ds: Any, grid: G.Grid) -> tuple[Any, Any]:
+    """DPO's pairs from --data: (the training ones, the held-out ones whose implicit rewards each
+    evaluation measures: None when none), by held_out_chats' rule. The log names how many."""
+    held, said = held_out_chats(args, len(ds.docs), "pairs", "the held-out reward accuracy")
+    if grid.rank == 0 and said:
+        print(said.strip(), flush=True)
+    if held is None:
+        return ds, None
+    return _pairs_subset(ds, ~held), _pairs_subset(ds, held)
+
+
+def _pairs_subset(ds: Any, mask: np.ndarray) -> Any:
+    """A copy of a dpo.PairDataset with the pairs `mask` keeps, packed again as it packs."""
+    out = copy.copy(ds)
+    out.docs = [d for d, k in zip(ds.docs, mask) if k]
+    if ds.packing == "ffd":  # a pair takes both halves' positions in one row
+        out.rows = sft.ffd([sum(len(ids) - 1 for ids, _ in d) for d in out.docs], ds.seq_len)
+    else:
+        out.rows = [[k] for k in range(len(out.docs))]
+    out.ref = torch.zeros(len(out.docs), 2)  # (pairs, 2): filled by the reference pass
+    return out
+
+
+class HeldOutPairs:
+    """Held-out DPO rows padded to whole global batches with rows that hold no pair."""
+
+    def __init__(self, ds: Any, batch_size: int):
+        self.ds, self.batches = ds, -(-len(ds) // batch_size)
+        self.length = self.batches * batch_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ds[min(i, len(self.ds) - 1)]
+        if i < len(self.ds):
+            return row
+        return {**row, "labels": torch.full_like(row["labels"], sft.IGNORE_INDEX),
+                "dpo_seq": torch.full_like(row["dpo_seq"], -1), "dpo_ref": torch.zeros_like(row["dpo_ref"])}
+
+
+@torch.no_grad()
+def dpo_val(chunks: list[M.Llama], held: Any, loss: Any, args: argparse.Namespace, grid: G.Grid) -> torch.Tensor:
+    """The DPO loss's reward sums (dpo.DPOLoss.reduce_log) over the held-out pairs, forward only
+    through the training layout. Every held-out pair counts once."""
+    fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
+                                                      args.virtual_stages))
+    rows, (dp_rank, dp_size) = HeldOutPairs(held, args.batch_size), grid.data
+    per = args.batch_size // dp_size
+    for b in range(rows.batches):
+        start = b * args.batch_size + dp_rank * per
+        micro = get_batch(rows, list(range(start, start + per)), args.micro_batches, grid)
+        PP.run_pipeline(chunks, fwd, micro, grid.pp_group, 1, seq_shards=args.tp if args.sp else 1,
+                        check_group=grid.pp_check, peer_groups=grid.pp_peers,
+                        hidden_size=chunks[0].config.hidden_size)
+    return loss.reduce_log(grid.device).cpu()

@@ -110,7 +110,7 @@ class Run:
     ds: data.TokenDataset | sft.SFTDataset | None = None
     tpl: sft.ChatTemplate | None = None
     eval_set: list = field(default_factory=list)  # held-out questions (chat modes)
-    held_prompts: GR.PromptSet | None = None  # --grpo --data: the prompts held out for the reward
+    held: GR.PromptSet | DPO.PairDataset | None = None  # --grpo / --dpo --data: held out, scored at evals
     val: data.TokenDataset | None = None  # the validation split (pretraining)
     val_batches: int = 0
     sampler: dp.DPSampler | None = None
@@ -178,8 +178,8 @@ def load_data(r: Run) -> None:
     try:
         r.ds, r.tpl, r.eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
                                    else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
-        if args.grpo and args.data:  # some prompts held out: their greedy replies' reward, at each eval
-            r.ds, r.held_prompts = feed.split_prompts(args, r.ds, grid)
+        if (args.grpo or args.dpo) and args.data:  # some held out: scored at each evaluation
+            r.ds, r.held = (feed.split_prompts if args.grpo else feed.split_pairs)(args, r.ds, grid)
         r.ds.check_vocab(r.cfg.vocab_size)
         r.val, r.val_batches = (feed.chat_val(args, r.ds, unread_keys(r)) if chats
                                 else feed.load_val(args, r.ds, grid))
@@ -267,6 +267,8 @@ def choose_loss(r: Run) -> None:
     if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
         with G.stage("DPO reference log-probs (one forward over every pair)", r.grid):
             r.preference = DPO.prepare(r.chunks, r.ds, args, r.grid)
+            if r.held is not None:  # the held-out pairs' reference sums, by the same starting policy
+                DPO.precompute_reference(r.chunks, r.preference, r.held, args, r.grid)
     if args.grpo:
         r.rl = GR.Trainer(r.model, args, r.tpl, r.grid.device)
 
@@ -391,8 +393,8 @@ def evaluate(r: Run, step: int, record: dict) -> None:
     r.opt.finish_gathers()  # evaluation reads complete parameters
     if r.eval_set:
         record.update(held_out_eval(r, step))
-    if r.held_prompts is not None:
-        record["val_reward"] = held_out_reward(r, step)
+    if r.held is not None:
+        record.update(held_out_reward(r, step) if r.rl else held_out_pairs(r, step))
     if args.sample_prompts:
         record["samples"] = sample_replies(r, step)
     if r.val is not None:
@@ -513,17 +515,26 @@ def held_out_eval(r: Run, step: int) -> dict[str, float]:
     return out
 
 
-def held_out_reward(r: Run, step: int) -> float:
+def held_out_pairs(r: Run, step: int) -> dict[str, float]:
+    """--dpo --data: the implicit rewards of the held-out pairs (feed.dpo_val), printed on rank 0."""
+    with G.stage("held-out DPO rewards (forward over the held-out pairs)", r.grid):
+        stats = r.preference.stats(feed.dpo_val(r.chunks, r.held, r.preference, r.args, r.grid))
+    if r.grid.rank == 0:
+        print(f"eval step {step}: held-out {DPO.stats_text(stats)}", flush=True)
+    return {f"val_{k}": v for k, v in stats.items()}
+
+
+def held_out_reward(r: Run, step: int) -> dict[str, float]:
     """--grpo --data: the verifier's mean reward on the held-out prompts' greedy replies (all ranks
     generate: tp runs inside), printed on rank 0."""
-    held, tpl = r.held_prompts, r.tpl
+    held, tpl = r.held, r.tpl
     with G.stage("held-out reward (generation)", r.grid), r.opt.gathered():
         replies = feed.greedy_replies(r.model, held.prompts, tpl.end_id, r.args.grpo_max_new)
     reward = sum(float(r.rl.verifier(tpl.decode(reply), gold)) for reply, gold in zip(replies, held.golds))
     reward /= len(held.golds)
     if r.grid.rank == 0:
         print(f"eval step {step}: held-out reward {reward:.3f} (greedy, {len(held.golds)} prompts)", flush=True)
-    return reward
+    return {"val_reward": reward}
 
 
 def sample_replies(r: Run, step: int) -> list[str]:

@@ -119,7 +119,7 @@ def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
     prints their loss at steps 2 and 4. --lr 0 keeps the initial weights, so the last one equals
     transformers' loss on the held-out chats (one per row, assistant tokens only), 1e-5, and each
     --sample-prompts reply is transformers' greedy generate on the rendered user turn. --dpo
-    with --eval-every is refused by name: it has no held-out evaluation."""
+    with --eval-every on the built-in pairs is refused by name: it holds none out."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -163,7 +163,7 @@ def test_sft_holds_out_chats_for_a_validation_loss(tmp_path, capfd):
     assert any(samples[0])  # not vacuous: the replies hold text
     assert abs(got[-1] - total / count) <= 1e-5 * total / count, (got, total / count)
     assert run_ranks(_run, 1, ["--dpo", "--init-from", str(tmp_path / "init"), "--eval-every", "2"]) == [2]
-    assert "--eval-every 2 with --dpo: there is no held-out evaluation" in capfd.readouterr().err
+    assert "--eval-every 2 with --dpo on the built-in pairs: they hold none out" in capfd.readouterr().err
 
 
 def length_reward(reply: str, gold: str) -> float:
@@ -202,3 +202,46 @@ def test_grpo_holds_out_prompts_for_a_reward(tmp_path, capfd):
                           pad_token_id=tpl.end_id)[0, len(ids):].tolist()
         rewards.append(length_reward(tpl.decode(new[:new.index(tpl.end_id)] if tpl.end_id in new else new), ""))
     assert got == [sum(rewards) / len(rewards)] * 2 and got[0] > 0, (got, rewards)
+
+
+def test_dpo_holds_out_pairs_for_reward_accuracy(tmp_path, capfd):
+    """--dpo --data with 50 pairs: 5 held out; after 2 steps the held-out implicit rewards equal the
+    textbook's: β(log π − log π_ref) of each reply, π the export and π_ref the start, by
+    transformers (the margin within 1e-5 of β·log π_ref: it is a difference of such sums; the
+    accuracy exact)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import data
+    import dpo
+    import feed
+    import weights as W
+    cfg = M.PRESETS["tiny"]
+    W.save_hf(dict(W.materialize(M.build(cfg), "cpu", seed=3).named_parameters()), cfg, tmp_path / "init")
+    pairs = dpo.arithmetic_pairs(50, seed=5)
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"chosen": c, "rejected": r}) + "\n" for c, r in pairs))
+    m = tmp_path / "m.jsonl"
+    assert run_ranks(_run, 1, ["--dpo", "--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "pairs.jsonl"),
+                               "--steps", "2", "--lr", "1e-2", "--warmup", "0", "--batch-size", "4",
+                               "--seq-len", "512", "--metrics", str(m), "--export-hf", str(tmp_path / "out")]) == [0]
+    out = capfd.readouterr().out
+    assert "held out 5 of 50 pairs for the held-out reward accuracy" in out and "eval step 2: held-out reward" in out
+    got = json.loads(m.read_text().splitlines()[-1])
+    held, _ = feed.held_out_chats(cli.parse_args(["--dpo", "--data", "x"]), 50)
+    tpl = sft.chat_template(data.load_tokenizer(None))
+    models = [LlamaForCausalLM.from_pretrained(tmp_path / d).eval() for d in ("out", "init")]
+    rewards, scale = [], 0.0
+    with torch.no_grad():
+        for i in held.nonzero()[0]:
+            r = []
+            for ids, labels in dpo.tokenize_pair(pairs[i], tpl):
+                lab = torch.tensor(labels)
+                logps = [-torch.nn.functional.cross_entropy(mdl(torch.tensor([ids[:-1]])).logits[0], lab,
+                                                            ignore_index=-100, reduction="sum") for mdl in models]
+                r.append(0.1 * (logps[0] - logps[1]).item())
+                scale = max(scale, 0.1 * abs(logps[1].item()))
+            rewards.append(r)
+    margin = sum(c - r for c, r in rewards) / len(rewards)
+    assert got["val_reward_accuracy"] == sum(c > r for c, r in rewards) / len(rewards)
+    # the margin is a difference of fp32 sums of whole replies' log-probs: 1e-5 of those sums bounds it
+    assert abs(got["val_reward_margin"] - margin) <= 1e-5 * scale and margin != 0, (got, margin, scale)
