@@ -1,4 +1,4 @@
-"""The user's path: a small set of their own chats, --epochs, and a fast --help.
+"""The user's path: a small set of their own chats, --epochs, held-out evaluation, trackers, --help.
 
 - --epochs N: the run counts ceil(N × steps per epoch) steps (the sampler's epoch: every row once,
   the last batch wrapped); each record holds its epoch, the log line shows it; with --steps it is
@@ -9,6 +9,8 @@
   package is missing (wandb here), an unknown one, or one without --metrics is refused by name.
 - `python train.py --help` and a mistyped flag import no torch (python -X importtime lists every
   import), and `python bench/bench_theory.py --help` runs by path.
+- Held-out evaluation on the user's data, each number against transformers: SFT's validation loss
+  and --sample-prompts' greedy replies, GRPO's held-out reward, DPO's held-out implicit rewards.
 """
 import json
 import math
