@@ -17,7 +17,8 @@ Reference
     config) and run.log(values, step=step), as the W&B quickstart writes them.
 
 Run
-    python train.py --metrics out/run.jsonl --log-to tensorboard    # tensorboard --logdir out
+    torchrun --nproc_per_node 2 train.py --metrics out/run.jsonl --log-to tensorboard  # rank 0 logs
+    tensorboard --logdir out                                                            # then look
 
 Invariants
     - TensorBoard's scalars equal the JSONL's numbers, step for step (tests/test_user_path.py).
