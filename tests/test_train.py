@@ -143,9 +143,13 @@ def sft_reference(setup_dirs):
 def test_packed_sft_matches_single_process(setup_dirs, sft_reference, name, world, extra):
     """Packed rows (position_ids restarting per conversation, attention within each one through
     attention.Documents built by get_batch) through every parallel path give the single-process SFT
-    loss curve. Every run maps the tokenized cache the first one made (rank 0 prepares it)."""
+    loss curve, and its held-out chats' validation loss after the last step. Every run maps the
+    tokenized cache the first one made (rank 0 prepares it)."""
     run_ranks(_main, world, sft_args(setup_dirs, *extra, metrics=f"{name}.jsonl"), timeout=240)
     assert_curve(losses(setup_dirs / f"{name}.jsonl"), sft_reference)
+    val = lambda path: [json.loads(line)["val_loss"] for line in path.read_text().splitlines()  # noqa: E731
+                        if "val_loss" in line]
+    assert_curve(val(setup_dirs / f"{name}.jsonl"), val(setup_dirs / "sft_ref.jsonl"))
 
 
 def test_export_after_parallel_run_loads_in_transformers(setup_dirs, reference):
