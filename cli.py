@@ -34,8 +34,10 @@ Invariants
       cheap checks first, so a bad command line costs seconds, not a data preparation.
     - validate returns messages and raises nothing: the user sees every problem at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
+    - The flags parse before torch loads: each function imports the siblings it calls. So
+      `train.py --help` answers in under a second (tests/test_user_path.py).
 
-Builds on: grid.py, grpo.py, model.py, pp.py, sft.py, tp.py, weights.py
+Builds on: grid.py, grpo.py, model.py, pp.py, pp_schedules.py, sft.py, tp.py, trackers.py, weights.py
     grid.py gives a Grid's world size; grpo.py checks its verifier.
 """
 from __future__ import annotations
@@ -45,17 +47,17 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from pp_schedules import SCHEDULES  # torch-free
 
-import deepseek as DS
-import grid as G
-import grpo
-import model as M
-import pp as PP
-import sft
-import tp as TP
-import weights as W
+if TYPE_CHECKING:  # the annotations' names. Each function imports what it calls: the flags parse before torch loads
+    import torch
+
+    import grid as G
+    import model as M
+
+PRESETS = ("1b", "8b", "dsv3-small", "dsv3-tiny", "small", "tiny")  # model.PRESETS' names, for --help without torch (tests/test_user_path.py)
 
 
 # ------------------------------------------------------------------------------------------ flags
@@ -78,7 +80,7 @@ DESCRIPTION = "attotron's trainer: flags, process grid, composition in a fixed o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=HelpWithDefaults)
     a = p.add_argument
-    a("--model", default=None, choices=sorted(M.PRESETS),
+    a("--model", default=None, metavar="{" + ",".join(PRESETS) + "}",
       help="preset for random init (default: tiny; not with --init-from, whose config.json is the model)")
     a("--init-from", default=None, help="HF model dir (config.json + safetensors) to start from")
     a("--data", default=None, help="prepared data dir, or a .txt/.jsonl/folder to prepare; "
@@ -94,18 +96,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                           "messages, pairs or prompts (default: by the mode's names)")
     a("--cache-dir", default=None, help="where prepared data and tokenized chats are cached (default "
                                         "~/.cache/attotron; on multi-node runs, storage every node shares)")
-    a("--val-fraction", type=float, default=0.01,
+    a("--val-fraction", type=float, default=None,
       help="share of the documents held out (whole documents, spread over the corpus) when --data "
-           "is prepared: the split of the validation loss")
+           "is prepared: the split of the validation loss (default 0.01; --sft/--dpo/--grpo --data: "
+           "at least min(5, a tenth) of the chats, pairs or prompts)")
     a("--seq-len", type=int, default=None, help="tokens per training sequence (default 256; 1024 with --sft "
-                                                "and --data)")
-    a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16; with "
-                                                   "--grpo prompts, default 64)")
+                                                "and --data, fewer when the longest chat is shorter)")
+    a("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 16, at most "
+                                                   "the rows --sft --data fills; with --grpo prompts, 64)")
     a("--micro-batches", type=int, default=None,
       help="gradient-accumulation micro-batches per dp rank (default 1; with --pp: 4·pp for gpipe/1f1b, "
            "2·pp for interleaved/zb, or the largest divisor of the dp rank's rows below that)")
     a("--steps", type=int, default=None, help="optimizer steps (default 50; 1000 for the built-in --sft demo, "
                                               "100 for --grpo on the built-in questions)")
+    a("--epochs", type=float, default=None, help="passes over the training set, instead of --steps (may be "
+                                                 "fractional): steps = ceil(epochs × steps per epoch)")
     a("--lr", type=float, default=None, help="peak learning rate (default 1e-3; 2e-4 with --sft/--dpo/--grpo: "
                                               "post-training wants a lower rate than pretraining; 3e-3 for "
                                               "the built-in --sft demo, which trains from scratch)")
@@ -118,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="compute dtype, masters stay fp32 (auto: bf16 on CUDA, fp32 on CPU; fp32 on CUDA uses TF32)")
     a("--seed", type=int, default=0, help="init and data-order seed")
     a("--metrics", default=None, help="JSONL file: one object per step (rank 0)")
+    a("--log-to", default=None, type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+      help="also log each record to tensorboard and/or wandb, comma-separated (beside --metrics: "
+           "<metrics>.tensorboard/, wandb/; set WANDB_MODE=offline without a network)")
     a("--export-hf", default=None, help="write an HF-loadable model dir here at the end")
     a("--save", default=None, help="checkpoint dir (step_XXXXXXXX/ folders: safetensors + JSON)")
     a("--save-every", type=int, default=0, help="save every N steps (0: only after the last step)")
@@ -130,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-every", type=int, default=0,
       help="evaluate every N steps and after the last (0: only after the last): the validation loss "
            "on the held-out split; with --sft, exact-match accuracy on the built-in held-out chats")
+    a("--sample-prompts", default=None, help="a text file, one prompt a line: each one's greedy reply is "
+                                              "printed at every evaluation (chat modes: a user turn)")
     a("--eval-batches", type=int, default=None,
       help="global batches of the held-out split per validation loss (default 10, fewer when the "
            "split is smaller)")
@@ -180,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "taken from the dp·cp ranks (ep divides them)")
     a("--pp-layers", default=None, help="layers per (virtual) stage, e.g. 3,3,2 (default: balanced, the "
                                         "last stage's lm_head + loss counted as layers by their FLOPs)")
-    a("--schedule", default="1f1b", choices=sorted(PP.SCHEDULES), help="pipeline schedule")
+    a("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule")
     a("--virtual-stages", type=int, default=None,
       help="model chunks per pp rank for interleaved / zb (default: 2 for interleaved, else 1)")
     a("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the dp group")
@@ -210,17 +220,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                             "(default 0)")
     add_lora_flags(a)
     args = p.parse_args(argv)
+    import model as M  # after parsing: --help and a mistyped flag answer before torch loads
+    import sft
+    if args.model is not None and args.model not in M.PRESETS:  # argparse's own words for a bad choice
+        p.error(f"argument --model: invalid choice: {args.model!r} (choose from {', '.join(sorted(M.PRESETS))})")
     # `is None`, never `or`: a user's 0 must reach validate, not turn into the default
     # the built-in --sft demo trains the tiny model from scratch on short chats: short rows, a
     # pretraining lr, more steps; --grpo on the built-in questions starts from it (docs/post-training.md:
     # what each reaches)
     demo = args.sft and args.data is None and args.init_from is None
+    # SFT on the user's chats: the defaults a small set shrinks to fit (feed.fit_small_set logs it)
+    fits = args.sft and args.data
+    args.fit_to_data = [f for f in ("seq_len", "batch_size") if fits and getattr(args, f) is None]
+    if args.val_fraction is None:
+        args.val_fraction = 0.01
+        args.fit_to_data += ["val_fraction"] if args.data and (args.sft or args.dpo or args.grpo) else []
     rl_demo = args.grpo and args.data is None
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
     if args.lr is None:
         args.lr = 3e-3 if demo else 2e-4 if args.sft or args.dpo or args.grpo else 1e-3
-    if args.steps is None:
+    if args.steps is None and args.epochs is None:  # --epochs: train.load_data counts the steps
         args.steps = 1000 if demo else 100 if rl_demo else 50
     if args.batch_size is None:  # GRPO's gradient is one reward a reply: more prompts a step, less noise
         args.batch_size = 64 if args.grpo else 16
@@ -243,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ checks
 def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list[str]:
     """Every check that needs no heavy work, all reported at once."""
+    import deepseek as DS
+    import tp as TP
+    import weights as W
     errors = []
     if args.model is not None and args.init_from is not None:
         errors.append(f"--model {args.model} with --init-from: the model is --init-from's config.json; "
@@ -251,7 +274,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
         if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "steps" else 1):
             errors.append(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_position_embeddings:
-        errors.append(f"--seq-len {args.seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
+        errors.append(f"--seq-len {args.seq_len} > the model's max_position_embeddings {cfg.max_position_embeddings}"
+                      + seq_len_fix(args, cfg))
     if args.tp < 1 or args.pp < 1 or args.cp < 1 or grid.world % (args.tp * args.cp * args.pp):
         errors.append(f"world size {grid.world} is not divisible by --tp {args.tp} × --cp {args.cp} × "
                       f"--pp {args.pp}")
@@ -289,6 +313,18 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     errors += validate_dpo(args)
     errors += validate_grpo(args)
     errors += validate_lora(args, cfg)
+    if args.eval_every and args.dpo and not args.data:
+        errors.append(f"--eval-every {args.eval_every} with --dpo on the built-in pairs: they hold none out "
+                      f"(--dpo --data holds some of yours out); drop --eval-every")
+    if args.sample_prompts and (args.pp > 1 or args.cp > 1 or args.sp):
+        errors.append("--sample-prompts generates with the whole model and whole sequences: use --pp 1, "
+                      "--cp 1 and no --sp")
+    if args.sample_prompts and not Path(args.sample_prompts).is_file():
+        errors.append(f"--sample-prompts {args.sample_prompts}: no such file (one prompt a line)")
+    if args.epochs is not None and args.steps is not None:
+        errors.append(f"--epochs {args.epochs:g} and --steps {args.steps} both set the run's length: give one")
+    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
+        errors.append(f"--epochs must be a positive number of passes over the data, got {args.epochs}")
     if args.resume == "auto" and not args.save:
         errors.append("--resume auto needs --save DIR (where to look)")
     if args.save_every < 0 or args.keep < 1:
@@ -351,6 +387,7 @@ def validate_more(args: argparse.Namespace) -> list[str]:
         errors.append(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.sp and args.tp < 2:
         errors.append("--sp splits each sequence over the tp ranks: it needs --tp > 1")
+    errors += validate_log_to(args)
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         errors.append(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
     untested = [f"--{f}" for f in ("lora", "qlora") if getattr(args, f, None)]
@@ -399,6 +436,32 @@ def validate_ep(args: argparse.Namespace, cfg: M.LlamaConfig, data_ranks: int) -
     return errors
 
 
+def seq_len_fix(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
+    """What to change when --seq-len exceeds the model's positions: the sequence, or the model."""
+    import model as M
+    longer = [f"--model {n} ({M.PRESETS[n].max_position_embeddings})" for n in PRESETS
+              if M.PRESETS[n].max_position_embeddings >= args.seq_len]
+    model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
+    return (f" ({model}): use --seq-len {cfg.max_position_embeddings} or less"
+            + (f", or a model with more positions: {' or '.join(longer)}" if longer and not args.init_from
+               else ", or a model with more positions (--init-from DIR)"))
+
+
+def validate_log_to(args: argparse.Namespace) -> list[str]:
+    """--log-to: known trackers, their packages installed, and --metrics, which they sit beside."""
+    if not args.log_to:
+        return []
+    import trackers
+    unknown = [t for t in args.log_to if t not in trackers.PACKAGES]
+    if unknown:
+        return [f"--log-to {','.join(unknown)}: unknown; choose from {', '.join(trackers.PACKAGES)}"]
+    errors = [f"--log-to {t}: the {trackers.PACKAGES[t]} package is not installed (pip install "
+              f"{trackers.PACKAGES[t]}), or drop {t} from --log-to" for t in trackers.missing(args.log_to)]
+    if not args.metrics:
+        errors.append("--log-to needs --metrics FILE.jsonl: the trackers write beside it")
+    return errors
+
+
 def check_outputs(args: argparse.Namespace) -> list[str]:
     """--save and --export-hf are folders, created as needed. --metrics is a file in an existing
     folder. Each must be creatable and writable, and no two may be the same."""
@@ -440,11 +503,13 @@ def micro_batches(args: argparse.Namespace, world: int) -> int:
         return args.micro_batches
     dp_size = max(world // max(args.tp * args.cp * args.pp, 1), 1)
     rows = args.batch_size // dp_size if args.batch_size >= dp_size else 1
+    import pp as PP
     return PP.default_microbatches(args.schedule, max(args.pp, 1), max(rows, 1))
 
 
 def layer_ranges(args: argparse.Namespace, cfg: M.LlamaConfig) -> list[range]:
     """Layers of each virtual stage (pp · v of them): --pp-layers, or balanced with the head's cost."""
+    import pp as PP
     return PP.partition(cfg.num_hidden_layers, args.pp * virtual_stages(args), parse_layers(args.pp_layers),
                         head=PP.head_cost(cfg, args.seq_len))
 
@@ -504,6 +569,7 @@ def validate_grpo(args: argparse.Namespace) -> list[str]:
     if not (math.isfinite(args.grpo_kl) and args.grpo_kl >= 0):
         errors.append(f"--grpo-kl must be >= 0, got {args.grpo_kl}")
     try:
+        import grpo
         grpo.load_verifier(args.verifier)
     except ValueError as e:
         errors.append(f"--verifier: {e}")
@@ -561,6 +627,11 @@ def parse_layers(text: str | None) -> list[int] | None:
         raise ValueError(f"--pp-layers {text!r}: expected comma-separated integers like 3,3,2") from None
 
 
+def steps_for_epochs(args: argparse.Namespace, steps_per_epoch: int) -> int:
+    """--epochs as optimizer steps, once the data set's size is known (train.load_data)."""
+    return max(1, math.ceil(args.epochs * steps_per_epoch - 1e-9))  # 3 × 7 steps is 21, not 22
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up to --lr, then cosine decay to --min-lr at the last step."""
     if step < args.warmup:
@@ -585,6 +656,7 @@ def active_params(cfg: M.LlamaConfig) -> int:
     embedding, a lookup with no FLOPs. A tied matrix counts once, as lm_head. Of a sparse layer's
     experts, only the k of E its router picks count: k·3·H·I of E·3·H·I. The router's (E, H)
     reads whole. A dense model counts every parameter."""
+    import model as M
     n = 0
     for name, shape in M.global_shapes(cfg).items():
         size = math.prod(shape)
@@ -619,6 +691,7 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
         return args.peak_tflops * 1e12
     if device.type != "cuda":
         return None
+    import torch
     found = gpu_peak(torch.cuda.get_device_name(device))
     return None if found is None else found[args.dtype != "bf16"] * 1e12
 
@@ -634,6 +707,7 @@ def device_defaults(args: argparse.Namespace, device: torch.device) -> str:
         # legacy reader raise "mix of the legacy and new APIs". Those readers include
         # torch.get_float32_matmul_precision and torch._C._get_cublas_allow_tf32 (torch._dynamo's).
         # cuDNN (convolutions only) keeps its default, TF32 on.
+        import torch
         torch.set_float32_matmul_precision("high")
         return "fp32 with TF32 matmuls"
     return args.dtype

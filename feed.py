@@ -9,6 +9,11 @@ What it does
     load_val, val_loss         the held-out split and its loss. The forward runs through the same
                                pipeline, tp and ZeRO code as training, normalized like its loss.
     load_sft                   chats tokenized once into a cache every rank maps (sft.py)
+    fit_seq_len, fit_batch_size  SFT's defaults shrunk to a small set of chats, said in the log
+    held_out_chats, chat_val   the user's chats held out for SFT's validation loss
+    sample_replies             --sample-prompts: greedy replies printed at each evaluation
+    split_prompts              GRPO's held-out prompts, whose greedy replies' reward is evaluated
+    split_pairs, dpo_val       DPO's held-out pairs and their implicit rewards (reward accuracy)
     evaluate                   exact-match accuracy of generated answers on sft chats
     prepared_once              the pattern both loaders use: rank 0 prepares, the others wait
     host_batch                 a step's rows → micro-batches of host tensors: the cp rank's zigzag
@@ -40,6 +45,7 @@ Builds on: grid.py, cp.py, data.py, dp.py, formats.py, model.py, pairing.py, pp.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import hashlib
 import json
@@ -50,6 +56,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -215,7 +222,7 @@ def val_loss(chunks: list[M.Llama], val: data.TokenDataset, batches: int, args: 
 
 
 def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sft.ChatTemplate, list]:
-    """Chats from --data (no eval set), or the built-in arithmetic set (train + held-out eval).
+    """Chats from --data (a few held out: ds.held_out), or the built-in arithmetic set (train + held-out eval).
     Rank 0 tokenizes them once into a cache every rank maps (sft.prepare_sft). The cache sits in
     --cache-dir (`cache_path`). A new data file, tokenizer or chat template remakes it. A plain
     .jsonl file is read by sft.load_jsonl; other files and folders by formats.parse_all."""
@@ -244,10 +251,16 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
     tokenized = sft.read_cache(prepared_once(prepare, grid))
     if tokenized is None:  # prepared_once checked its meta.json: only its arrays can be missing
         raise ValueError(f"the SFT cache {out} rank 0 wrote is incomplete on rank {grid.rank}")
-    ds = sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong, template=tpl)
+    fitted = fit_seq_len(args, int(tokenized.lengths.max(initial=0)))  # a small set: shorter rows
+    held, said = held_out_chats(args, len(tokenized.lengths))  # --data: the validation loss's chats
+    rows = lambda only: sft.SFTDataset(tokenized, tok, args.seq_len, args.packing, args.overlong,  # noqa: E731
+                                       template=tpl, only=only)
+    ds = rows(None if held is None else ~held)
+    ds.held_out = None if held is None else rows(held)
+    fitted += fit_batch_size(args, len(ds), grid.world)
     if grid.rank == 0:
         bad = tokenized.skipped
-        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else ""), flush=True)
+        print(ds.report() + (f"\n  {bad} malformed lines skipped" if bad else "") + fitted + said, flush=True)
     return ds, tpl, eval_set
 
 
@@ -378,3 +391,188 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A device value copied to host memory without waiting (CUDA: pinned, in stream order). Read
     after a later host sync, such as the step's grad norm, it costs nothing."""
     return t.detach().to("cpu", non_blocking=True)
+
+
+# ------------------------------------------------------------------------------------------ small SFT sets
+# The SFT defaults (--seq-len 1024, --batch-size 16) suit thousands of chats. Fifty short chats
+# would pack into three rows, and a batch of 16 would repeat each about five times a step. So a
+# default the user did not set (cli: args.fit_to_data) shrinks to the data, and the log says so.
+def fit_seq_len(args: argparse.Namespace, longest: int) -> str:
+    """Rows as long as the longest chat needs (a power of two from 64: every cp/tp split divides
+    it), never longer than the default. Returns the log's note ('' when nothing changed)."""
+    if "seq_len" not in args.fit_to_data or longest < 1:
+        return ""
+    fit = max(64, 1 << (longest - 1).bit_length())
+    if fit >= args.seq_len:
+        return ""
+    default, args.seq_len = args.seq_len, fit
+    return (f"\n  --seq-len {fit}, not the default {default}: the longest chat has {longest} tokens "
+            f"(give --seq-len to choose)")
+
+
+def fit_batch_size(args: argparse.Namespace, rows: int, world: int) -> str:
+    """A global batch of at most the data's rows, in whole multiples of dp × micro-batches (each dp
+    rank gets the same rows). Returns the log's note ('' when nothing changed)."""
+    unit = world // (args.tp * args.cp * args.pp) * args.micro_batches
+    if "batch_size" not in args.fit_to_data or rows >= args.batch_size or unit < 1:
+        return ""
+    default, args.batch_size = args.batch_size, max(unit, rows // unit * unit)
+    return (f"\n  --batch-size {args.batch_size}, not the default {default}: the data has {rows} rows "
+            f"(give --batch-size to choose)")
+
+
+# ------------------------------------------------------------------------------------------ held-out chats
+# SFT on the user's chats holds some out for a validation loss. --val-fraction's pretraining
+# default (1%) holds out nothing of 50 chats, so a post-training set gets at least a few.
+def held_out_chats(args: argparse.Namespace, n: int, what: str = "samples",
+                   purpose: str = "the validation loss") -> tuple[np.ndarray | None, str]:
+    """A (n,) bool mask of the samples held out, spread evenly over the file, and the log's line.
+    --val-fraction given: that share. Default: 1%, but at least min(5, n/10) samples."""
+    if not args.data:
+        return None, ""
+    k = round(args.val_fraction * n)
+    if "val_fraction" in args.fit_to_data:
+        k = max(k, min(5, n // 10))
+    k = min(k, n - 1)
+    if k < 1:
+        return None, (f"\n  no held-out split: {n} {what} × --val-fraction {args.val_fraction:g} holds "
+                      f"out none (raise --val-fraction)")
+    mask = np.zeros(n, dtype=bool)
+    mask[np.linspace(0, n - 1, k).round().astype(int)] = True
+    how = ("--val-fraction" if "val_fraction" not in args.fit_to_data else
+           "the post-training default: 1%, at least min(5, a tenth); --val-fraction to choose")
+    return mask, f"\n  held out {k} of {n} {what} for {purpose} ({how})"
+
+
+class HeldOutRows:
+    """A held-out SFT set padded to whole global batches with rows that hold no target: val_loss
+    then reads every real row once, and the padding rows add nothing to its sums."""
+
+    def __init__(self, ds: sft.SFTDataset, batch_size: int, drop: tuple[str, ...]):
+        self.ds, self.drop = ds, drop
+        self.batches = -(-len(ds) // batch_size)
+        self.length = self.batches * batch_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ds[min(i, len(self.ds) - 1)]
+        if i >= len(self.ds):  # padding: the same shapes, no targets, no real tokens
+            row = {**row, "labels": torch.full_like(row["labels"], sft.IGNORE_INDEX),
+                   "real_tokens": torch.zeros_like(row["real_tokens"])}
+        return {k: v for k, v in row.items() if k not in self.drop}
+
+
+def chat_val(args: argparse.Namespace, ds: Any, drop: tuple[str, ...]) -> tuple[HeldOutRows | None, int]:
+    """SFT's held-out rows and the global batches one evaluation reads ((None, 0) when none)."""
+    held = getattr(ds, "held_out", None)
+    if held is None:
+        return None, 0
+    val = HeldOutRows(held, args.batch_size, drop)
+    return val, val.batches
+
+
+# ------------------------------------------------------------------------------------------ sample replies
+SAMPLE_TOKENS = 48  # new tokens a --sample-prompts reply may have
+
+
+def read_sample_prompts(path: str) -> list[str]:
+    """--sample-prompts: one prompt a line (blank lines skipped)."""
+    prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--sample-prompts {path}: no prompt in it (one a line)")
+    return prompts
+
+
+@torch.no_grad()
+def greedy_replies(model: torch.nn.Module, prompts: list[list[int]], end_id: int, max_new: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, without its end token. One prompt at a time: no padding."""
+    device = next(model.parameters()).device
+    replies = []
+    for ids in prompts:
+        new = M.generate(model, torch.tensor([ids], device=device), max_new, end_id)[0, len(ids):].tolist()
+        replies.append(new[:new.index(end_id)] if end_id in new else new)
+    return replies
+
+
+def sample_replies(model: torch.nn.Module, prompts: list[str], tokenizer: Any,
+                   template: sft.ChatTemplate | None) -> list[str]:
+    """Each prompt's greedy continuation: a user turn rendered by the chat template, or raw text
+    (pretraining, ending at the tokenizer's eos)."""
+    if template is not None:
+        ids = [template.render([{"role": "user", "content": text}], True) for text in prompts]
+        return [template.decode(r) for r in greedy_replies(model, ids, template.end_id, SAMPLE_TOKENS)]
+    ids = [tokenizer.encode(text) for text in prompts]
+    return [tokenizer.decode(r) for r in greedy_replies(model, ids, tokenizer.eos_id, SAMPLE_TOKENS)]
+
+
+def split_prompts(args: argparse.Namespace, ds: Any, grid: G.Grid) -> tuple[Any, Any]:
+    """GRPO's prompts from --data: (the training ones, the held-out ones scored at each evaluation:
+    None when none), by held_out_chats' rule. The log names how many."""
+    held, said = held_out_chats(args, len(ds), "prompts", "the held-out reward")
+    if grid.rank == 0 and said:
+        print(said.strip(), flush=True)
+    if held is None:
+        return ds, None
+    part = lambda mask: type(ds)([p for p, k in zip(ds.prompts, mask) if k],  # noqa: E731
+                                 [g for g, k in zip(ds.golds, mask) if k])
+    return part(~held), part(held)
+
+
+def split_pairs(args: argparse.Namespace, ds: Any, grid: G.Grid) -> tuple[Any, Any]:
+    """DPO's pairs from --data: (the training ones, the held-out ones whose implicit rewards each
+    evaluation measures: None when none), by held_out_chats' rule. The log names how many."""
+    held, said = held_out_chats(args, len(ds.docs), "pairs", "the held-out reward accuracy")
+    if grid.rank == 0 and said:
+        print(said.strip(), flush=True)
+    if held is None:
+        return ds, None
+    return _pairs_subset(ds, ~held), _pairs_subset(ds, held)
+
+
+def _pairs_subset(ds: Any, mask: np.ndarray) -> Any:
+    """A copy of a dpo.PairDataset with the pairs `mask` keeps, packed again as it packs."""
+    out = copy.copy(ds)
+    out.docs = [d for d, k in zip(ds.docs, mask) if k]
+    if ds.packing == "ffd":  # a pair takes both halves' positions in one row
+        out.rows = sft.ffd([sum(len(ids) - 1 for ids, _ in d) for d in out.docs], ds.seq_len)
+    else:
+        out.rows = [[k] for k in range(len(out.docs))]
+    out.ref = torch.zeros(len(out.docs), 2)  # (pairs, 2): filled by the reference pass
+    return out
+
+
+class HeldOutPairs:
+    """Held-out DPO rows padded to whole global batches with rows that hold no pair."""
+
+    def __init__(self, ds: Any, batch_size: int):
+        self.ds, self.batches = ds, -(-len(ds) // batch_size)
+        self.length = self.batches * batch_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ds[min(i, len(self.ds) - 1)]
+        if i < len(self.ds):
+            return row
+        return {**row, "labels": torch.full_like(row["labels"], sft.IGNORE_INDEX),
+                "dpo_seq": torch.full_like(row["dpo_seq"], -1), "dpo_ref": torch.zeros_like(row["dpo_ref"])}
+
+
+@torch.no_grad()
+def dpo_val(chunks: list[M.Llama], held: Any, loss: Any, args: argparse.Namespace, grid: G.Grid) -> torch.Tensor:
+    """The DPO loss's reward sums (dpo.DPOLoss.reduce_log) over the held-out pairs, forward only
+    through the training layout. Every held-out pair counts once."""
+    fwd = PP.forward_only(PP.SCHEDULES[args.schedule](args.micro_batches, grid.at.pp_rank, args.pp,
+                                                      args.virtual_stages))
+    rows, (dp_rank, dp_size) = HeldOutPairs(held, args.batch_size), grid.data
+    per = args.batch_size // dp_size
+    for b in range(rows.batches):
+        start = b * args.batch_size + dp_rank * per
+        micro = get_batch(rows, list(range(start, start + per)), args.micro_batches, grid)
+        PP.run_pipeline(chunks, fwd, micro, grid.pp_group, 1, seq_shards=args.tp if args.sp else 1,
+                        check_group=grid.pp_check, peer_groups=grid.pp_peers,
+                        hidden_size=chunks[0].config.hidden_size)
+    return loss.reduce_log(grid.device).cpu()

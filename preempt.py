@@ -1,9 +1,10 @@
 """Cluster-proof runs: save on a preemption signal, and one writer per save folder.
 
 What it does
-    StopSignal   records SIGTERM / SIGUSR1: Slurm's preemption and its `--signal` warning.
-                 torchrun forwards the ones it handles. Every rank agrees at a step boundary to
-                 stop. train.py then saves that step, flushes the metrics and exits (`exit_status`).
+    StopSignal   records SIGTERM / SIGUSR1 (Slurm's preemption and its `--signal` warning) and
+                 SIGINT (Ctrl-C). torchrun forwards the ones it handles. Every rank agrees at a
+                 step boundary to stop. train.py then saves that step, flushes the metrics and
+                 exits (`exit_status`). A second SIGINT aborts at once, saving nothing.
     SaveLock     the lock file `<save>/LOCK.json` (host, pid, start time, heartbeat, job). The run
                  that writes to the folder takes it before any heavy work. A thread refreshes it.
                  Each save verifies it. The run removes it at the end.
@@ -32,8 +33,8 @@ Run
 Invariants
     - Every rank stops at the same step, the one after the signal's. In test_preempt, a signal
       on one rank alone stops both.
-    - The exit status is 128 + the signal number on every rank: 143 for SIGTERM, 138 for SIGUSR1
-      (test_preempt).
+    - The exit status is 128 + the signal number on every rank: 143 for SIGTERM, 138 for SIGUSR1,
+      130 for Ctrl-C; a second Ctrl-C exits 130 at once. No traceback from either (test_preempt).
     - A lock whose holder is alive is never taken: the second launch is refused, naming the
       holder. A stale lock is taken over with a note (test_preempt). Stale means a heartbeat older
       than STALE_S, the holder's pid gone on this host, or an earlier attempt of the same job.
@@ -52,7 +53,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 BEAT_S = 30.0  # heartbeat period of the lock's thread
 STALE_S = 600.0  # a heartbeat older than this is a dead holder's (20 beats: room for clock skew)
 
@@ -62,13 +63,27 @@ class StopSignal:
     """The handler of SIGNALS and the ranks' agreement to stop (module docstring). Main thread only
     (Python's rule for signal handlers)."""
 
-    def __init__(self, signals: tuple[int, ...] = SIGNALS):
+    def __init__(self, signals: tuple[int, ...] = SIGNALS, speaks: bool = True):
         self.received = 0  # the first signal's number (0: none)
+        self.speaks = speaks  # says what Ctrl-C does (rank 0 only: one line per run)
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
         self._old = {s: signal.signal(s, self._record) for s in signals}
 
     def _record(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            self._interrupt()
         self.received = self.received or signum  # only a flag: the step or the save goes on
+
+    def _interrupt(self) -> None:
+        """Ctrl-C. The first is a stop like SIGTERM's; a second one after any signal aborts. os.write,
+        not print: a handler may run inside a print, and print is not reentrant."""
+        if self.received:
+            if self.speaks:
+                os.write(2, b"\nsecond interrupt: aborting now, nothing more is saved\n")
+            os._exit(exit_status(signal.SIGINT))  # no traceback, no cleanup that could hang on a peer
+        if self.speaks:
+            os.write(2, b"\ninterrupt: stopping after the next step (saving it if --save is set); "
+                        b"press Ctrl-C again to abort at once\n")
 
     def poll(self, group: dist.ProcessGroup | None) -> int:
         """At a step boundary, on every rank of `group` (a gloo group). Returns the largest signal

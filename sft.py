@@ -307,8 +307,10 @@ class SFTDataset:
     So a dataset costs ~8 bytes per token of disk and almost no memory."""
 
     def __init__(self, data: list[Conversation] | Tokenized, tokenizer: Any, seq_len: int,
-                 packing: str = "ffd", overlong: str = "truncate", template: ChatTemplate | None = None):
-        """data: conversations (tokenized here, no progress bar) or a Tokenized set (prepare_sft)."""
+                 packing: str = "ffd", overlong: str = "truncate", template: ChatTemplate | None = None,
+                 only: np.ndarray | None = None):
+        """data: conversations (tokenized here, no progress bar) or a Tokenized set (prepare_sft).
+        only: a (n,) bool mask of the samples to use (a held-out split and the rest); None: all."""
         if packing not in ("ffd", "none") or overlong not in ("truncate", "drop") or seq_len < 2:
             raise ValueError(f"packing must be ffd|none (got {packing!r}), overlong truncate|drop "
                              f"(got {overlong!r}), seq_len >= 2 (got {seq_len})")
@@ -319,9 +321,10 @@ class SFTDataset:
         self.seq_len, self.pad_id, self.packing, self.max_id = seq_len, tpl.pad_id, packing, t.max_id
         self.tokens, self.labels = torch.from_numpy(t.inputs), torch.from_numpy(t.labels)  # (N,) int32
         starts = np.cumsum(t.lengths) - t.lengths  # (n,)
-        lengths, targets, keep = t.lengths.copy(), t.targets.copy(), np.ones(len(t.lengths), dtype=bool)
+        lengths, targets = t.lengths.copy(), t.targets.copy()
+        keep = np.ones(len(t.lengths), dtype=bool) if only is None else only.copy()
         truncated = dropped = 0
-        for i in np.flatnonzero(t.lengths > seq_len):  # over-long: keep the first seq_len inputs
+        for i in np.flatnonzero((t.lengths > seq_len) & keep):  # over-long: keep the first seq_len inputs
             kept = int((t.labels[starts[i]:starts[i] + seq_len] != IGNORE_INDEX).sum())
             if overlong == "drop" or kept == 0:
                 keep[i], dropped = False, dropped + 1

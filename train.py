@@ -62,6 +62,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
+if __name__ == "__main__":  # the flags first: --help and a mistyped flag answer before torch loads
+    import cli
+    cli.parse_args()
+
 import torch
 import torch.distributed as dist
 
@@ -90,6 +94,7 @@ import pp as PP
 import precision as P
 import preempt as PR
 import qlora as QL
+import trackers as TK
 import sft
 import tp as TP
 import weights as W
@@ -113,6 +118,7 @@ class Run:
     ds: data.TokenDataset | sft.SFTDataset | None = None
     tpl: sft.ChatTemplate | None = None
     eval_set: list = field(default_factory=list)  # held-out questions (chat modes)
+    held: GR.PromptSet | DPO.PairDataset | None = None  # --grpo / --dpo --data: held out, scored at evals
     val: data.TokenDataset | None = None  # the validation split (pretraining)
     val_batches: int = 0
     sampler: dp.DPSampler | None = None
@@ -130,6 +136,7 @@ class Run:
     rl: GR.Trainer | None = None
     # announce
     metrics: TextIO | None = None
+    trackers: TK.Trackers | None = None  # --log-to: TensorBoard, W&B (rank 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +172,7 @@ def configure(argv: list[str] | None, cleanup: contextlib.ExitStack) -> Run:
     if errors:
         G.fail("\n  ".join(["invalid configuration:"] + errors), grid)
     args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, grid.world)
-    stopper = PR.StopSignal()
+    stopper = PR.StopSignal(speaks=grid.rank == 0)
     cleanup.callback(stopper.close)
     if lock := take_lock(args, grid):
         cleanup.callback(lock.release)  # before stopper.close: the stack runs backwards
@@ -180,12 +187,17 @@ def load_data(r: Run) -> None:
     try:
         r.ds, r.tpl, r.eval_set = (DPO.load(args, grid) if args.dpo else GR.load(args, grid) if args.grpo
                                    else feed.load_sft(args, grid) if args.sft else (feed.load_data(args, grid), None, []))
+        if (args.grpo or args.dpo) and args.data:  # some held out: scored at each evaluation
+            r.ds, r.held = (feed.split_prompts if args.grpo else feed.split_pairs)(args, r.ds, grid)
         r.ds.check_vocab(r.cfg.vocab_size)
-        r.val, r.val_batches = (None, 0) if chats else feed.load_val(args, r.ds, grid)
+        r.val, r.val_batches = (feed.chat_val(args, r.ds, unread_keys(r)) if chats
+                                else feed.load_val(args, r.ds, grid))
         G.make_grid(grid, args.tp, args.pp, args.timeout, args.io_timeout, args.cp, args.ep)
         # small SFT sets: the last global batch of an epoch wraps around instead of being dropped
         r.sampler = dp.DPSampler(len(r.ds), args.batch_size, *grid.data, args.seed,
                                  remainder="wrap" if chats else "drop")
+        if args.epochs is not None:  # the run's length, now that an epoch's steps are known
+            args.steps = cli.steps_for_epochs(args, r.sampler.steps_per_epoch)
     except (OSError, ValueError) as e:
         G.fail(str(e), grid)
 
@@ -272,6 +284,8 @@ def choose_loss(r: Run) -> None:
     if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
         with G.stage("DPO reference log-probs (one forward over every pair)", r.grid):
             r.preference = DPO.prepare(r.chunks, r.ds, args, r.grid)
+            if r.held is not None:  # the held-out pairs' reference sums, by the same starting policy
+                DPO.precompute_reference(r.chunks, r.preference, r.held, args, r.grid)
     if args.grpo:
         r.rl = GR.Trainer(r.model, args, r.tpl, r.grid.device)
 
@@ -282,6 +296,7 @@ def announce(r: Run) -> None:
     if grid.rank != 0:
         return
     r.metrics = open_metrics(args.metrics, r.start) if args.metrics else None
+    r.trackers = TK.Trackers(args.log_to, args.metrics, vars(args)) if args.log_to else None
     peak = cli.peak_flops(args, grid.device)
     print(f"model {cfg.num_params() / 1e6:.2f}M params" + active_text(cfg)
           + f" · data {len(r.ds)} sequences of {args.seq_len} · "
@@ -307,7 +322,7 @@ def train(r: Run) -> int:
                       for mb in feed.host_batch(r.ds, rows, args.micro_batches, grid)])
     prefetch = feed.Prefetcher(load, r.sampler, max(args.steps - r.start, 0), grid.device)
     if r.rl and r.eval_set and r.start == 0:  # GRPO's "before": the same eval on the starting policy
-        write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)})
+        write_record(r.metrics, {"step": 0, **held_out_eval(r, 0)}, r.trackers)
     # positions a step runs: --dpo --packing none has two rows a pair (--batch-size counts pairs)
     tokens_per_step = args.batch_size * args.seq_len * (2 if args.dpo and args.packing == "none" else 1)
     # tokens trained so far; GRPO's steps differ in size, so a resumed GRPO run counts from its resume
@@ -331,12 +346,13 @@ def train(r: Run) -> int:
             continue
         bad, good = 0, good + 1
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt, **stats}
+                  "tokens": tokens_seen, "tokens_per_s": tps, "step_time_s": dt,
+                  "epoch": (step + 1) / r.sampler.steps_per_epoch, **stats}
         if logs:
             # steps run by this process only: a resumed run did not do the first `start`
             log_step(r, record, (time.time() - t_start) / (step + 1 - r.start) * (args.steps - step - 1))
         evaluate(r, step + 1, record)
-        write_record(r.metrics, record)
+        write_record(r.metrics, record, r.trackers)
         stopped = save_or_stop(r, step + 1, sampler_state)
         if stopped:
             break
@@ -397,6 +413,10 @@ def evaluate(r: Run, step: int, record: dict) -> None:
     r.opt.finish_gathers()  # evaluation reads complete parameters
     if r.eval_set:
         record.update(held_out_eval(r, step))
+    if r.held is not None:
+        record.update(held_out_reward(r, step) if r.rl else held_out_pairs(r, step))
+    if args.sample_prompts:
+        record["samples"] = sample_replies(r, step)
     if r.val is not None:
         with G.stage("validation loss (forward over the held-out split)", grid):
             record["val_loss"] = feed.val_loss(r.chunks, r.val, r.val_batches, args, grid)
@@ -420,8 +440,8 @@ def save_or_stop(r: Run, step: int, sampler_state: dict) -> int:
                 save(args, step, r.opt, r.cfg, r.shards, sampler_state, r.grid, r.metrics, r.lock)
         if r.grid.rank == 0:
             print(f"stopped by {signal.Signals(stopped).name} after step {step}: " + (
-                  f"saved {args.save}, --resume auto continues" if args.save else
-                  "no --save, nothing saved"), flush=True)
+                  f"saved {args.save}; to continue, run the same command with --resume auto" if args.save
+                  else "no --save, nothing saved"), flush=True)
     return stopped
 
 
@@ -447,6 +467,8 @@ def finish(r: Run, stopped: int) -> None:
             f"{name} {peak_text(meter.peak(name))}" for name in meter.peaks), flush=True)
     if r.metrics:
         r.metrics.close()
+    if r.trackers:
+        r.trackers.close()
     r.stopper.wait()  # the agreement in flight, before its group goes
     r.opt.teardown()
     dist.destroy_process_group()
@@ -475,6 +497,7 @@ def log_step(r: Run, record: dict, eta: float) -> None:
           f"({tps / grid.world:,.0f}/rank) · MFU {mfu} · "
           f"peak mem {peak_text(r.meter.peak(*MEM.TRAINING))}"
           + (f" · {GR.stats_text(rec)}" if r.rl else f" · {DPO.stats_text(rec)}" if r.preference else "")
+          + (f" · epoch {rec['epoch']:.2f}/{args.epochs:g}" if args.epochs else "")
           + f" · ETA {eta:.0f}s", flush=True)
 
 
@@ -488,11 +511,14 @@ def skip_step(r: Run, step: int, loss: float, grad_norm: float, bad: int) -> Non
         G.fail(f"{bad} consecutive non-finite steps: lower --lr, check the data, or use --clip", r.grid)
 
 
-def write_record(metrics: TextIO | None, record: dict) -> None:
-    """One JSON line, flushed (rank 0 with --metrics; open_metrics opened the file)."""
+def write_record(metrics: TextIO | None, record: dict, trackers: TK.Trackers | None = None) -> None:
+    """One JSON line, flushed (rank 0 with --metrics; open_metrics opened the file). --log-to's
+    trackers get the same record."""
     if metrics:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
+    if trackers:
+        trackers.write(record)
 
 
 def held_out_eval(r: Run, step: int) -> dict[str, float]:
@@ -511,6 +537,41 @@ def held_out_eval(r: Run, step: int) -> dict[str, float]:
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
                  f"{args.grpo_group} draws a prompt)" if args.grpo else ""), flush=True)
     return out
+
+
+def held_out_pairs(r: Run, step: int) -> dict[str, float]:
+    """--dpo --data: the implicit rewards of the held-out pairs (feed.dpo_val), printed on rank 0."""
+    with G.stage("held-out DPO rewards (forward over the held-out pairs)", r.grid):
+        stats = r.preference.stats(feed.dpo_val(r.chunks, r.held, r.preference, r.args, r.grid))
+    if r.grid.rank == 0:
+        print(f"eval step {step}: held-out {DPO.stats_text(stats)}", flush=True)
+    return {f"val_{k}": v for k, v in stats.items()}
+
+
+def held_out_reward(r: Run, step: int) -> dict[str, float]:
+    """--grpo --data: the verifier's mean reward on the held-out prompts' greedy replies (all ranks
+    generate: tp runs inside), printed on rank 0."""
+    held, tpl = r.held, r.tpl
+    with G.stage("held-out reward (generation)", r.grid), r.opt.gathered():
+        replies = feed.greedy_replies(r.model, held.prompts, tpl.end_id, r.args.grpo_max_new)
+    reward = sum(float(r.rl.verifier(tpl.decode(reply), gold)) for reply, gold in zip(replies, held.golds))
+    reward /= len(held.golds)
+    if r.grid.rank == 0:
+        print(f"eval step {step}: held-out reward {reward:.3f} (greedy, {len(held.golds)} prompts)", flush=True)
+    return {"val_reward": reward}
+
+
+def sample_replies(r: Run, step: int) -> list[str]:
+    """--sample-prompts: each prompt's greedy reply (feed.sample_replies, all ranks: tp runs inside),
+    printed on rank 0."""
+    prompts = feed.read_sample_prompts(r.args.sample_prompts)
+    tok = None if r.tpl else export_tokenizer(r.args, r.ds)
+    with G.stage("sample replies (generation)", r.grid), r.opt.gathered():
+        replies = feed.sample_replies(r.model, prompts, tok, r.tpl)
+    if r.grid.rank == 0:
+        for prompt, reply in zip(prompts, replies):
+            print(f"sample step {step}: {prompt!r} → {reply!r}", flush=True)
+    return replies
 
 
 def pipeline_summary(args: argparse.Namespace, cfg: M.LlamaConfig) -> str:
@@ -586,7 +647,8 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops",
+                "fit_to_data", "log_to"}  # fit_to_data: which defaults the data shrank; their values are compared
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 
@@ -614,10 +676,11 @@ def plan_resume(args: argparse.Namespace, grid: G.Grid) -> Path | None:
                 errors.append(f"{line}: {RESUME_ERRORS[k]}, so the saved data position would point elsewhere")
             else:
                 notes.append(line)
-    if 0 < args.steps < step:
+    steps = step if args.steps is None else args.steps  # --epochs: counted in load_data, not yet
+    if 0 < steps < step:
         errors.append(f"--steps {args.steps} is below the checkpoint's step {step}: nothing would be "
                       f"trained (continue with --steps > {step}; --steps 0 only exports)")
-    elif args.steps > step and all(k in saved for k in SCHEDULE):
+    elif steps > step and all(k in saved for k in SCHEDULE):
         if args.steps != saved["steps"]:
             notes.append(f"--steps {args.steps} (checkpoint's run: {saved['steps']}): the cosine decay now "
                          f"ends at step {args.steps}")
@@ -663,6 +726,7 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
     record. A skipped, non-finite step never saves. The ranks wait for each other in the io group
     (long timeout). Rank 0 prunes to --keep inside the save, up to this step only.
     sampler_state: the sampler after this step's batch (feed.Prefetcher.next)."""
+    t0 = time.time()
     if metrics:
         os.fsync(metrics.fileno())
     opt.finish_gathers()  # the checkpoint sees complete parameters (ZeRO-1/2 gather into the next forward)
@@ -674,6 +738,8 @@ def save(args: argparse.Namespace, step: int, opt: Z.DataParallelOptimizer, cfg:
                                keep=args.keep, guard=lock.check if lock else None)
     except OSError as e:  # the same on every rank (a full disk, no shared filesystem...)
         G.fail(str(e), grid)
+    if grid.rank == 0:  # a stop must fit torchrun's --shutdown-timeout: the log shows what a save takes
+        print(f"saved step {step} to {Path(args.save) / f'step_{step:08d}'} in {time.time() - t0:.1f} s", flush=True)
 
 # ------------------------------------------------------------------------------------------ extensions
 # Expert parallelism and compiled layers, as the composition's steps 5, 7 and 8 call them.
@@ -831,3 +897,6 @@ if __name__ == "__main__":
     except G.StageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # peers may be stuck in a collective: exit without waiting for them
+    except KeyboardInterrupt:  # Ctrl-C outside the loop's handler (setup, teardown): nothing to save
+        print("\ninterrupted before training started or after it ended: nothing saved", file=sys.stderr, flush=True)
+        os._exit(PR.exit_status(signal.SIGINT))

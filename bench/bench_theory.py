@@ -35,6 +35,7 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 if __name__ == "__main__" and not __package__:  # run by path: import the library from the root

@@ -9,6 +9,9 @@ interpreters on a 2-core machine) and pinned to one intra-op thread each, so 8 r
 The default process group is initialised before `fn` runs and destroyed after. A rank that raises
 makes the whole call raise with every failing rank's traceback; a call that outlives `timeout`
 kills all ranks and names the ones that never answered — a test never hangs.
+With `cpu_clock=True` the timeout counts the busiest rank's CPU seconds, not wall seconds, and a
+call fails as hung when no rank used any CPU for STALL wall seconds: ranks blocked in a collective
+use none, while a loaded machine still gives every runnable rank some. Load cannot trip it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 import pickle
 import queue
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -70,11 +74,43 @@ def _worker(fn: Callable, rank: int, world: int, port: Any, ready: Any, q: Any, 
 
 
 GRACE = 10.0  # seconds a failed rank's peers get to finish before they are killed
+STALL = 60.0  # wall seconds without any rank's CPU use that mean a hang (cpu_clock=True)
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list:
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process, all its threads (Linux's /proc; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class _CpuClock:
+    """Waits on the result queue in short polls; raises queue.Empty when the busiest rank has used
+    `budget` CPU seconds, or when no rank used any for STALL wall seconds."""
+    def __init__(self, procs: list, budget: float) -> None:
+        self.procs, self.budget = procs, budget
+        self.used = [0.0] * len(procs)
+        self.last_busy = time.monotonic()
+
+    def get(self, q: Any) -> Any:
+        while True:
+            try:
+                return q.get(timeout=1.0)
+            except queue.Empty:
+                now = [max(u, _cpu_seconds(p.pid)) for u, p in zip(self.used, self.procs)]
+                if now != self.used:
+                    self.used, self.last_busy = now, time.monotonic()
+                if max(self.used) > self.budget or time.monotonic() - self.last_busy > STALL:
+                    raise
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, cpu_clock: bool = False,
+              **kwargs: Any) -> list:
     """Run fn(rank, world_size, *args, **kwargs) on world_size forked gloo ranks; return the results
-    ordered by rank."""
+    ordered by rank. `timeout` is in wall seconds, or the busiest rank's CPU seconds with cpu_clock."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port, ready = ctx.Value("i", 0), ctx.Event()  # rank 0's store port, set once it listens
@@ -84,11 +120,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    clock = _CpuClock(procs, timeout) if cpu_clock else None
     try:
         for _ in range(world_size):
             # after a rank's error its peers get a short grace: a peer that fails too (rank 0 printing
             # the run's one error message) finishes; one blocked in a collective is killed below
-            rank, ok, value = q.get(timeout=GRACE if errors else timeout)
+            if clock and not errors:
+                rank, ok, value = clock.get(q)
+            else:
+                rank, ok, value = q.get(timeout=GRACE if errors else timeout)
             if ok:
                 results[rank] = pickle.loads(value)
             else:
@@ -96,7 +136,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     except queue.Empty:
         if not errors:
             missing = sorted(set(range(world_size)) - set(results) - set(errors))
-            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+            within = (f"{timeout:.0f} CPU seconds (or used none for {STALL:.0f}s)" if clock
+                      else f"{timeout:.0f}s")
+            raise TimeoutError(f"ranks {missing} did not finish within {within}") from None
     finally:
         for p in procs:
             p.join(timeout=0 if errors or len(results) < world_size else 5)

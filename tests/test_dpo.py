@@ -223,7 +223,8 @@ def _argv(tmp_path, name: str, *extra: str) -> list[str]:
 
 
 def test_layouts_match_single_process(tmp_path):
-    """Also the step log's implicit rewards: 0 at step 1 (π = r); the layouts' within 1e-5."""
+    """Also the step log's implicit rewards: 0 at step 1 (π = r); the layouts' within 1e-5, and the
+    held-out pairs' (3 of the 32) after the last step."""
     run_ranks(_main, 1, _argv(tmp_path, "single"))
     want = losses(tmp_path / "single.jsonl")
     assert want[0] == pytest.approx(math.log(2), abs=1e-6) and want[-1] < want[0] - 0.01
@@ -235,6 +236,9 @@ def test_layouts_match_single_process(tmp_path):
         assert_curve(losses(tmp_path / f"{name}.jsonl"), want)
         assert_curve(grad_norms(tmp_path / f"{name}.jsonl"), grad_norms(tmp_path / "single.jsonl"))
         assert_rewards(tmp_path / f"{name}.jsonl", tmp_path / "single.jsonl")
+        held = [{k: v for k, v in records(tmp_path / f"{n}.jsonl")[-1].items() if k.startswith("val_reward")}
+                for n in (name, "single")]  # the held-out pairs' rewards after the last step
+        assert len(held[1]) == 4 and held[0] == pytest.approx(held[1], rel=1e-5, abs=1e-5)
 
 
 def records(path) -> list[dict]:

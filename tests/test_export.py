@@ -241,7 +241,7 @@ def test_pretrain_export_then_sft_from_it(dirs, tmp_path, capsys):
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     run_ranks(_main, 1, ["--sft", "--init-from", str(pre), "--data", str(tmp_path / "chats.jsonl"),
                          "--packing", "none", "--seq-len", "32", "--batch-size", "4", "--steps", "1",
-                         "--metrics", str(tmp_path / "sft.jsonl")])
+                         "--val-fraction", "0", "--metrics", str(tmp_path / "sft.jsonl")])  # every chat trains
     loss = json.loads((tmp_path / "sft.jsonl").read_text())["loss"]
     # the run's first batch, and transformers' loss on it (one chat per row, padding ignored)
     ds = sft.SFTDataset(sft.load_jsonl(str(tmp_path / "chats.jsonl"))[0], data.ByteTokenizer(), 32, "none",

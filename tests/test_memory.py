@@ -309,14 +309,13 @@ def _setup_reads_comm(rank: int, world: int, hf_dir: str) -> dict:
     out["leak"] = collectives_leak(meter)
     set_c10_accounting(False)  # the control, last: the accounting is stale from here on
     # gloo's worker drops the last reference only some of the time (a race): up to 5 rounds, until
-    # every rank has seen it. The ranks agree on each further round: a rank that ran one alone would
-    # wait in its reduce-scatter forever.
+    # some rank has seen it (one sighting shows the profiler alone misses it). The ranks agree on
+    # each further round: a rank that ran one alone would wait in its reduce-scatter forever.
     seen = torch.zeros(1, dtype=torch.float64)
     for _ in range(5):
         seen = torch.maximum(seen, torch.tensor([float(collectives_leak(meter))], dtype=torch.float64))
-        everyone = (seen > 0).float()
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-        if everyone.item():
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if seen.item() > 0:
             break
     out["leak_without"] = int(seen.item())
     meter.close()
@@ -327,7 +326,7 @@ def test_setup_reads_and_communication(tmp_path):
     W.save_hf(dict(W.materialize(M.build(CFG), "cpu", seed=0).named_parameters()), CFG, tmp_path)
     n = 4
     psi = CFG.num_params()
-    for out in run_ranks(_setup_reads_comm, n, str(tmp_path), timeout=300):
+    for out in run_ranks(_setup_reads_comm, n, str(tmp_path), timeout=60, cpu_clock=True):  # measured 3 CPU s a rank
         peak, held, largest = out["meta"]
         assert held == 6 * psi // n  # compute shard + fp32 master (Adam's state comes at the first step)
         # the one parameter being read: drawn whole in fp32 (seeded init), its rows, its piece

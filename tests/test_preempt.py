@@ -71,13 +71,14 @@ def straight(dirs):
 
 
 @pytest.mark.parametrize("layout,signum,ranks", [("one", signal.SIGTERM, (0,)), ("dp2", signal.SIGUSR1, (1,)),
-                                                 ("pp2", signal.SIGTERM, (0,))])
+                                                 ("pp2", signal.SIGTERM, (0,)),
+                                                 ("dp2", signal.SIGINT, (0, 1))])  # torchrun forwards Ctrl-C
 def test_signal_mid_run_saves_the_step_reached_and_resume_is_bit_exact(dirs, straight, capfd, layout,
                                                                        signum, ranks):
     """The signal arrives during step 3 (dp 2: on rank 1 only; pp 2: on the first stage only). Every
     rank agrees to stop after step 4 (the agreement is one step late), saves step 4, exits 128 +
     signum; --resume auto then ends on the uninterrupted curve of the same layout, bit for bit."""
-    (world, flags), ck, m = LAYOUTS[layout], dirs / f"ck_sig_{layout}", f"sig_{layout}.jsonl"
+    (world, flags), ck, m = LAYOUTS[layout], dirs / f"ck_sig_{layout}_{signum}", f"sig_{layout}_{signum}.jsonl"
     got = run_ranks(_run, world, argv(dirs, m, "--save", str(ck), *flags), signal_at_step(3, signum, ranks))
     assert got == [128 + signum] * world
     assert newest(ck) == ["step_00000004"] and not (ck / "LOCK.json").exists()
@@ -85,6 +86,46 @@ def test_signal_mid_run_saves_the_step_reached_and_resume_is_bit_exact(dirs, str
     assert [s for s, _ in losses(dirs / m)] == [1, 2, 3, 4]  # flushed before the save
     assert run_ranks(_run, world, argv(dirs, m, "--save", str(ck), "--resume", "auto", *flags)) == [0] * world
     assert losses(dirs / m) == straight[layout]
+
+
+CTRL_C = """import os, signal, sys
+sys.path[:0] = [{root!r}]
+import feed
+real, calls = feed.Prefetcher.next, [0]
+def next_(self):
+    calls[0] += 1
+    if calls[0] in {at!r}:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(self)
+feed.Prefetcher.next = next_
+sys.argv = ["train.py", *{argv!r}]
+import runpy
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def test_ctrl_c_saves_and_a_second_aborts_without_a_traceback(dirs):
+    """`python train.py` as a terminal runs it, Ctrl-C as step 3 starts: the run says what it does,
+    saves step 4 (its step, path and seconds), says how to continue and exits 130. Ctrl-C again
+    during step 4: it aborts at once, exit 130, nothing saved. Neither prints a traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = {}
+    for name, at in (("once", (3,)), ("twice", (3, 4))):
+        ck = dirs / f"ck_ctrl_c_{name}"
+        code = CTRL_C.format(root=str(ROOT), at=at, train=str(ROOT / "train.py"),
+                             argv=argv(dirs, f"ctrl_c_{name}.jsonl", "--save", str(ck), "--steps", "100"))
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        out[name] = (run.returncode, run.stdout, run.stderr, newest(ck) if ck.exists() else [])
+    rc, stdout, stderr, saved = out["once"]
+    assert rc == 130 and saved == ["step_00000004"], (rc, stdout, stderr)
+    assert "interrupt: stopping after the next step (saving it if --save is set)" in stderr
+    assert re.search(rf"saved step 4 to {re.escape(str(dirs))}/ck_ctrl_c_once/step_00000004 in \d+\.\d s", stdout)
+    assert "stopped by SIGINT after step 4: saved" in stdout and "run the same command with --resume auto" in stdout
+    rc, stdout, stderr, saved = out["twice"]
+    assert rc == 130 and saved == [] and "second interrupt: aborting now" in stderr, (rc, stdout, stderr)
+    assert "stopped by" not in stdout
+    for _, stdout, stderr, _ in out.values():
+        assert "Traceback" not in stdout + stderr
 
 
 def _polls(rank: int, world: int) -> tuple[list[int], bool]:

@@ -143,9 +143,13 @@ def sft_reference(setup_dirs):
 def test_packed_sft_matches_single_process(setup_dirs, sft_reference, name, world, extra):
     """Packed rows (position_ids restarting per conversation, attention within each one through
     attention.Documents built by get_batch) through every parallel path give the single-process SFT
-    loss curve. Every run maps the tokenized cache the first one made (rank 0 prepares it)."""
+    loss curve, and its held-out chats' validation loss after the last step. Every run maps the
+    tokenized cache the first one made (rank 0 prepares it)."""
     run_ranks(_main, world, sft_args(setup_dirs, *extra, metrics=f"{name}.jsonl"), timeout=240)
     assert_curve(losses(setup_dirs / f"{name}.jsonl"), sft_reference)
+    val = lambda path: [json.loads(line)["val_loss"] for line in path.read_text().splitlines()  # noqa: E731
+                        if "val_loss" in line]
+    assert_curve(val(setup_dirs / f"{name}.jsonl"), val(setup_dirs / "sft_ref.jsonl"))
 
 
 def test_export_after_parallel_run_loads_in_transformers(setup_dirs, reference):
@@ -201,7 +205,7 @@ def test_validation_messages():
     assert "--pp-layers 'a,b'" in validate(["--pp", "2", "--pp-layers", "a,b"], 2)
     assert ("--batch-size 10 is not divisible by dp size 4 × --micro-batches 2"
             in validate(["--batch-size", "10", "--micro-batches", "2"], 4))
-    assert "--seq-len 100 > max_position_embeddings 64" in validate(["--seq-len", "100"], 1)
+    assert "--seq-len 100 > the model's max_position_embeddings 64" in validate(["--seq-len", "100"], 1)
     tied = M.LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
     assert validate(["--pp", "2", "--zero", "1"], 2, tied) == ""  # tied copies are summed under ZeRO
     assert "--ac-every" in validate(["--ac-every", "2"], 1)
