@@ -35,7 +35,7 @@ Invariants
     - validate returns messages and raises nothing: the user sees every problem at once.
     - A flag's 0 is a value to check, never "use the default" (LESSONS 19).
     - The flags parse before torch loads: each function imports the siblings it calls. So
-      `train.py --help` answers in under a second (tests/test_user_path.py).
+      `train.py --help` answers in under a second (tests/test_small_sets.py).
 
 Builds on: grid.py, grpo.py, model.py, pp.py, pp_schedules.py, sft.py, tp.py, trackers.py, weights.py
     grid.py gives a Grid's world size; grpo.py checks its verifier.
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # the annotations' names. Each function imports what it calls
     import grid as G
     import model as M
 
-PRESETS = ("1b", "8b", "dsv3-small", "dsv3-tiny", "small", "tiny")  # model.PRESETS' names, for --help without torch (tests/test_user_path.py)
+PRESETS = ("1b", "8b", "dsv3-small", "dsv3-tiny", "small", "tiny")  # model.PRESETS' names, for --help without torch (tests/test_small_sets.py)
 
 
 # ------------------------------------------------------------------------------------------ flags

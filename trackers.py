@@ -21,7 +21,7 @@ Run
     tensorboard --logdir out                                                            # then look
 
 Invariants
-    - TensorBoard's scalars equal the JSONL's numbers, step for step (tests/test_user_path.py).
+    - TensorBoard's scalars equal the JSONL's numbers, step for step (tests/test_small_sets.py).
     - A tracker whose package is missing is refused by name before any heavy work (same test).
 
 Builds on: nothing in attotron (train.py calls it).

@@ -189,7 +189,7 @@ def test_grpo_holds_out_prompts_for_a_reward(tmp_path, capfd):
     m = tmp_path / "m.jsonl"
     assert run_ranks(_run, 1, ["--grpo", "--init-from", str(tmp_path / "init"), "--data", str(tmp_path / "p.jsonl"),
                                "--steps", "2", "--eval-every", "1", "--lr", "0", "--batch-size", "2",
-                               "--grpo-group", "2", "--verifier", "test_user_path:length_reward",
+                               "--grpo-group", "2", "--verifier", "test_small_sets:length_reward",
                                "--metrics", str(m)]) == [0]
     out = capfd.readouterr().out
     assert "held out 5 of 50 prompts for the held-out reward" in out and "eval step 2: held-out reward" in out

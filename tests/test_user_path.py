@@ -254,6 +254,7 @@ def test_sft_on_a_folder_and_what_a_folder_skips(tmp_path, capsys):
     write_jsonl(folder / "a.jsonl", CHATS[:2])
     write_jsonl(folder / "b.jsonl", CHATS[2:])
     args = cli.parse_args(["--sft", "--data", str(folder), "--seq-len", "64", "--cache-dir", str(tmp_path / "cache")])
+    args.micro_batches = 1  # train.configure resolves it before the data loads
     ds = feed.load_sft(args, GRID)[0]
     assert ds.stats.conversations == len(CHATS)
     (folder / "notes.txt").write_text("hello")
