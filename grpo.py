@@ -44,7 +44,7 @@ Invariants (tests/test_grpo.py)
       (test_tp2_equals_single_process_on_fixed_rollouts). So do train.py's losses, logs and
       parameters at tp2 and dp2·zero1 (test_trainer_layouts_equal_single_process_on_fixed_rollouts).
     - μ = 2 updates equal the same two written out with torch.optim.AdamW
-      (test_updates_reuse_the_rollout).
+      (test_updates_reuse_the_rollout). A resume keeps the KL reference (test_resume_keeps_the_kl_reference).
     - A short run raises the arithmetic reward (test_short_run_raises_the_arithmetic_reward).
       train.py scores the held-out questions before and after (test_builtin_eval_before_and_after).
 """
@@ -305,6 +305,7 @@ class Trainer:
     advantages, old and reference log-probs. Build it after tp, since it wraps the model's loss_fn.
     Build it after the optimizer has materialized the parameters, too.
     The reference (--grpo-kl > 0) is a copy of the initial parameters, this rank's shards.
+    train.py builds it before --resume loads a checkpoint, from complete (gathered) parameters.
     It runs through torch.func.functional_call: one more copy of the weights, no second module."""
 
     def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):

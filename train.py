@@ -22,6 +22,7 @@ Composition order. Each step is an exact no-op at degree 1, so one code path ser
     8. `zero3.apply_zero` builds fp32 masters and AdamW, with dp gradient sync or ZeRO-1/2/3.
        It goes parameter by parameter through the reader. ZeRO-3 reads only its own shard.
     9. `checkpoint_load.load_checkpoint` (--resume) loads masters, moments, sampler position.
+       It runs after the loss is chosen: DPO's and GRPO's references are the --init-from weights.
 
 Extensions, each at its step
     5. `moe.shard_experts` (--ep): each rank keeps its 1/ep of every MoE layer's experts.
@@ -134,8 +135,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     any exit. A stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + signal."""
     r = configure(argv, cleanup)  # flags, device, config, lock, the checkpoint to resume
     load_data(r)  # the data set, validation split, process grid and sampler
-    build(r)  # model, transforms, optimizer, resume, pipeline chunks
+    build(r)  # model, transforms, optimizer, pipeline chunks
     choose_loss(r)  # tokens, preference pairs (--dpo) or rollouts (--grpo)
+    # after choose_loss: DPO's and GRPO's references are the run's starting weights, not the resumed ones
+    r.start = resume(r.ckpt, r.args, r.opt, r.cfg, r.shards, r.sampler, r.grid)
     announce(r)  # the run's first log lines and its metrics file
     stopped = train(r)  # the steps: each one step, its log, evaluation, saving
     finish(r, stopped)  # export, peak memory, teardown
@@ -182,8 +185,9 @@ def load_data(r: Run) -> None:
 
 
 def build(r: Run) -> None:
-    """The model and its optimizer (steps 3-8), the resumed state (step 9), the pipeline chunks and
-    schedule. The export's tokenizer is read now, so a missing one fails before training."""
+    """The model and its optimizer (steps 3-8), the pipeline chunks and schedule. The resumed
+    state (step 9) comes after choose_loss. The export's tokenizer is read now, so a missing one
+    fails before training."""
     args, grid = r.args, r.grid
     r.meter.phase("setup")  # the memory peak meter's phase, until the first step's data
     try:
@@ -192,7 +196,6 @@ def build(r: Run) -> None:
             r.opt = make_optimizer(args, r.model, r.shards, init, grid)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         G.fail(str(e), grid)
-    r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
     try:
         r.export_tok = export_tokenizer(args, r.ds) if args.export_hf else None
     except (OSError, ValueError) as e:
@@ -251,6 +254,7 @@ def choose_loss(r: Run) -> None:
     target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo
     samples each step's batch from the policy itself. Its sampler gives prompt indices."""
     args = r.args
+    r.opt.finish_gathers()  # the references read complete parameters (ZeRO-1/2 gather lazily)
     r.count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
     if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
         with G.stage("DPO reference log-probs (one forward over every pair)", r.grid):

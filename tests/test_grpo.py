@@ -270,6 +270,22 @@ def test_trainer_layouts_equal_single_process_on_fixed_rollouts(tmp_path, monkey
             assert (params[n] - w).norm() <= 1e-5 * w.norm(), (name, n)
 
 
+def test_resume_keeps_the_kl_reference(tmp_path):
+    """--grpo-kl 0.1 at dp2·ZeRO-1, saved at step 2 and resumed: steps 3-4's loss and KL equal the
+    uninterrupted run's within 1e-5. The KL reference is the --init-from policy, cloned from complete
+    parameters (not the resumed policy, nor a shard new on this rank and stale on the other)."""
+    ck = tmp_path / "ck"
+    run_ranks(_grpo_main, 2, trainer_argv(tmp_path, "straight", "--steps", "4", "--zero", "1",
+                                          "--save", str(ck), "--save-every", "2"))
+    run_ranks(_grpo_main, 2, trainer_argv(tmp_path, "resumed", "--steps", "4", "--zero", "1",
+                                          "--resume", str(ck / "step_00000002")))
+    read = lambda name: [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    want, got = read("straight")[2:], read("resumed")
+    assert [r["step"] for r in got] == [3, 4] and all(r["kl"] > 1e-6 for r in want)
+    for k in ("loss", "kl", "reward_mean"):
+        assert [r[k] for r in got] == pytest.approx([r[k] for r in want], rel=1e-5, abs=1e-7), k
+
+
 def test_updates_reuse_the_rollout(tmp_path, monkeypatch):
     """--grpo-updates 2: one step, two AdamW updates on one rollout batch. The same two written out
     here from the recorded batch (ids, labels, advantages): the old log-probs the initial model's
