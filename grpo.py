@@ -51,6 +51,8 @@ Invariants (tests/test_grpo.py)
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -334,12 +336,27 @@ class Trainer:
         out = torch.func.functional_call(self.model, self.ref, (ids,), kw)  # (B·S,) token losses
         return -out.view(labels.shape)
 
-    def score(self, ro: Rollout, gold: str) -> torch.Tensor:
-        """(G,) rewards: the verifier on each decoded reply, its end token removed.
-        A reply cut at --grpo-max-new is scored as it stands: the verifier decides."""
-        end = self.tpl.end_id
-        return torch.tensor([float(self.verifier(self.tpl.decode(r[:-1] if r and r[-1] == end else r), gold))
-                             for r in ro.replies()])
+    def score(self, ro: Rollout, gold: str) -> tuple[torch.Tensor, str | None]:
+        """(G,) rewards: the verifier on each decoded reply, its end token removed, and the first
+        failure's description (None if none). A reply cut at --grpo-max-new is scored as it stands.
+        A verifier that raises, or returns NaN or a non-number, fails: never a silent 0."""
+        end, out = self.tpl.end_id, []
+        for r in ro.replies():
+            text = self.tpl.decode(r[:-1] if r and r[-1] == end else r)
+            problem = None
+            try:
+                v = self.verifier(text, gold)
+                if not isinstance(v, numbers.Real):
+                    problem = f"returned {v!r} ({type(v).__name__}), not a number"
+                elif math.isnan(v):
+                    problem = "returned NaN"
+            except Exception as e:  # noqa: BLE001 - the user's code: any error is named, then stops the run
+                problem = f"raised {type(e).__name__}: {e}"
+            if problem:
+                return torch.zeros(len(out)), (f"--verifier {self.args.verifier} {problem} on the reply "
+                                               f"{text[:200]!r} (gold {gold!r})")
+            out.append(float(v))
+        return torch.tensor(out), None
 
     @torch.no_grad()
     def rollout_batch(self, opt: Any, ds: PromptSet, rows: list[int], step: int,
@@ -353,7 +370,9 @@ class Trainer:
         seeds = [s for r in rows for s in reply_seeds(hash((a.seed, step, r)) % 2**63, 1, G)]
         ros = rollout(self.model, [ds.prompts[r] for r in rows], G, a.grpo_max_new, self.tpl.end_id, seeds,
                       temperature=a.grpo_temperature)  # one generate call for all the prompts
-        rewards = torch.stack([self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)])  # (P, G)
+        scored = [self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)]
+        agree_verified(next((p for _, p in scored if p), None), self.device)  # before any rank waits elsewhere
+        rewards = torch.stack([t for t, _ in scored])  # (P, G)
         return self.batch(ros, rewards, micro_batches)
 
     @torch.no_grad()
@@ -405,6 +424,28 @@ class Trainer:
                 "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens * mu, 1),
                 "clip_fraction": clipped / max(tokens * mu, 1), "positions": positions * mu,
                 "row_len": by_len / positions}
+
+
+class VerifierError(ValueError):
+    """The verifier failed on some rank. Every rank raises it with the same message (agree_verified)."""
+
+
+def agree_verified(problem: str | None, device: torch.device, group: Any = None) -> None:
+    """Raise VerifierError on every rank of `group` if the verifier failed on any of them.
+    It is the first collective after scoring. A rank whose verifier raised would otherwise leave
+    its peers waiting in the next one (NCCL: until the watchdog's timeout). One all-reduce of a
+    flag per step; only on a failure, an all_gather_object of the messages, so rank 0 names it."""
+    import torch.distributed as dist
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        if problem:
+            raise VerifierError(problem)
+        return
+    flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        msgs: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(msgs, problem, group=group)
+        raise VerifierError("; ".join(f"rank {i}: {m}" for i, m in enumerate(msgs) if m))
 
 
 def stats_text(s: dict[str, float]) -> str:

@@ -337,7 +337,10 @@ def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float,
     args, grid, opt, meter = r.args, r.grid, r.opt, r.meter
     if r.rl:
         with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
-            micro = r.rl.rollout_batch(opt, r.ds, micro[0]["rows"], step, args.micro_batches)
+            try:
+                micro = r.rl.rollout_batch(opt, r.ds, micro[0]["rows"], step, args.micro_batches)
+            except GR.VerifierError as e:  # every rank raises it: one message, exit 2, no hang
+                G.fail(str(e), grid)
     with G.stage("counting the step's target tokens (dp all-reduce)", grid):
         # a device tensor, never read on the host: the loss is divided by it there
         targets = dp.global_count(sum(r.count(m) for m in micro), grid.dp_group)

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -284,6 +285,47 @@ def test_resume_keeps_the_kl_reference(tmp_path):
     assert [r["step"] for r in got] == [3, 4] and all(r["kl"] > 1e-6 for r in want)
     for k in ("loss", "kl", "reward_mean"):
         assert [r[k] for r in got] == pytest.approx([r[k] for r in want], rel=1e-5, abs=1e-7), k
+
+
+def raises_on_rank_1(reply: str, gold: str) -> float:
+    """A verifier with a bug that only one rank's replies reach."""
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise KeyError("no such answer")
+    return 1.0
+
+
+def nan_reward(reply: str, gold: str) -> float:
+    return math.nan
+
+
+def text_reward(reply: str, gold: str) -> str:
+    return "correct"
+
+
+def _status(rank: int, world: int, argv: list[str]) -> int:
+    import train
+    try:
+        train.main(argv)
+        return 0
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("verifier,world,said", [
+    ("raises_on_rank_1", 2, "raised KeyError: 'no such answer' on the reply"),
+    ("nan_reward", 1, "returned NaN on the reply"),
+    ("text_reward", 1, "returned 'correct' (str), not a number on the reply")])
+def test_failing_verifier_stops_every_rank(tmp_path, capfd, verifier, world, said):
+    """A verifier that raises on one rank of two, returns NaN or returns a string: every rank
+    exits with status 2 within 60 s (no rank left waiting in a collective). Rank 0's one message
+    names the verifier, the failure and the reply."""
+    t0 = time.time()
+    argv = trainer_argv(tmp_path, verifier, "--steps", "2", "--verifier", f"test_grpo:{verifier}")
+    assert run_ranks(_status, world, argv, timeout=60) == [2] * world
+    assert time.time() - t0 < 60
+    err = capfd.readouterr().err
+    assert f"error: {'rank 1: ' if world == 2 else ''}--verifier test_grpo:{verifier} {said}" in err, err
 
 
 def test_updates_reuse_the_rollout(tmp_path, monkeypatch):
