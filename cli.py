@@ -148,6 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--grpo-updates", type=int, default=None, help="--grpo: optimizer updates per rollout batch, DeepSeekMath's "
                                                      "μ (default 1); from the second the ratio leaves 1 and the "
                                                      "clip acts")
+    a("--grpo-rollout-rows", type=int, default=None, help="--grpo: rows (replies) per generate call, whole "
+      "groups; 0: as many as keep the KV cache within 4 GiB a rank (default 0)")
     a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' of (reply, gold) → "
                                        "float (default grpo:arithmetic_reward, exact match)")
     a("--timeout", type=float, default=600.0,
@@ -402,7 +404,7 @@ def validate_dpo(args: argparse.Namespace) -> list[str]:
 
 
 GRPO_DEFAULTS = {"grpo_group": 8, "grpo_clip": 0.2, "grpo_kl": 0.0, "grpo_temperature": 1.0, "grpo_max_new": 8,
-                 "grpo_updates": 1, "verifier": "grpo:arithmetic_reward"}
+                 "grpo_updates": 1, "verifier": "grpo:arithmetic_reward", "grpo_rollout_rows": 0}
 
 
 def validate_grpo(args: argparse.Namespace) -> list[str]:
@@ -434,6 +436,9 @@ def validate_grpo(args: argparse.Namespace) -> list[str]:
     for flag in ("grpo_clip", "grpo_temperature"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
             errors.append(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.grpo_rollout_rows and args.grpo_rollout_rows < args.grpo_group:
+        errors.append(f"--grpo-rollout-rows must be 0 (auto) or >= --grpo-group {args.grpo_group} (a call "
+                      f"samples whole groups), got {args.grpo_rollout_rows}")
     if not (math.isfinite(args.grpo_kl) and args.grpo_kl >= 0):
         errors.append(f"--grpo-kl must be >= 0, got {args.grpo_kl}")
     try:

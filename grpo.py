@@ -145,11 +145,22 @@ def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
 
 
 def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
-            seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> list[Rollout]:
+            seeds: list[int], temperature: float = 1.0, top_k: int | None = None,
+            max_rows: int | None = None) -> list[Rollout]:
     """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each.
-    One model.generate call samples them all (the prompts right-padded, their lengths given).
-    Reply i draws with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt
-    and seed only, never on its batch. So each Rollout equals a call for its prompt alone."""
+    One model.generate call per chunk of whole groups, at most max_rows rows (None: one call).
+    A chunk's prompts are right-padded, their lengths given. Reply i draws with seeds[i] (P·G of
+    them, e.g. reply_seeds). A reply depends on its prompt and seed only, never on its batch.
+    So each Rollout equals a call for its prompt alone, whatever the chunks (test_rollout_chunks)."""
+    per = len(prompts) if max_rows is None else max(1, max_rows // group)  # prompts a call
+    return [ro for c in range(0, len(prompts), per)
+            for ro in _rollout(model, prompts[c:c + per], group, max_new_tokens, end_id,
+                               seeds[c * group:(c + per) * group], temperature, top_k)]
+
+
+def _rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
+             seeds: list[int], temperature: float, top_k: int | None) -> list[Rollout]:
+    """rollout's one generate call, for all of `prompts`."""
     # The layout, for prompts of 2 and 3 tokens, G = 1, replies "a b END" and "c END":
     #   ids  p p END     out  p p a b END END     cols  2 3 4     after  F F F
     #        p p p            p p p c END END           3 4 5            F F T
@@ -183,6 +194,27 @@ def _labeled(ids: torch.Tensor, L: int, end_id: int) -> Rollout:
     labels[:, :L - 1] = IGNORE_INDEX
     labels[:, L - 1:][_past_end(ids[:, L:], end_id)] = IGNORE_INDEX
     return Rollout(ids, labels)
+
+
+# ---- refinement: a row cap for the rollouts' KV cache
+ROLLOUT_CACHE_BUDGET = 4 * 2**30  # bytes: the KV cache a rollout call may hold per rank, by default
+
+
+def cache_bytes(model: torch.nn.Module, rows: int, positions: int) -> int:
+    """The KVCache of `rows` rows of `positions` (prompt + new tokens): 2 (k and v) · rows ·
+    positions · Σ over the attention layers of this rank's k_proj width (nkv/tp · head_dim) · the
+    element size. The cache holds k_proj's outputs, so under tp a rank counts its own heads."""
+    ks = [m.k_proj.weight for m in model.modules() if hasattr(m, "k_proj")]
+    return 2 * rows * positions * sum(w.shape[0] for w in ks) * ks[0].element_size()
+
+
+def rollout_rows(model: torch.nn.Module, group: int, positions: int, cap: int = 0,
+                 budget: int = ROLLOUT_CACHE_BUDGET) -> int:
+    """The rows of one rollout call: `cap` (--grpo-rollout-rows) if given, else the most whole
+    groups whose cache_bytes at `positions` fit `budget`. At least one group."""
+    if cap:
+        return cap
+    return max(1, budget // cache_bytes(model, group, positions)) * group
 
 
 # ---- refinement: the trainer's glue (train.py --grpo): verifiers, prompts, a step's micro-batches
@@ -318,6 +350,13 @@ class Trainer:
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
         self.ref = ({n: p.detach().clone() for n, p in model.named_parameters()} if args.grpo_kl > 0
                     else None)
+        # a row's cache holds at most --seq-len positions: longer prompts were dropped (load)
+        self.rows = rollout_rows(model, args.grpo_group, args.seq_len, args.grpo_rollout_rows)
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"GRPO rollouts: up to {self.rows} rows a generate call, a KV cache of at most "
+                  f"{cache_bytes(model, self.rows, args.seq_len) / 2**20:,.1f} MiB a rank"
+                  + ("" if args.grpo_rollout_rows else " (--grpo-rollout-rows 0: within 4 GiB)"), flush=True)
         # Σr, Σr², replies, right (r >= 1), reply tokens, positions (rows × their length L), and
         # positions × L: attention's FLOPs grow with L, and MFU needs them
         self.local = torch.zeros(7, dtype=torch.float64)
@@ -363,13 +402,13 @@ class Trainer:
                       micro_batches: int) -> list[dict[str, torch.Tensor]]:
         """This dp rank's prompts → G scored replies each, as micro-batches of right-padded rows.
         Each holds input_ids, labels, grpo_adv, grpo_old (and grpo_ref). Reply j of prompt r draws
-        with the seed of (--seed, step, r, j): the same in every layout. One generate call samples
-        all the prompts, whatever their lengths."""
+        with the seed of (--seed, step, r, j): the same in every layout. Generate calls of at most
+        `rows` rows (whole groups) sample the prompts, whatever their lengths."""
         a, G = self.args, self.args.grpo_group
         opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
         seeds = [s for r in rows for s in reply_seeds(hash((a.seed, step, r)) % 2**63, 1, G)]
         ros = rollout(self.model, [ds.prompts[r] for r in rows], G, a.grpo_max_new, self.tpl.end_id, seeds,
-                      temperature=a.grpo_temperature)  # one generate call for all the prompts
+                      temperature=a.grpo_temperature, max_rows=self.rows)  # a generate call per chunk
         scored = [self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)]
         agree_verified(next((p for _, p in scored if p), None), self.device)  # before any rank waits elsewhere
         rewards = torch.stack([t for t, _ in scored])  # (P, G)

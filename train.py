@@ -569,7 +569,7 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops", "grpo_rollout_rows"}
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 

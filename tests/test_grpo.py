@@ -107,6 +107,37 @@ def test_rollout_and_reward():
         grpo.load_verifier("grpo:no_such")
 
 
+def test_rollout_chunks(monkeypatch):
+    """max_rows: every chunking (a group a call, two, all at once) gives the same Rollouts to the bit.
+    Each call's KV cache, its tensors' bytes after the call, equals cache_bytes of the call's rows and
+    positions (its longest prompt + 12), so a cap of N rows bounds it by cache_bytes(N, --seq-len)."""
+    cfg = M.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                        initializer_range=0.3)
+    model = W.materialize(M.build(cfg), "cpu", seed=0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (4, 9, 2, 6, 5, 3)]
+    kw = dict(group=3, max_new_tokens=12, end_id=49, temperature=1.0, seeds=grpo.reply_seeds(3, 6, 3))
+    caches, real = [], M.KVCache.__init__
+
+    def made(self, *a, **k):
+        real(self, *a, **k)
+        caches.append(self)
+    monkeypatch.setattr(M.KVCache, "__init__", made)
+    want = grpo.rollout(model, prompts, max_rows=18, **kw)
+    for rows in (18, 6, 3):
+        caches.clear()
+        got = grpo.rollout(model, prompts, max_rows=rows, **kw)
+        assert all(torch.equal(x.ids, y.ids) and torch.equal(x.labels, y.labels) for x, y in zip(got, want))
+        per = rows // 3  # prompts a call
+        longest = [max(map(len, prompts[c:c + per])) for c in range(0, 6, per)]
+        held = [sum(t.nbytes for lc in c.layers.values() for t in (lc.k, lc.v)) for c in caches]
+        assert held == [grpo.cache_bytes(model, rows, n + 12) for n in longest], rows
+    assert grpo.cache_bytes(model, 1, 1) == 2 * 4 * 32 * 4  # k and v · 4 layers · nkv·hd · fp32
+    assert grpo.rollout_rows(model, 3, 21, budget=grpo.cache_bytes(model, 7, 21)) == 6  # whole groups
+    assert grpo.rollout_rows(model, 3, 21, budget=1) == 3 and grpo.rollout_rows(model, 3, 21, cap=9) == 9
+
+
 def _grpo_step(model: M.Llama, ro: "grpo.Rollout", adv: torch.Tensor) -> tuple[float, dict]:
     """One GRPO loss on fixed rollouts (old = the policy's own detached log-probs, a KL to a
     perturbed reference) and the gradients of the replicated parameters (the norms)."""
