@@ -108,9 +108,11 @@ def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, seq: torch.T
     Returns (B, S): [b, j] sums the targets of row b whose dpo_seq is j."""
     B, S = seq.shape
     keep = (labels != IGNORE_INDEX) & (seq >= 0)  # (B, S)
-    slot = (torch.arange(B, device=seq.device)[:, None] * S + seq)[keep]  # (targets,) flat slot
-    sums = token_logps.new_zeros(B * S).index_add(0, slot, token_logps.reshape(B, S)[keep])
-    return sums.view(B, S)
+    # no boolean indexing (a nonzero: a host sync): the other positions add 0 into one spare slot
+    slot = torch.where(keep, torch.arange(B, device=seq.device)[:, None] * S + seq, B * S)  # (B, S) flat slot
+    values = torch.where(keep, token_logps.reshape(B, S), 0.0)  # (B, S)
+    sums = token_logps.new_zeros(B * S + 1).index_add(0, slot.flatten(), values.flatten())
+    return sums[:B * S].view(B, S)
 
 
 def pairs_of(seq: torch.Tensor) -> torch.Tensor:
@@ -180,11 +182,12 @@ class DPOLoss:
         B, S = seq.shape
         pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in sums)  # (B, S//2, 2): slot 2p + half
         keep = pairs_of(seq)  # (B, S//2)
-        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)[keep]  # (pairs,)
+        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)  # (B, S//2)
         self._log_rewards(pol, ref, keep)
-        if reduction == "none":
-            return losses
-        return losses.sum() if reduction == "sum" else losses.mean()
+        if reduction == "none":  # (pairs,): a host sync, never on the training path
+            return losses[keep]
+        total = torch.where(keep, losses, 0.0).sum()  # no boolean indexing, no host sync
+        return total if reduction == "sum" else total / keep.sum()
 
     # --- refinement: layouts that split a pair (a reply per row; cp's shares of a row's tokens)
     def _whole_pairs(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,8 +211,8 @@ class DPOLoss:
     # --- refinement: logging the implicit rewards r̂ = β(π − r), with no host sync in the step
     @torch.no_grad()
     def _log_rewards(self, pol: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> None:
-        r_c, r_r = (self.beta * (pol[..., h] - ref[..., h])[keep] for h in (0, 1))  # (pairs,) each
-        step = torch.stack([r_c.sum(), r_r.sum(), (r_c > r_r).sum(), keep.sum()]).double()  # (4,)
+        r_c, r_r = (torch.where(keep, self.beta * (pol[..., h] - ref[..., h]), 0.0) for h in (0, 1))  # (B, S//2)
+        step = torch.stack([r_c.sum(), r_r.sum(), ((r_c > r_r) & keep).sum(), keep.sum()]).double()  # (4,)
         self.sums = self.sums.to(step.device) + step  # stays on the device: no host read here
 
     def reduce_log(self, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:

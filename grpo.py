@@ -135,8 +135,8 @@ class Rollout:
     labels: torch.Tensor
 
     def replies(self) -> list[list[int]]:
-        keep = self.labels != IGNORE_INDEX  # (G, L + m - 1)
-        return [row[k].tolist() for row, k in zip(self.labels, keep)]
+        """Each row's targets: one host copy of the labels, no boolean indexing on the device."""
+        return [[t for t in row if t != IGNORE_INDEX] for row in self.labels.tolist()]
 
 
 def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:

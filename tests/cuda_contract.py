@@ -15,7 +15,8 @@ What it does
                             asserting what the real CUDA kernels and ProcessGroupNCCL require and
                             meta kernels or the fake group skip. Each rule names the torch source
                             file and function it comes from. `contract.seen` counts the checked
-                            calls, so a test can prove that a branch ran at all.
+                            calls, so a test can prove that a branch ran at all. `contract.syncs`
+                            counts host syncs at the dispatcher (HOST_SYNCS, device→host copies).
     The fake group answers nothing, so all-gathers on the host (pp.py's step check) would read
     garbage: the contract fills a CPU all-gather's output as if every peer had sent this rank's
     input (symmetric peers), which is what a correct layout sends.
@@ -60,7 +61,8 @@ def on_meta(monkeypatch: Any) -> None:
     import ops
     import precision
     monkeypatch.setattr(attention, "use_varlen", lambda q: q.device.type == "meta" and q.dtype in HALF)
-    monkeypatch.setattr(attention, "expand_kv", lambda q: q.device.type == "meta" and q.dtype == torch.float32)
+    monkeypatch.setattr(attention, "expand_kv", lambda q, masked=False: q.device.type == "meta"
+                        and (q.dtype == torch.float32 or masked))
     monkeypatch.setattr(cp, "use_flash", lambda q: q.device.type == "meta" and q.dtype in HALF)
     monkeypatch.setattr(ops, "use_fused_rms_backward", lambda x: x.device.type == "meta")
     monkeypatch.setattr(precision, "use_fused_adamw", lambda t: t.device.type == "meta")
@@ -254,6 +256,21 @@ UNCHECKED = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_au
              "c10d::monitored_barrier_"}
 
 
+# Ops that make the host wait for the device, seen at the dispatcher, so C++-internal ones count too:
+# a scalar read (.item(), bool(t), an int() of a tensor), nonzero (boolean indexing, masked_select's
+# size), equal/is_nonzero (a bool answer). Plus copies from the device into host memory.
+HOST_SYNCS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default, aten.equal.default}
+
+
+def _host_sync(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func in HOST_SYNCS:
+        return True
+    if func is aten._to_copy.default and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+        return kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
+    return (func is aten.copy_.default and args[0].device.type == "cpu"
+            and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta")
+
+
 class _SDPAChoice(TorchFunctionMode):
     """SDPA's backend choice for the stand-in device (meta always runs SDPA's math here). On CUDA,
     aten/src/ATen/native/transformers/cuda/sdp_utils.cpp select_sdp_backend tries flash
@@ -291,9 +308,11 @@ class Contract(TorchDispatchMode):
     a non-contiguous source is first copied into a pageable contiguous temporary (copy_requires_
     temporaries), whose copy blocks the host."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_values: bool = False) -> None:
         super().__init__()
         self.seen: Counter = Counter()
+        self.syncs: Counter = Counter()  # host syncs by op (HOST_SYNCS, device→host copies)
+        self.host_values = host_values  # a meta scalar read answers 0 (False) instead of raising
         self.pinned: set[int] = set()  # data_ptr of the emulated pinned blocks
         self._keep: list[torch.Tensor] = []  # keeps those blocks alive (their pointers unique)
 
@@ -309,6 +328,11 @@ class Contract(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _host_sync(func, args, kwargs):
+            self.seen["host sync"] += 1
+            self.syncs[func.name()] += 1
+            if self.host_values and func is aten._local_scalar_dense.default and args[0].device.type == "meta":
+                return 0
         if func is aten._pin_memory.default:
             x = args[0]
             pinned = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x)
