@@ -180,6 +180,25 @@ def _rule_rms_backward(args: tuple, kwargs: dict) -> None:
           f"weight {None if weight is None else tuple(weight.shape)} must be {tuple(h)}; mask [dx, dw]")
 
 
+def _rule_grouped_mm(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/cuda/GroupedBlas.cpp _grouped_mm_cuda: the fused kernel runs on sm90 and
+    sm100 only (moe.grouped_mm_runs decides; elsewhere it would copy offs to the host and loop).
+    It takes bf16 operands, int32 offsets of one end per group, and 16-byte aligned strides."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    _need(a.dtype == b.dtype == torch.bfloat16, "GroupedBlas.cpp _grouped_mm_cuda", f"bf16 operands, got "
+          f"{a.dtype} and {b.dtype}")
+    _need(offs is not None and offs.dtype == torch.int32 and offs.dim() == 1, "GroupedBlas.cpp _grouped_mm_cuda",
+          f"int32 1-D offsets, got {None if offs is None else (offs.dtype, tuple(offs.shape))}")
+    groups = b.shape[0] if b.dim() == 3 else a.shape[0] if a.dim() == 3 else offs.shape[0]
+    _need(offs.shape[0] == groups, "GroupedBlas.cpp _grouped_mm_cuda", f"one offset per group: {groups} groups, "
+          f"{offs.shape[0]} offsets")
+    for t in (a, b):
+        _need(all(st == 1 or (st * t.element_size()) % 16 == 0 for st in t.stride()),
+              "GroupedBlas.cpp check_valid_strides_and_return_transposed", f"16-byte aligned strides, got "
+              f"{t.stride()} for {tuple(t.shape)} {t.dtype}")
+
+
 def _rule_fused_adamw(args: tuple, kwargs: dict) -> None:
     # aten/src/ATen/native/cuda/FusedAdamWKernel.cu _fused_adamw_kernel_cuda_ →
     # ForeachUtils.h check_fast_path_restrictions: params, grads, exp_avgs, exp_avg_sqs one device,
@@ -233,6 +252,7 @@ RULES: dict[Any, Callable[[tuple, dict], None]] = {
     aten._scaled_dot_product_flash_attention.default: _rule_flash_forward,
     aten._scaled_dot_product_flash_attention_backward.default: _rule_flash_backward,
     aten._fused_rms_norm_backward.default: _rule_rms_backward,
+    aten._grouped_mm.default: _rule_grouped_mm,
     aten._fused_adamw_.default: _rule_fused_adamw,
     aten._fused_adamw_.tensor_lr: _rule_fused_adamw,
     c10d.allreduce_.default: _rule_collective("allreduce", lambda a: _flat(a[0]), lambda a: [], 0),

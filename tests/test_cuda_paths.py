@@ -123,6 +123,9 @@ def test_moe_grouped_mm_bf16(meta):
         seen = one_step(["--micro-batches", "2", "--model", "tiny_moe"], Rows())
     assert calls["grouped"] == 2 * cfg.num_hidden_layers  # every sparse layer, both micro-batches
     assert seen["sdpa flash"] and seen["aten::_fused_adamw_"]
+    # two GEMMs a layer a micro-batch forward; backward's input and weight gradients
+    assert seen["aten::_grouped_mm"] >= 3 * calls["grouped"], seen
+    assert seen["host sync"] == 0  # at the dispatcher: no MoE layer waits for the device (ep = 1)
 
 
 def test_tp_and_sp_at_two_ranks(meta):
