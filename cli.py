@@ -238,6 +238,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     except ValueError as e:
         errors.append(str(e))
     errors += validate_pipeline(args, cfg)
+    if grid.device.type == "cuda" and (queues := PP.connections_problem(args.pp, virtual_stages(args), os.environ)):
+        errors.append(queues)
     errors += validate_moe(args, cfg)
     errors += validate_ep(args, cfg, dp_size * args.cp)
     micro = micro_batches(args, grid.world)
