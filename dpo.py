@@ -20,9 +20,9 @@ How it runs
       they always share a micro-batch. With --packing none a pair is two padded rows.
     - Log-probs without (T, V) logits: `DPOLoss` replaces the model's `loss_fn`. It calls the
       layout's own loss per token (chunked, or tp's vocab-parallel one) and sums per document.
-    - The reference is the starting policy (--init-from), after a resume too: train.py resumes
-      after `precompute_reference` has run it once, forward only, in the training layout. It costs
-      a third of an epoch's compute and 8 bytes a pair, with no second model in memory.
+    - The reference is the starting policy (--init-from), after a resume too. `precompute_reference`
+      runs it once, forward only, in the training layout, before train.py resumes. It costs a third
+      of an epoch's compute and 8 bytes a pair, with no second model in memory.
     - Layouts: tp/sp, pp, dp, ZeRO-0..3 and cp, as in training. Under cp (--packing none only) each
       rank sums its share of a row's tokens, and DPOLoss all-reduces the partial sums.
 
@@ -46,8 +46,7 @@ Invariants (tests/test_dpo.py)
     - DPOLoss equals textbook_dpo_loss, its full-logits form (test_textbook_equals_production).
     - tp2, pp2, zero2 and dp2 give the single process's losses and rewards within 1e-5
       (test_layouts_match_single_process). With --packing none, so do cp2 and cp2·dp2
-      (test_cp_layouts_match_single_process). A resume keeps the reference, at dp2·ZeRO-1 too
-      (test_resume_keeps_the_starting_reference).
+      (test_cp_layouts_match_single_process). A resume keeps the reference (test_resume_keeps_the_starting_reference).
 """
 from __future__ import annotations
 

