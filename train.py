@@ -479,16 +479,21 @@ def write_record(metrics: TextIO | None, record: dict) -> None:
 
 
 def held_out_eval(r: Run, step: int) -> dict[str, float]:
-    """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs
+    """Exact match on the built-in set's held-out questions (feed.evaluate, sharded over dp; tp runs
     inside), printed on rank 0. Greedy first. Under --grpo also sampled as GRPO samples: its
     temperature, G draws a prompt. That is the accuracy GRPO optimizes; greedy shows it only once
     the mode flips."""
-    args, tpl = r.args, r.tpl
+    args, tpl, grid = r.args, r.tpl, r.grid
     with G.stage("held-out eval (generation)", r.grid), r.opt.gathered():
-        out = {"eval_exact_match": feed.evaluate(r.model, None, r.eval_set, template=tpl)}
+        # each dp rank decodes its shard of the answers; the shares sum over dp (cp ranks: the same shard)
+        out = {"eval_exact_match": feed.evaluate(r.model, None, r.eval_set, template=tpl, shard=grid.data)}
         if args.grpo:
             out["eval_sampled"] = feed.evaluate(r.model, None, r.eval_set, template=tpl, samples=args.grpo_group,
-                                                temperature=args.grpo_temperature, seed=args.seed)
+                                                temperature=args.grpo_temperature, seed=args.seed, shard=grid.data)
+        if grid.data[1] > 1:
+            t = torch.tensor(list(out.values()), dtype=torch.float64, device=grid.device)
+            dist.all_reduce(t, group=grid.dp_group)
+            out = dict(zip(out, (t / (grid.at.dp // grid.data[1])).tolist()))
     if r.grid.rank == 0:
         print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
@@ -569,7 +574,8 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "seq_len": "the rows change", "sft": "the rows change", "packing": "the rows change",
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
-                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops", "grpo_rollout_rows"}
+                "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops",
+                "grpo_rollout_rows"}
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 

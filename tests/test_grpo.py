@@ -476,7 +476,8 @@ def test_builtin_eval_before_and_after(tmp_path, monkeypatch, capfd, start200):
     """--grpo on the built-in questions evaluates the held-out ones before step 1 (step 0 in the
     metrics) and after the last step: greedy, and sampled as GRPO samples (its temperature, G draws a
     question, seeded by --seed). Against feed.evaluate on the starting model; at lr 0 the end is the
-    start, so both evals repeat. The start is partly trained: neither number is 0 or 1."""
+    start, so both evals repeat. The start is partly trained: neither number is 0 or 1. At dp2 each
+    rank decodes half the answers, and the all-reduced shares give the same numbers."""
     import sft
     from test_sft import TOK
     from feed import evaluate
@@ -491,6 +492,7 @@ def test_builtin_eval_before_and_after(tmp_path, monkeypatch, capfd, start200):
                 "--steps", "2", "--lr", "0", "--grpo-group", "4", "--grpo-max-new", "4",
                 "--grpo-temperature", "0.8", "--seed", "3", "--metrics", str(tmp_path / "m.jsonl")]
         run_ranks(_grpo_main, 1, argv)
+        run_ranks(_grpo_main, 2, [*argv[:-1], str(tmp_path / "dp2.jsonl")])  # the eval sharded over dp
         greedy = evaluate(start, TOK, held_out, max_new_tokens=8)
         sampled = evaluate(start, TOK, held_out, max_new_tokens=8, temperature=0.8, samples=4, seed=3)
     finally:
@@ -498,6 +500,9 @@ def test_builtin_eval_before_and_after(tmp_path, monkeypatch, capfd, start200):
     records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_exact_match"], r["eval_sampled"]) for r in records if "eval_sampled" in r]
     assert evals == [(0, greedy, sampled), (2, greedy, sampled)] and 0 < sampled < 1 and 0 < greedy < 1, evals
+    dp2 = [json.loads(x) for x in (tmp_path / "dp2.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval_exact_match"], r["eval_sampled"]) for r in dp2 if "eval_sampled" in r] == [
+        (s, pytest.approx(g, abs=1e-12), pytest.approx(x, abs=1e-12)) for s, g, x in evals]
     assert "eval step 0: held-out exact match" in capfd.readouterr().out
 
 
