@@ -124,15 +124,20 @@ def test_rollout_chunks(monkeypatch):
         real(self, *a, **k)
         caches.append(self)
     monkeypatch.setattr(M.KVCache, "__init__", made)
-    want = grpo.rollout(model, prompts, max_rows=18, **kw)
-    for rows in (18, 6, 3):
-        caches.clear()
-        got = grpo.rollout(model, prompts, max_rows=rows, **kw)
-        assert all(torch.equal(x.ids, y.ids) and torch.equal(x.labels, y.labels) for x, y in zip(got, want))
-        per = rows // 3  # prompts a call
-        longest = [max(map(len, prompts[c:c + per])) for c in range(0, 6, per)]
-        held = [sum(t.nbytes for lc in c.layers.values() for t in (lc.k, lc.v)) for c in caches]
-        assert held == [grpo.cache_bytes(model, rows, n + 12) for n in longest], rows
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small GEMMs: threads only contend on the shared 2-core machine
+    try:
+        want = grpo.rollout(model, prompts, max_rows=18, **kw)
+        for rows in (6, 3):
+            caches.clear()
+            got = grpo.rollout(model, prompts, max_rows=rows, **kw)
+            assert all(torch.equal(x.ids, y.ids) and torch.equal(x.labels, y.labels) for x, y in zip(got, want))
+            per = rows // 3  # prompts a call
+            longest = [max(map(len, prompts[c:c + per])) for c in range(0, 6, per)]
+            held = [sum(t.nbytes for lc in c.layers.values() for t in (lc.k, lc.v)) for c in caches]
+            assert held == [grpo.cache_bytes(model, rows, n + 12) for n in longest], rows
+    finally:
+        torch.set_num_threads(threads)
     assert grpo.cache_bytes(model, 1, 1) == 2 * 4 * 32 * 4  # k and v · 4 layers · nkv·hd · fp32
     assert grpo.rollout_rows(model, 3, 21, budget=grpo.cache_bytes(model, 7, 21)) == 6  # whole groups
     assert grpo.rollout_rows(model, 3, 21, budget=1) == 3 and grpo.rollout_rows(model, 3, 21, cap=9) == 9
