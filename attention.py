@@ -164,20 +164,21 @@ def use_varlen(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def expand_kv(q: torch.Tensor) -> bool:
-    """GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half precision
-    only. torch 2.13's memory-efficient kernel (fp32) does not take enable_gqa. (See
+def expand_kv(q: torch.Tensor, masked: bool = False) -> bool:
+    """GQA on CUDA where flash cannot run: expand k/v to the query heads before SDPA. That is fp32
+    (flash takes half precision only), or any dtype under a mask (flash takes none: the KV cache's
+    decode). torch 2.13's memory-efficient kernel does not take enable_gqa. (See
     cuda/sdp_utils.cpp, can_use_mem_efficient_attention; pytorch PR 191085 adds it later.)
-    SDPA would then fall back to its math backend, which saves (B, nh, S, S) fp32 probabilities
-    per layer. Expanded, the efficient kernel runs. It saves 2·(nh − nkv)·hd more elements per
-    token, and nothing S²-sized."""
-    return q.is_cuda and q.dtype == torch.float32
+    SDPA would then fall back to its math backend: an fp32 upcast, (B, nh, S, S) probabilities
+    per layer. Expanded, the efficient kernel runs. It reads nh/nkv times the k/v bytes, and
+    saves nothing S²-sized."""
+    return q.is_cuda and (q.dtype == torch.float32 or masked)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on (b, s, heads, hd) tensors (views, no copies): causal, or under a boolean mask."""
     gqa = q.shape[2] != k.shape[2]
-    if gqa and expand_kv(q):
+    if gqa and expand_kv(q, mask is not None):
         k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))  # (b, s, nh, hd)
         gqa = False
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -169,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--grpo-updates", type=int, default=None, help="--grpo: optimizer updates per rollout batch, DeepSeekMath's "
                                                      "μ (default 1); from the second the ratio leaves 1 and the "
                                                      "clip acts")
+    a("--grpo-rollout-rows", type=int, default=None, help="--grpo: rows (replies) per generate call, whole "
+      "groups; 0: as many as keep the KV cache within 4 GiB a rank (default 0)")
     a("--verifier", default=None, help="--grpo: the reward, 'package.module:function' or 'path/file.py:function' "
                                        "of (reply, gold) → float (default grpo:arithmetic_reward, exact match)")
     a("--timeout", type=float, default=600.0,
@@ -264,6 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list[str]:
     """Every check that needs no heavy work, all reported at once."""
     import deepseek as DS
+    import pp as PP
     import tp as TP
     import weights as W
     errors = []
@@ -287,6 +290,8 @@ def validate(args: argparse.Namespace, cfg: M.LlamaConfig, grid: G.Grid) -> list
     except ValueError as e:
         errors.append(str(e))
     errors += validate_pipeline(args, cfg)
+    if grid.device.type == "cuda" and (queues := PP.connections_problem(args.pp, virtual_stages(args), os.environ)):
+        errors.append(queues)
     errors += validate_moe(args, cfg)
     errors += DS.refusals(args, cfg)  # deepseek_v3's flags not built or not tested
     errors += validate_ep(args, cfg, dp_size * args.cp)
@@ -534,7 +539,7 @@ def validate_dpo(args: argparse.Namespace) -> list[str]:
 
 
 GRPO_DEFAULTS = {"grpo_group": 8, "grpo_clip": 0.2, "grpo_kl": 0.0, "grpo_temperature": 1.0, "grpo_max_new": 8,
-                 "grpo_updates": 1, "verifier": "grpo:arithmetic_reward"}
+                 "grpo_updates": 1, "verifier": "grpo:arithmetic_reward", "grpo_rollout_rows": 0}
 
 
 def validate_grpo(args: argparse.Namespace) -> list[str]:
@@ -566,6 +571,9 @@ def validate_grpo(args: argparse.Namespace) -> list[str]:
     for flag in ("grpo_clip", "grpo_temperature"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
             errors.append(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.grpo_rollout_rows and args.grpo_rollout_rows < args.grpo_group:
+        errors.append(f"--grpo-rollout-rows must be 0 (auto) or >= --grpo-group {args.grpo_group} (a call "
+                      f"samples whole groups), got {args.grpo_rollout_rows}")
     if not (math.isfinite(args.grpo_kl) and args.grpo_kl >= 0):
         errors.append(f"--grpo-kl must be >= 0, got {args.grpo_kl}")
     try:

@@ -20,9 +20,9 @@ How it runs
       they always share a micro-batch. With --packing none a pair is two padded rows.
     - Log-probs without (T, V) logits: `DPOLoss` replaces the model's `loss_fn`. It calls the
       layout's own loss per token (chunked, or tp's vocab-parallel one) and sums per document.
-    - The reference is the starting policy (--init-from). `precompute_reference` runs it once,
-      forward only, in the training layout. It costs a third of an epoch's compute and 8 bytes a
-      pair, with no second model in memory.
+    - The reference is the starting policy (--init-from), after a resume too. `precompute_reference`
+      runs it once, forward only, in the training layout, before train.py resumes. It costs a third
+      of an epoch's compute and 8 bytes a pair, with no second model in memory.
     - Layouts: tp/sp, pp, dp, ZeRO-0..3 and cp, as in training. Under cp (--packing none only) each
       rank sums its share of a row's tokens, and DPOLoss all-reduces the partial sums.
 
@@ -46,7 +46,7 @@ Invariants (tests/test_dpo.py)
     - DPOLoss equals textbook_dpo_loss, its full-logits form (test_textbook_equals_production).
     - tp2, pp2, zero2 and dp2 give the single process's losses and rewards within 1e-5
       (test_layouts_match_single_process). With --packing none, so do cp2 and cp2·dp2
-      (test_cp_layouts_match_single_process).
+      (test_cp_layouts_match_single_process). A resume keeps the reference (test_resume_keeps_the_starting_reference).
 """
 from __future__ import annotations
 
@@ -107,9 +107,11 @@ def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, seq: torch.T
     Returns (B, S): [b, j] sums the targets of row b whose dpo_seq is j."""
     B, S = seq.shape
     keep = (labels != IGNORE_INDEX) & (seq >= 0)  # (B, S)
-    slot = (torch.arange(B, device=seq.device)[:, None] * S + seq)[keep]  # (targets,) flat slot
-    sums = token_logps.new_zeros(B * S).index_add(0, slot, token_logps.reshape(B, S)[keep])
-    return sums.view(B, S)
+    # no boolean indexing (a nonzero: a host sync): the other positions add 0 into one spare slot
+    slot = torch.where(keep, torch.arange(B, device=seq.device)[:, None] * S + seq, B * S)  # (B, S) flat slot
+    values = torch.where(keep, token_logps.reshape(B, S), 0.0)  # (B, S)
+    sums = token_logps.new_zeros(B * S + 1).index_add(0, slot.flatten(), values.flatten())
+    return sums[:B * S].view(B, S)
 
 
 def pairs_of(seq: torch.Tensor) -> torch.Tensor:
@@ -179,11 +181,12 @@ class DPOLoss:
         B, S = seq.shape
         pol, ref = (t[:, :S // 2 * 2].view(B, S // 2, 2) for t in sums)  # (B, S//2, 2): slot 2p + half
         keep = pairs_of(seq)  # (B, S//2)
-        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)[keep]  # (pairs,)
+        losses = dpo_loss(pol[..., 0], pol[..., 1], ref[..., 0], ref[..., 1], self.beta)  # (B, S//2)
         self._log_rewards(pol, ref, keep)
-        if reduction == "none":
-            return losses
-        return losses.sum() if reduction == "sum" else losses.mean()
+        if reduction == "none":  # (pairs,): a host sync, never on the training path
+            return losses[keep]
+        total = torch.where(keep, losses, 0.0).sum()  # no boolean indexing, no host sync
+        return total if reduction == "sum" else total / keep.sum()
 
     # --- refinement: layouts that split a pair (a reply per row; cp's shares of a row's tokens)
     def _whole_pairs(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +210,8 @@ class DPOLoss:
     # --- refinement: logging the implicit rewards r̂ = β(π − r), with no host sync in the step
     @torch.no_grad()
     def _log_rewards(self, pol: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> None:
-        r_c, r_r = (self.beta * (pol[..., h] - ref[..., h])[keep] for h in (0, 1))  # (pairs,) each
-        step = torch.stack([r_c.sum(), r_r.sum(), (r_c > r_r).sum(), keep.sum()]).double()  # (4,)
+        r_c, r_r = (torch.where(keep, self.beta * (pol[..., h] - ref[..., h]), 0.0) for h in (0, 1))  # (B, S//2)
+        step = torch.stack([r_c.sum(), r_r.sum(), ((r_c > r_r) & keep).sum(), keep.sum()]).double()  # (4,)
         self.sums = self.sums.to(step.device) + step  # stays on the device: no host read here
 
     def reduce_log(self, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -268,13 +268,14 @@ def load_sft(args: argparse.Namespace, grid: G.Grid) -> tuple[sft.SFTDataset, sf
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversation],
              max_new_tokens: int = 8, batch_size: int = 64, template: sft.ChatTemplate | None = None,
-             temperature: float = 0.0, samples: int = 1, seed: int = 0) -> float:
+             temperature: float = 0.0, samples: int = 1, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> float:
     """Exact-match accuracy over every assistant turn of eval_set, given the earlier turns as the
     chat so far. At temperature 0 the answers are greedy (model.generate). Above it, each turn gets
     `samples` sampled answers; answer j of turn i draws with the seed of (seed, i, j). The mean of
     their exact matches estimates pass@1: the RL literature's sampled accuracy. Prompts are batched
     shortest first, right-padded (generate's lengths). An answer must end with end_id within
-    max_new_tokens."""
+    max_new_tokens. shard (rank, size): this rank decodes every size-th answer and returns its
+    share of the accuracy (correct / all answers). The shards' values sum to the whole's."""
     if temperature == 0 and samples != 1:
         raise ValueError(f"greedy evaluation draws one answer per turn, not samples={samples}")
     if samples < 1:
@@ -288,6 +289,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, eval_set: list[sft.Conversa
                 prompts.append(tpl.render(turns[:k], True))
                 golds.append(t["content"].strip())
     todo = sorted((len(p), i, j) for i, p in enumerate(prompts) for j in range(samples))  # (length, turn, draw)
+    todo = todo[shard[0]::shard[1]]  # still shortest first; a draw's seed does not depend on its shard
     correct = 0
     for c in range(0, len(todo), batch_size):
         chunk = todo[c:c + batch_size]  # shortest first: little padding

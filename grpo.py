@@ -44,7 +44,7 @@ Invariants (tests/test_grpo.py)
       (test_tp2_equals_single_process_on_fixed_rollouts). So do train.py's losses, logs and
       parameters at tp2 and dp2·zero1 (test_trainer_layouts_equal_single_process_on_fixed_rollouts).
     - μ = 2 updates equal the same two written out with torch.optim.AdamW
-      (test_updates_reuse_the_rollout).
+      (test_updates_reuse_the_rollout). A resume keeps the KL reference (test_resume_keeps_the_kl_reference).
     - A short run raises the arithmetic reward (test_short_run_raises_the_arithmetic_reward).
       train.py scores the held-out questions before and after (test_builtin_eval_before_and_after).
 """
@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -135,8 +137,8 @@ class Rollout:
     labels: torch.Tensor
 
     def replies(self) -> list[list[int]]:
-        keep = self.labels != IGNORE_INDEX  # (G, L + m - 1)
-        return [row[k].tolist() for row, k in zip(self.labels, keep)]
+        """Each row's targets: one host copy of the labels, no boolean indexing on the device."""
+        return [[t for t in row if t != IGNORE_INDEX] for row in self.labels.tolist()]
 
 
 def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
@@ -145,11 +147,22 @@ def reply_seeds(seed: int, prompts: int, group: int) -> list[int]:
 
 
 def rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
-            seeds: list[int], temperature: float = 1.0, top_k: int | None = None) -> list[Rollout]:
+            seeds: list[int], temperature: float = 1.0, top_k: int | None = None,
+            max_rows: int | None = None) -> list[Rollout]:
     """P prompts (token ids, any lengths) → a Rollout of G sampled replies for each.
-    One model.generate call samples them all (the prompts right-padded, their lengths given).
-    Reply i draws with seeds[i] (P·G of them, e.g. reply_seeds). A reply depends on its prompt
-    and seed only, never on its batch. So each Rollout equals a call for its prompt alone."""
+    One model.generate call per chunk of whole groups, at most max_rows rows (None: one call).
+    A chunk's prompts are right-padded, their lengths given. Reply i draws with seeds[i] (P·G of
+    them, e.g. reply_seeds). A reply depends on its prompt and seed only, never on its batch.
+    So each Rollout equals a call for its prompt alone, whatever the chunks (test_rollout_chunks)."""
+    per = len(prompts) if max_rows is None else max(1, max_rows // group)  # prompts a call
+    return [ro for c in range(0, len(prompts), per)
+            for ro in _rollout(model, prompts[c:c + per], group, max_new_tokens, end_id,
+                               seeds[c * group:(c + per) * group], temperature, top_k)]
+
+
+def _rollout(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, end_id: int,
+             seeds: list[int], temperature: float, top_k: int | None) -> list[Rollout]:
+    """rollout's one generate call, for all of `prompts`."""
     # The layout, for prompts of 2 and 3 tokens, G = 1, replies "a b END" and "c END":
     #   ids  p p END     out  p p a b END END     cols  2 3 4     after  F F F
     #        p p p            p p p c END END           3 4 5            F F T
@@ -183,6 +196,27 @@ def _labeled(ids: torch.Tensor, L: int, end_id: int) -> Rollout:
     labels[:, :L - 1] = IGNORE_INDEX
     labels[:, L - 1:][_past_end(ids[:, L:], end_id)] = IGNORE_INDEX
     return Rollout(ids, labels)
+
+
+# ---- refinement: a row cap for the rollouts' KV cache
+ROLLOUT_CACHE_BUDGET = 4 * 2**30  # bytes: the KV cache a rollout call may hold per rank, by default
+
+
+def cache_bytes(model: torch.nn.Module, rows: int, positions: int) -> int:
+    """The KVCache of `rows` rows of `positions` (prompt + new tokens): 2 (k and v) · rows ·
+    positions · Σ over the attention layers of this rank's k_proj width (nkv/tp · head_dim) · the
+    element size. The cache holds k_proj's outputs, so under tp a rank counts its own heads."""
+    ks = [m.k_proj.weight for m in model.modules() if hasattr(m, "k_proj")]
+    return 2 * rows * positions * sum(w.shape[0] for w in ks) * ks[0].element_size()
+
+
+def rollout_rows(model: torch.nn.Module, group: int, positions: int, cap: int = 0,
+                 budget: int = ROLLOUT_CACHE_BUDGET) -> int:
+    """The rows of one rollout call: `cap` (--grpo-rollout-rows) if given, else the most whole
+    groups whose cache_bytes at `positions` fit `budget`. At least one group."""
+    if cap:
+        return cap
+    return max(1, budget // cache_bytes(model, group, positions)) * group
 
 
 # ---- refinement: the trainer's glue (train.py --grpo): verifiers, prompts, a step's micro-batches
@@ -346,6 +380,7 @@ class Trainer:
     Build it after the optimizer has materialized the parameters, too.
     The reference (--grpo-kl > 0) is a copy of the initial trained parameters, this rank's shards.
     Frozen ones (LoRA's base) never change: the reference shares them, so LoRA copies only its adapters.
+    train.py builds it before --resume loads a checkpoint, from complete (gathered) parameters.
     It runs through torch.func.functional_call: no second module."""
 
     def __init__(self, model: torch.nn.Module, args: Any, tpl: Any, device: torch.device):
@@ -356,6 +391,13 @@ class Trainer:
         model.register_forward_pre_hook(self._take_keys, with_kwargs=True)
         self.ref = ({n: p.detach().clone() if p.requires_grad else p.detach() for n, p in model.named_parameters()}
                     if args.grpo_kl > 0 else None)
+        # a row's cache holds at most --seq-len positions: longer prompts were dropped (load)
+        self.rows = rollout_rows(model, args.grpo_group, args.seq_len, args.grpo_rollout_rows)
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"GRPO rollouts: up to {self.rows} rows a generate call, a KV cache of at most "
+                  f"{cache_bytes(model, self.rows, args.seq_len) / 2**20:,.1f} MiB a rank"
+                  + ("" if args.grpo_rollout_rows else " (--grpo-rollout-rows 0: within 4 GiB)"), flush=True)
         # Σr, Σr², replies, right (r >= 1), reply tokens, positions (rows × their length L), and
         # positions × L: attention's FLOPs grow with L, and MFU needs them
         self.local = torch.zeros(7, dtype=torch.float64)
@@ -374,26 +416,43 @@ class Trainer:
         out = torch.func.functional_call(self.model, self.ref, (ids,), kw)  # (B·S,) token losses
         return -out.view(labels.shape)
 
-    def score(self, ro: Rollout, gold: str) -> torch.Tensor:
-        """(G,) rewards: the verifier on each decoded reply, its end token removed.
-        A reply cut at --grpo-max-new is scored as it stands: the verifier decides."""
-        end = self.tpl.end_id
-        return torch.tensor([float(self.verifier(self.tpl.decode(r[:-1] if r and r[-1] == end else r), gold))
-                             for r in ro.replies()])
+    def score(self, ro: Rollout, gold: str) -> tuple[torch.Tensor, str | None]:
+        """(G,) rewards: the verifier on each decoded reply, its end token removed, and the first
+        failure's description (None if none). A reply cut at --grpo-max-new is scored as it stands.
+        A verifier that raises, or returns NaN or a non-number, fails: never a silent 0."""
+        end, out = self.tpl.end_id, []
+        for r in ro.replies():
+            text = self.tpl.decode(r[:-1] if r and r[-1] == end else r)
+            problem = None
+            try:
+                v = self.verifier(text, gold)
+                if not isinstance(v, numbers.Real):
+                    problem = f"returned {v!r} ({type(v).__name__}), not a number"
+                elif math.isnan(v):
+                    problem = "returned NaN"
+            except Exception as e:  # noqa: BLE001 - the user's code: any error is named, then stops the run
+                problem = f"raised {type(e).__name__}: {e}"
+            if problem:
+                return torch.zeros(len(out)), (f"--verifier {self.args.verifier} {problem} on the reply "
+                                               f"{text[:200]!r} (gold {gold!r})")
+            out.append(float(v))
+        return torch.tensor(out), None
 
     @torch.no_grad()
     def rollout_batch(self, opt: Any, ds: PromptSet, rows: list[int], step: int,
                       micro_batches: int) -> list[dict[str, torch.Tensor]]:
         """This dp rank's prompts → G scored replies each, as micro-batches of right-padded rows.
         Each holds input_ids, labels, grpo_adv, grpo_old (and grpo_ref). Reply j of prompt r draws
-        with the seed of (--seed, step, r, j): the same in every layout. One generate call samples
-        all the prompts, whatever their lengths."""
+        with the seed of (--seed, step, r, j): the same in every layout. Generate calls of at most
+        `rows` rows (whole groups) sample the prompts, whatever their lengths."""
         a, G = self.args, self.args.grpo_group
         opt.finish_gathers()  # ZeRO-1/2: generation reads complete parameters
         seeds = [s for r in rows for s in reply_seeds(hash((a.seed, step, r)) % 2**63, 1, G)]
         ros = rollout(self.model, [ds.prompts[r] for r in rows], G, a.grpo_max_new, self.tpl.end_id, seeds,
-                      temperature=a.grpo_temperature)  # one generate call for all the prompts
-        rewards = torch.stack([self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)])  # (P, G)
+                      temperature=a.grpo_temperature, max_rows=self.rows)  # a generate call per chunk
+        scored = [self.score(ro, ds.golds[r]) for ro, r in zip(ros, rows)]
+        agree_verified(next((p for _, p in scored if p), None), self.device)  # before any rank waits elsewhere
+        rewards = torch.stack([t for t, _ in scored])  # (P, G)
         return self.batch(ros, rewards, micro_batches)
 
     @torch.no_grad()
@@ -445,6 +504,28 @@ class Trainer:
                 "accuracy": right / n, "reply_len": tokens / n, "kl": kl / max(tokens * mu, 1),
                 "clip_fraction": clipped / max(tokens * mu, 1), "positions": positions * mu,
                 "row_len": by_len / positions}
+
+
+class VerifierError(ValueError):
+    """The verifier failed on some rank. Every rank raises it with the same message (agree_verified)."""
+
+
+def agree_verified(problem: str | None, device: torch.device, group: Any = None) -> None:
+    """Raise VerifierError on every rank of `group` if the verifier failed on any of them.
+    It is the first collective after scoring. A rank whose verifier raised would otherwise leave
+    its peers waiting in the next one (NCCL: until the watchdog's timeout). One all-reduce of a
+    flag per step; only on a failure, an all_gather_object of the messages, so rank 0 names it."""
+    import torch.distributed as dist
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        if problem:
+            raise VerifierError(problem)
+        return
+    flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        msgs: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(msgs, problem, group=group)
+        raise VerifierError("; ".join(f"rank {i}: {m}" for i, m in enumerate(msgs) if m))
 
 
 def stats_text(s: dict[str, float]) -> str:

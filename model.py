@@ -755,18 +755,44 @@ class LayerCache:
         return attend(q, self.k[:, :P + S], self.v[:, :P + S], see[:, None])  # (B, S, nh, hd)
 
 
+M32 = 0xFFFFFFFF  # the sampler's hash works on 32-bit words held in int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective hash of 32-bit words held in int64 (lowbias32's xor-shift-multiply shape).
+    Both multipliers are odd and below 2^31, so every product stays below 2^63: no overflow."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """seeds (B,) int64 ≥ 0, a decode step → (B, vocab) fp32 standard Gumbel noise.
+    Counter-based: cell (b, t) is a pure function of (seeds[b], step, t). No generator state,
+    so a row's draws never depend on its batch, and the whole batch is one chain of kernels.
+    u keeps 24 bits: exact in fp32, within (0, 1). So the noise is finite, at most about 17.3."""
+    row = _mix32(_mix32(_mix32(seeds & M32) ^ (seeds >> 32)) ^ step)  # (B,): the row's key at this step
+    token = torch.arange(vocab, device=seeds.device)  # (V,)
+    h = _mix32(_mix32(row[:, None] ^ token) ^ row[:, None])  # (B, V)
+    u = ((h >> 8).float() + 0.5) * 2.0**-24  # (B, V) in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-               generators: Sequence[torch.Generator] = ()) -> torch.Tensor:
+               seeds: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
     """logits (B, V) → (B,) token ids: argmax at temperature 0, else a draw from
-    softmax(logits / temperature) over the top_k logits (all if None), row i with generators[i]."""
+    softmax(logits / temperature) over the top_k logits (all if None). Row b draws with seeds[b]
+    at this decode step. Gumbel-max: argmax(logits / T + g) with g standard Gumbel is distributed
+    as softmax(logits / T). One batched chain, no per-row kernel, no host sync."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)  # (B, V)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+    return (logits + gumbel_noise(seeds, step, logits.shape[-1])).argmax(-1)
 
 
 @torch.no_grad()
@@ -791,7 +817,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
                          f"seeds={seeds}")
     if lengths is not None and (len(lengths) != B or not all(1 <= n <= S for n in lengths)):
         raise ValueError(f"lengths={lengths}: one per row, each within 1..{S} (the prompts' width)")
-    gens = [torch.Generator(input_ids.device).manual_seed(int(s)) for s in seeds] if temperature > 0 else []
+    keys = torch.tensor([int(s) % 2**63 for s in seeds], device=input_ids.device) if temperature > 0 else None
     if use_cache is None:
         use_cache = "cache" in inspect.signature(model.forward).parameters
     ends = torch.tensor(lengths if lengths is not None else [S] * B, device=input_ids.device)  # (B,)
@@ -802,12 +828,12 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, eos_id:
     model.eval()
     out, done, nxt = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device), None
     try:
-        for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
             if cache is None:  # the whole prefix again; causal, so a row's cells past its end change nothing
                 logits = model(out)[rows, ends - 1]  # (B, V)
             else:
                 logits = model(out if nxt is None else nxt[:, None], cache=cache)[:, -1]  # (B, V)
-            nxt = next_token(logits, temperature, top_k, gens)  # (B,)
+            nxt = next_token(logits, temperature, top_k, keys, t)  # (B,)
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
                 done |= nxt == eos_id

@@ -43,8 +43,9 @@ Invariants
     - load_balancing_loss equals transformers', with and without a padding mask. Activation
       checkpointing does not count a router twice (test_router_logits_once_under_checkpoint).
     - ep = 2 and ep = 4 give ep = 1's outputs and gradients (test_ep_matches_single_process).
-    - Host syncs per layer: none at ep = 1 with grouped_mm; one for the loop. At ep > 1 exactly one
-      in forward (the counts size the buffers), none in backward. ep = 1 is the same code path.
+    - Host syncs per layer: none at ep = 1 with grouped_mm (CPU, sm90, sm100); one for the loop
+      (other GPUs). At ep > 1 exactly one in forward (the counts size the buffers), none in
+      backward. ep = 1 is the same code path. Counted at the dispatcher (test_cuda_paths.py).
 """
 from __future__ import annotations
 
@@ -130,16 +131,23 @@ class Router(nn.Module):
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `grouped_mm(x, w)` has a kernel for these tensors. CPU (torch >= 2.9): any float
-    dtype, but every stride and the data pointers 16-byte aligned. CUDA: bf16 on sm80+. Meta
-    (the contract tests): always, so the grouped branch is traced there."""
+    """Whether `grouped_mm(x, w)` has its fast kernel for these tensors. Each path's host syncs:
+    - CUDA sm90 and sm100 (H100, H200, B200), bf16: the fused kernel reads the offsets on the
+      device. No host sync.
+    - Other CUDA GPUs (A100, L40S, consumer cards): torch's grouped_mm would copy the offsets to
+      the host (a blocking sync) and run a GEMM per expert. So `False`: the loop runs instead,
+      with one sync a call of its own (counts.tolist()), none under EP (the counts are on the host).
+    - CPU (torch >= 2.9): any float dtype. No device to wait for.
+    CUDA and CPU both need every stride and the data pointers 16-byte aligned.
+    Meta (the contract tests): always, so the grouped branch is traced there."""
     if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "meta":
         return True
     if x.device.type == "cuda":
-        return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    if x.device.type != "cpu":
+        if w.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+            return False
+    elif x.device.type != "cpu":
         return False
     size = x.element_size()
     return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
@@ -160,6 +168,23 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _ZeroIdle(torch.autograd.Function):
+    """Identity on an expert weight (E, ...) whose backward zeroes the gradient of every expert
+    that got no rows. grouped_mm's backward may leave theirs uninitialized (pytorch #172439,
+    Blackwell). torch.where, not a multiply by the mask: 0 · NaN is NaN."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counts)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (counts,) = ctx.saved_tensors
+        used = (counts > 0).view(-1, *[1] * (grad.dim() - 1))  # (E, 1, 1)
+        return torch.where(used, grad, 0.0), None
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -190,6 +215,7 @@ def experts_grouped(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor
     """SwiGLU of each expert's block of x (M, H), as two grouped GEMMs. The rows are sorted by
     expert, counts (E,) rows each. No host sync: the int32 offsets stay on the device."""
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's block
+    gate_up, down = _ZeroIdle.apply(gate_up, counts), _ZeroIdle.apply(down, counts)  # idle experts: grad 0
     # _ContiguousGrad is the identity (CPU's grouped_mm backward needs a contiguous gradient)
     h = _ContiguousGrad.apply(_grouped_mm(x, gate_up.transpose(1, 2), offs=offs))  # (M, 2I)
     a = _SwiGLU.apply(h)  # (M, I): silu(gate)·up of h = [gate | up]

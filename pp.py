@@ -57,7 +57,8 @@ import torch.nn as nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pp_schedules import (B, F, SCHEDULES, W, Action, Comm, Msg, Step, bubble_formula,  # noqa: F401
-                          forward_only, gpipe, interleaved, one_f_one_b, simulate, zero_bubble)
+                          connections_problem, forward_only, gpipe, interleaved, one_f_one_b, simulate,
+                          zero_bubble)
 
 
 # ----------------------------------------------------------------------------------------- the executor

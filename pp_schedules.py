@@ -46,7 +46,7 @@ import argparse
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 F, B, W = "F", "B", "W"  # forward; backward (input gradient, or all of it without W); weight gradient
 
@@ -303,6 +303,39 @@ def one_group(rank: int, peer: int) -> str:
     return "pp"
 
 
+# ---- refinement: hardware queues (CUDA_DEVICE_MAX_CONNECTIONS)
+def hardware_queues(q: int) -> Callable[[int, int], Hashable]:
+    """pair_groups on a device with q hardware queues (CUDA_DEVICE_MAX_CONNECTIONS = q). CUDA maps a
+    rank's streams onto its queues round-robin, in creation order. The compute stream comes first
+    (queue 0). Then NCCL's streams: the predecessor's pair (s-1, s), then the successor's. Under
+    v >= 2 the last stage feeds stage 0: rank 0's predecessor is p-1, and the last rank's successor 0.
+    Streams on one queue run as one FIFO. So at q = 1 a rank's two pair groups share a queue:
+    one_group's order, and its deadlocks, return. The compute stream's share of a queue is not
+    modelled: a NCCL kernel waiting at a queue's head would stall it too."""
+    def queue(rank: int, peer: int) -> Hashable:
+        nccl = 0 if peer == rank - 1 or (rank == 0 and peer > 1) else 1  # predecessor's stream first
+        return "queue", (1 + nccl) % q
+    return queue
+
+
+def connections_problem(p: int, v: int, env: Mapping[str, str]) -> str | None:
+    """The refusal of a CUDA_DEVICE_MAX_CONNECTIONS too small for pp.run_pipeline's pair groups:
+    at p >= 3 with v >= 2 (interleaved, zb) their two NCCL streams must not share a queue
+    (hardware_queues(1) deadlocks: tests/test_pp_schedules.py), nor one with compute. So 3."""
+    raw = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if raw is None or p < 3 or v < 2:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        return f"CUDA_DEVICE_MAX_CONNECTIONS={raw!r} is not a number"
+    if n >= 3:
+        return None
+    return (f"CUDA_DEVICE_MAX_CONNECTIONS={n} with --pp {p} and {v} virtual stages: a rank's two pipeline "
+            f"groups and its compute stream need 3 hardware queues, or the schedule can deadlock "
+            f"(docs/pipeline-nccl.md); unset it or set it to 3 or more for this run")
+
+
 @dataclass
 class SimResult:
     makespan: float
@@ -321,6 +354,7 @@ class _Posted:
     comm: Comm
     post: float
     lane_pos: list[int]  # per message: its index among the messages from src to dst
+    key: tuple = ()  # (rank, its stream): where it waits for the head
     times: dict = None  # message index → completion time
     start: float | None = None  # when it reached the head of its stream
     done: float | None = None
@@ -362,8 +396,8 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
     def post(s: int, c: Comm) -> None:
         if not (0 <= c.peer < p and c.peer != s):
             fail(s, c, f"no stage {c.peer} to talk to")
-        posted = _Posted(s, c, clock[s], [], {})
-        streams.setdefault((s, communicator(s, c.peer)), []).append(posted)
+        posted = _Posted(s, c, clock[s], [], (s, communicator(s, c.peer)), {})
+        streams.setdefault(posted.key, []).append(posted)
         for k, msg in enumerate(c.msgs):
             if msg.send:
                 if Action(msg.payload, msg.microbatch, msg.chunk) not in done[s]:
@@ -405,7 +439,7 @@ def simulate(schedules: Sequence[Sequence[Step]], f_cost: float = 1, b_cost: flo
                         if k in c.times or c.lane_pos[k] >= len(theirs):
                             continue
                         other, j = theirs[c.lane_pos[k]]
-                        if head((peer, key[1])) is other:
+                        if head(other.key) is other:  # the peer's end heads its own stream
                             c.times[k] = other.times[j] = max(c.start, other.start) + comm_cost
                     if len(c.times) < len(c.comm.msgs):
                         break

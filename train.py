@@ -22,6 +22,7 @@ Composition order. Each step is an exact no-op at degree 1, so one code path ser
     8. `zero3.apply_zero` builds fp32 masters and AdamW, with dp gradient sync or ZeRO-1/2/3.
        It goes parameter by parameter through the reader. ZeRO-3 reads only its own shard.
     9. `checkpoint_load.load_checkpoint` (--resume) loads masters, moments, sampler position.
+       It runs after the loss is chosen: DPO's and GRPO's references are the --init-from weights.
 
 Extensions, each at its step
     5. `moe.shard_experts` (--ep): each rank keeps its 1/ep of every MoE layer's experts.
@@ -149,8 +150,10 @@ def run(argv: list[str] | None, cleanup: contextlib.ExitStack) -> None:
     any exit. A stop on SIGTERM/SIGUSR1 saves the step the ranks agreed on and exits 128 + signal."""
     r = configure(argv, cleanup)  # flags, device, config, lock, the checkpoint to resume
     load_data(r)  # the data set, validation split, process grid and sampler
-    build(r)  # model, transforms, optimizer, resume, pipeline chunks
+    build(r)  # model, transforms, optimizer, pipeline chunks
     choose_loss(r)  # tokens, preference pairs (--dpo) or rollouts (--grpo)
+    # after choose_loss: DPO's and GRPO's references are the run's starting weights, not the resumed ones
+    r.start = resume(r.ckpt, r.args, r.opt, r.cfg, r.shards, r.sampler, r.grid)
     announce(r)  # the run's first log lines and its metrics file
     stopped = train(r)  # the steps: each one step, its log, evaluation, saving
     finish(r, stopped)  # export, peak memory, teardown
@@ -203,8 +206,9 @@ def load_data(r: Run) -> None:
 
 
 def build(r: Run) -> None:
-    """The model and its optimizer (steps 3-8), the resumed state (step 9), the pipeline chunks and
-    schedule. The export's tokenizer is read now, so a missing one fails before training."""
+    """The model and its optimizer (steps 3-8), the pipeline chunks and schedule. The resumed
+    state (step 9) comes after choose_loss. The export's tokenizer is read now, so a missing one
+    fails before training."""
     args, grid = r.args, r.grid
     r.meter.phase("setup")  # the memory peak meter's phase, until the first step's data
     try:
@@ -214,7 +218,6 @@ def build(r: Run) -> None:
             r.opt.state_buffers = W.state_buffers(r.model)  # checkpointed with the masters (checkpoint.py)
     except (OSError, ValueError) as e:  # a missing, truncated or mismatched --init-from checkpoint
         G.fail(str(e), grid)
-    r.start = resume(r.ckpt, args, r.opt, r.cfg, r.shards, r.sampler, grid)
     try:
         r.export_tok = export_tokenizer(args, r.ds, r.tpl) if args.export_hf else None
     except (OSError, ValueError) as e:
@@ -280,6 +283,7 @@ def choose_loss(r: Run) -> None:
     target tokens. --dpo counts preference pairs against frozen reference log-probs. --grpo
     samples each step's batch from the policy itself. Its sampler gives prompt indices."""
     args = r.args
+    r.opt.finish_gathers()  # the references read complete parameters (ZeRO-1/2 gather lazily)
     r.count = DPO.count_pairs if args.dpo else lambda m: P.count_targets(m["labels"])
     if args.dpo:  # the DPO loss also sums the step's implicit rewards for the log
         with G.stage("DPO reference log-probs (one forward over every pair)", r.grid):
@@ -368,7 +372,10 @@ def one_step(r: Run, step: int, micro: list[dict]) -> tuple[float, float, float,
     args, grid, opt, meter = r.args, r.grid, r.opt, r.meter
     if r.rl:
         with G.stage("GRPO rollouts (generation, rewards, old log-probs)", grid):
-            micro = r.rl.rollout_batch(opt, r.ds, micro[0]["rows"], step, args.micro_batches)
+            try:
+                micro = r.rl.rollout_batch(opt, r.ds, micro[0]["rows"], step, args.micro_batches)
+            except GR.VerifierError as e:  # every rank raises it: one message, exit 2, no hang
+                G.fail(str(e), grid)
     with G.stage("counting the step's target tokens (dp all-reduce)", grid):
         # a device tensor, never read on the host: the loss is divided by it there
         targets = dp.global_count(sum(r.count(m) for m in micro), grid.dp_group)
@@ -522,16 +529,21 @@ def write_record(metrics: TextIO | None, record: dict, trackers: TK.Trackers | N
 
 
 def held_out_eval(r: Run, step: int) -> dict[str, float]:
-    """Exact match on the built-in set's held-out questions (feed.evaluate, all ranks: tp runs
+    """Exact match on the built-in set's held-out questions (feed.evaluate, sharded over dp; tp runs
     inside), printed on rank 0. Greedy first. Under --grpo also sampled as GRPO samples: its
     temperature, G draws a prompt. That is the accuracy GRPO optimizes; greedy shows it only once
     the mode flips."""
-    args, tpl = r.args, r.tpl
+    args, tpl, grid = r.args, r.tpl, r.grid
     with G.stage("held-out eval (generation)", r.grid), r.opt.gathered():
-        out = {"eval_exact_match": feed.evaluate(r.model, None, r.eval_set, template=tpl)}
+        # each dp rank decodes its shard of the answers; the shares sum over dp (cp ranks: the same shard)
+        out = {"eval_exact_match": feed.evaluate(r.model, None, r.eval_set, template=tpl, shard=grid.data)}
         if args.grpo:
             out["eval_sampled"] = feed.evaluate(r.model, None, r.eval_set, template=tpl, samples=args.grpo_group,
-                                                temperature=args.grpo_temperature, seed=args.seed)
+                                                temperature=args.grpo_temperature, seed=args.seed, shard=grid.data)
+        if grid.data[1] > 1:
+            t = torch.tensor(list(out.values()), dtype=torch.float64, device=grid.device)
+            dist.all_reduce(t, group=grid.dp_group)
+            out = dict(zip(out, (t / (grid.at.dp // grid.data[1])).tolist()))
     if r.grid.rank == 0:
         print(f"eval step {step}: held-out exact match {out['eval_exact_match']:.1%}"
               + (f" greedy, {out['eval_sampled']:.1%} sampled (temperature {args.grpo_temperature:g}, "
@@ -648,7 +660,7 @@ RESUME_ERRORS = {"seed": "the data order changes", "batch_size": "the global bat
                  "overlong": "the rows change", "dpo": "the rows change", "grpo": "the rows change"}
 RESUME_QUIET = {"metrics", "export_hf", "save", "save_every", "resume", "keep", "log_every", "timeout",
                 "io_timeout", "max_bad_steps", "eval_every", "steps", "skip_checksums", "peak_tflops",
-                "fit_to_data", "log_to"}  # fit_to_data: which defaults the data shrank; their values are compared
+                "fit_to_data", "log_to", "grpo_rollout_rows"}  # fit_to_data: which defaults the data shrank; their values are compared
 SCHEDULE = ("lr", "min_lr", "warmup", "steps")
 
 

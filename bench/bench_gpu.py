@@ -20,6 +20,9 @@ What it does
       pinned_copy      host time of feed.to_device (non_blocking) for feed.host_batch's pinned,
                        contiguous micro-batches, and for the same rows pinned as strided views
                        (the old behaviour: the host waits for the copy)
+      decode           model.generate (bf16, GQA, ragged, sampled) with SDPA held to flash and
+                       efficient, its attention kernels, host syncs a decode token, tokens/s, and
+                       bench_generate's ratio against transformers' generate
     Each check records its error, its tolerance and ok; the file ends with "all_ok". Exit status 1
     if any check fails.
 
@@ -57,6 +60,13 @@ import feed
 import fp8 as FP8
 import grid as G
 import ops
+
+
+# decode's models: SmolLM2-135M's shape (GQA 9/3, head_dim 64) at 512 rows, GRPO's default batch
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
+TINY_SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -204,6 +214,62 @@ def pinned_copy(device: torch.device, rows: int, S: int, micro: int, repeats: in
             "contiguous": all(v.is_contiguous() for mb in host for v in mb.values() if isinstance(v, torch.Tensor))}
 
 
+def decode(device: torch.device, dtype: torch.dtype, cfg: dict, B: int, prompt: int, new: int,
+           versus_transformers: bool) -> dict:
+    """model.generate on a random GQA Llama, ragged prompts, sampled. SDPA restricted to flash and
+    efficient: a call that needs math raises, and the check fails. The attention kernels the
+    profiler saw; host syncs a decode token (CUDA's sync debug mode, 0 expected); tokens/s. And
+    bench_generate's ratio against transformers' generate, when transformers is installed."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import model as M
+    import weights as W
+    model = W.materialize(M.build(M.LlamaConfig(**cfg)), device).to(dtype)
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(prompt // 4, prompt + 1, (B,), generator=g).tolist()
+    ids = torch.randint(3, cfg["vocab_size"], (B, prompt), generator=g).to(device)
+    run = lambda n: M.generate(model, ids, n, temperature=1.0, seeds=list(range(B)), lengths=lengths)  # noqa: E731
+    out = {"check": "decode", "dtype": str(dtype), "rows": B, "prompt": prompt, "new": new}
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            run(2)
+            syncs = {}
+            if device.type == "cuda":
+                for n in (2, 6):
+                    torch.cuda.set_sync_debug_mode("warn")
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        run(n)
+                    torch.cuda.set_sync_debug_mode(0)
+                    syncs[n] = sum("synchroniz" in str(w.message) for w in caught)
+                out["host_syncs_per_decode_token"] = (syncs[6] - syncs[2]) / 4
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    run(3)
+                names = {e.key for e in prof.key_averages()}
+                out["attention_kernels"] = sorted(n for n in names if any(
+                    w in n.lower() for w in ("flash", "fmha", "attention", "efficient")))[:6]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(new)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out["tokens_per_s"] = B * new / (time.perf_counter() - t0)
+        out["ok"] = out.get("host_syncs_per_decode_token", 0) == 0
+    except RuntimeError as e:  # sdpa_kernel: no fused kernel for a call
+        out.update(ok=False, error=str(e).splitlines()[0])
+    if versus_transformers:
+        try:
+            from bench import bench_generate
+            out["versus_transformers"] = bench_generate.main(["--device", str(device), "--dtype", "bf16",
+                                                             "--batch", "64", "--new", "64", "--random"])
+        except ImportError as e:
+            out["versus_transformers"] = f"not run: {e}"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_gpu.json", help="where the results go (JSON)")
@@ -227,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         fp32_gqa(device, 2 if big else 1, 2048 if big else 32, 16 if big else 4, 4 if big else 2, 128 if big else 16),
         fp8_linear(device, 16384 if big else 32, 4096 if big else 64, 4096 if big else 32, 20 if big else 2),
         pinned_copy(device, 16 if big else 4, 4096 if big else 32, 8 if big else 2, 20 if big else 2),
+        decode(device, half, SMOLLM2_SHAPE if big else TINY_SHAPE, 512 if big else 3, 256 if big else 6,
+               64 if big else 4, versus_transformers=big),
     ]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
               "torch": torch.__version__, "results": results, "all_ok": all(r["ok"] for r in results)}
@@ -235,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['check']:15s} {'ok ' if r['ok'] else 'FAIL'} "
               + " ".join(f"{k}={v:.2e}" for k, v in r.get("errors", {}).items())
-              + "".join(f" {k}={v:.3f}" for k, v in r.items() if k.endswith("_ms")))
+              + "".join(f" {k}={v:.3f}" for k, v in r.items() if k.endswith("_ms") or k.endswith("_per_s")))
     print(f"results: {args.out}")
     return 0 if report["all_ok"] else 1
 

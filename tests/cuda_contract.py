@@ -15,7 +15,8 @@ What it does
                             asserting what the real CUDA kernels and ProcessGroupNCCL require and
                             meta kernels or the fake group skip. Each rule names the torch source
                             file and function it comes from. `contract.seen` counts the checked
-                            calls, so a test can prove that a branch ran at all.
+                            calls, so a test can prove that a branch ran at all. `contract.syncs`
+                            counts host syncs at the dispatcher (HOST_SYNCS, device→host copies).
     The fake group answers nothing, so all-gathers on the host (pp.py's step check) would read
     garbage: the contract fills a CPU all-gather's output as if every peer had sent this rank's
     input (symmetric peers), which is what a correct layout sends.
@@ -60,7 +61,8 @@ def on_meta(monkeypatch: Any) -> None:
     import ops
     import precision
     monkeypatch.setattr(attention, "use_varlen", lambda q: q.device.type == "meta" and q.dtype in HALF)
-    monkeypatch.setattr(attention, "expand_kv", lambda q: q.device.type == "meta" and q.dtype == torch.float32)
+    monkeypatch.setattr(attention, "expand_kv", lambda q, masked=False: q.device.type == "meta"
+                        and (q.dtype == torch.float32 or masked))
     monkeypatch.setattr(cp, "use_flash", lambda q: q.device.type == "meta" and q.dtype in HALF)
     monkeypatch.setattr(ops, "use_fused_rms_backward", lambda x: x.device.type == "meta")
     monkeypatch.setattr(precision, "use_fused_adamw", lambda t: t.device.type == "meta")
@@ -178,6 +180,25 @@ def _rule_rms_backward(args: tuple, kwargs: dict) -> None:
           f"weight {None if weight is None else tuple(weight.shape)} must be {tuple(h)}; mask [dx, dw]")
 
 
+def _rule_grouped_mm(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/cuda/GroupedBlas.cpp _grouped_mm_cuda: the fused kernel runs on sm90 and
+    sm100 only (moe.grouped_mm_runs decides; elsewhere it would copy offs to the host and loop).
+    It takes bf16 operands, int32 offsets of one end per group, and 16-byte aligned strides."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    _need(a.dtype == b.dtype == torch.bfloat16, "GroupedBlas.cpp _grouped_mm_cuda", f"bf16 operands, got "
+          f"{a.dtype} and {b.dtype}")
+    _need(offs is not None and offs.dtype == torch.int32 and offs.dim() == 1, "GroupedBlas.cpp _grouped_mm_cuda",
+          f"int32 1-D offsets, got {None if offs is None else (offs.dtype, tuple(offs.shape))}")
+    groups = b.shape[0] if b.dim() == 3 else a.shape[0] if a.dim() == 3 else offs.shape[0]
+    _need(offs.shape[0] == groups, "GroupedBlas.cpp _grouped_mm_cuda", f"one offset per group: {groups} groups, "
+          f"{offs.shape[0]} offsets")
+    for t in (a, b):
+        _need(all(st == 1 or (st * t.element_size()) % 16 == 0 for st in t.stride()),
+              "GroupedBlas.cpp check_valid_strides_and_return_transposed", f"16-byte aligned strides, got "
+              f"{t.stride()} for {tuple(t.shape)} {t.dtype}")
+
+
 def _rule_fused_adamw(args: tuple, kwargs: dict) -> None:
     # aten/src/ATen/native/cuda/FusedAdamWKernel.cu _fused_adamw_kernel_cuda_ →
     # ForeachUtils.h check_fast_path_restrictions: params, grads, exp_avgs, exp_avg_sqs one device,
@@ -268,6 +289,7 @@ RULES: dict[Any, Callable[[tuple, dict], None]] = {
     aten._scaled_dot_product_flash_attention.default: _rule_flash_forward,
     aten._scaled_dot_product_flash_attention_backward.default: _rule_flash_backward,
     aten._fused_rms_norm_backward.default: _rule_rms_backward,
+    aten._grouped_mm.default: _rule_grouped_mm,
     aten._fused_adamw_.default: _rule_fused_adamw,
     aten._fused_adamw_.tensor_lr: _rule_fused_adamw,
     aten._scaled_mm.default: _rule_scaled_mm,
@@ -291,6 +313,21 @@ VARLEN = {"torch_attn::_varlen_attn": _rule_varlen, "torch_attn::_varlen_attn_ba
 # collectives that move no data of their own (waits, barriers, autograd wrappers)
 UNCHECKED = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::barrier",
              "c10d::monitored_barrier_"}
+
+
+# Ops that make the host wait for the device, seen at the dispatcher, so C++-internal ones count too:
+# a scalar read (.item(), bool(t), an int() of a tensor), nonzero (boolean indexing, masked_select's
+# size), equal/is_nonzero (a bool answer). Plus copies from the device into host memory.
+HOST_SYNCS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default, aten.equal.default}
+
+
+def _host_sync(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func in HOST_SYNCS:
+        return True
+    if func is aten._to_copy.default and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+        return kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
+    return (func is aten.copy_.default and args[0].device.type == "cpu"
+            and isinstance(args[1], torch.Tensor) and args[1].device.type == "meta")
 
 
 class _SDPAChoice(TorchFunctionMode):
@@ -330,9 +367,11 @@ class Contract(TorchDispatchMode):
     a non-contiguous source is first copied into a pageable contiguous temporary (copy_requires_
     temporaries), whose copy blocks the host."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_values: bool = False) -> None:
         super().__init__()
         self.seen: Counter = Counter()
+        self.syncs: Counter = Counter()  # host syncs by op (HOST_SYNCS, device→host copies)
+        self.host_values = host_values  # a meta scalar read answers 0 (False) instead of raising
         self.pinned: set[int] = set()  # data_ptr of the emulated pinned blocks
         self._keep: list[torch.Tensor] = []  # keeps those blocks alive (their pointers unique)
 
@@ -348,6 +387,11 @@ class Contract(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _host_sync(func, args, kwargs):
+            self.seen["host sync"] += 1
+            self.syncs[func.name()] += 1
+            if self.host_values and func is aten._local_scalar_dense.default and args[0].device.type == "meta":
+                return 0
         if func is aten._pin_memory.default:
             x = args[0]
             pinned = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x)

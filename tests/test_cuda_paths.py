@@ -124,6 +124,9 @@ def test_moe_grouped_mm_bf16(meta):
         seen = one_step(["--micro-batches", "2", "--model", "tiny_moe"], Rows())
     assert calls["grouped"] == 2 * cfg.num_hidden_layers  # every sparse layer, both micro-batches
     assert seen["sdpa flash"] and seen["aten::_fused_adamw_"]
+    # two GEMMs a layer a micro-batch forward; backward's input and weight gradients
+    assert seen["aten::_grouped_mm"] >= 3 * calls["grouped"], seen
+    assert seen["host sync"] == 0  # at the dispatcher: no MoE layer waits for the device (ep = 1)
 
 
 def test_tp_and_sp_at_two_ranks(meta):
@@ -210,6 +213,37 @@ def test_fp32_gqa_takes_a_fused_kernel(meta):
     with pytest.raises(ContractError, match="math fallback"), Contract():
         torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
                                                          is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_generate_takes_fused_attention_and_counts_host_syncs(meta, dtype):
+    """model.generate on the stand-in device: GQA (4 query heads, 2 kv heads), a sliding-window layer,
+    ragged prompts, sampled. Prefill and decode take flash or efficient, never math: the decode's
+    mask with GQA expands k/v. Host syncs at the dispatcher per decode token: 0 without an end token;
+    1 with one (the all-done check that stops decoding). The prefill adds none."""
+    import weights as W
+    cfg = M.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        model_type="qwen2", qkv_bias=True, sliding_window=3,
+                        layer_types=("full_attention", "sliding_attention"))
+    model = W.materialize_buffers(M.build(cfg), META)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    ids = torch.zeros(3, 6, dtype=torch.long, device=META)
+
+    def run(new: int, **kw) -> Counter:
+        with Contract(host_values=True) as contract:
+            out = M.generate(model, ids, new, temperature=1.0, seeds=[1, 2, 3], lengths=[6, 2, 4], **kw)
+        assert out.shape == (3, 6 + new)
+        return contract.seen
+
+    two, five = run(2), run(5)
+    fused = sum(five[k] for k in ("sdpa flash", "sdpa efficient", "torch_attn::_varlen_attn"))
+    assert fused == 2 * 5 and five["host sync"] == two["host sync"] == 0  # every call of both layers
+    assert five["sdpa flash" if dtype == torch.bfloat16 else "sdpa efficient"] >= 1  # the prefill's
+    assert five["sdpa efficient"] >= 2 * 4  # the decode: a mask, expanded k/v
+    two, five = run(2, eos_id=5), run(5, eos_id=5)
+    assert five["host sync"] - two["host sync"] == 3 and two["host sync"] == 2  # one a decode token
 
 
 def _meta_llama() -> M.Llama:

@@ -283,3 +283,16 @@ def test_ep_matches_single_process() -> None:
             close(r["grads"]["gate.weight"], ref.gate.weight.grad)
             # the router's gradient is the same on every rank, bit for bit
             assert torch.equal(r["grads"]["gate.weight"], per_rank[0]["grads"]["gate.weight"])
+
+
+def test_idle_experts_get_zero_gradients_even_from_garbage():
+    """moe._ZeroIdle: an expert with no rows gets a zero weight gradient even when the grouped GEMM's
+    backward leaves its block uninitialized (pytorch #172439; NaN here). A multiply by the mask
+    would keep the NaN; torch.where does not. The used experts' gradients pass unchanged."""
+    w = torch.randn(3, 4, 2, requires_grad=True)
+    counts = torch.tensor([2, 0, 5])
+    garbage = torch.randn(3, 4, 2)
+    garbage[1] = float("nan")
+    moe._ZeroIdle.apply(w, counts).backward(garbage)
+    assert torch.equal(w.grad[1], torch.zeros(4, 2))
+    assert torch.equal(w.grad[0], garbage[0]) and torch.equal(w.grad[2], garbage[2])

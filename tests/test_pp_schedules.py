@@ -197,3 +197,26 @@ def test_no_deadlock_on_nccl_streams():
                         dead = str(e).startswith("deadlock")
                     assert dead == (name in ("interleaved", "zb") and v >= 2 and p >= 3), (name, p, v, m)
     assert pp.default_microbatches("interleaved", 4, 16) == pp.default_microbatches("zb", 4, 16) == 8  # 2p
+
+
+def test_hardware_queues_pin_the_connections_needed():
+    """CUDA_DEVICE_MAX_CONNECTIONS in the simulator (hardware_queues): with one queue a rank's two
+    pair groups share a FIFO, and exactly one_group's deadlocks return (interleaved and zb, v >= 2,
+    p >= 3, at m = 2p, training and forward-only). With 2 queues or more none deadlocks.
+    connections_problem refuses fewer than 3 (the compute stream's queue too) there, and only there."""
+    from pp_schedules import connections_problem, hardware_queues
+    for name, p, v in [(n, p, v) for n in SCHEDULES for p in range(2, 7) for v in VS[n]]:
+        sched = [SCHEDULES[name](2 * p, s, p, v) for s in range(p)]
+        for steps, bwd in ((sched, True), ([forward_only(st) for st in sched], False)):
+            for q in (1, 2, 3):
+                try:
+                    simulate(steps, communicator=hardware_queues(q), backward=bwd)
+                    dead = False
+                except RuntimeError as e:
+                    dead = str(e).startswith("deadlock")
+                assert dead == (q == 1 and name in ("interleaved", "zb") and v >= 2 and p >= 3), (name, p, v, q)
+        for n in ("1", "2", "3", "8"):
+            refused = connections_problem(p, v, {"CUDA_DEVICE_MAX_CONNECTIONS": n}) is not None
+            assert refused == (int(n) < 3 and p >= 3 and v >= 2), (name, p, v, n)
+    assert connections_problem(4, 2, {}) is None and "not a number" in connections_problem(4, 2, {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "x"})

@@ -576,6 +576,10 @@ def test_sampled_evaluate_equals_each_draw_alone():
                                seeds=[hash((5, i, j)) % 2**63])[0, x.shape[1]:].tolist()
                 right += tpl.end_id in new and tpl.decode(new[:new.index(tpl.end_id)]).strip() == gold
         assert acc == right / (3 * len(turns)) and 0 < acc < 1, (acc, right)
+        # train.py's dp shards: each rank decodes every other answer; the shares sum to the whole
+        shares = [evaluate(model, TOK, held_out, max_new_tokens=5, batch_size=7, temperature=1.0, samples=3,
+                           seed=5, shard=(r, 2)) for r in (0, 1)]
+        assert sum(shares) == pytest.approx(acc, abs=1e-12) and min(shares) > 0
         with pytest.raises(ValueError, match="greedy evaluation draws one answer"):
             evaluate(model, TOK, held_out, samples=3)
         with pytest.raises(ValueError, match="at least one draw per turn"):
