@@ -504,7 +504,7 @@ def refusals(args: Any, cfg: M.LlamaConfig) -> list[str]:
         return []
     why = {"--compile": "not tested with MLA and the sigmoid router yet",
            "--dpo": "not tested with deepseek_v3 yet", "--grpo": "not tested with deepseek_v3 yet"}
-    # flags other branches add (LoRA, FP8, Muon): refused here until tested with MLA and the router
+    # LoRA, FP8 and Muon: refused until tested with MLA and the router
     why |= {"--lora": "not tested with MLA's low-rank projections yet", "--fp8": "not tested with deepseek_v3 yet"}
     errors = [f"{flag} with a deepseek_v3 model: {reason}" for flag, reason in why.items()
               if getattr(args, flag[2:].replace("-", "_"), False)]

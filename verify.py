@@ -367,7 +367,7 @@ class Setup:
 def plan_setup(args: argparse.Namespace, cfg: M.LlamaConfig, nproc: int | None) -> tuple[Setup | None, list[str]]:
     """Check the real run's flags (cli.validate at its world), then size the small one."""
     real_world = nproc or implied_world(args)
-    errors = cli.validate(args, cfg, argparse.Namespace(world=real_world))
+    errors = cli.validate(args, cfg, argparse.Namespace(world=real_world, device=torch.device("cpu")))  # the CPU run's checks
     if errors:
         return None, errors
     notes, world = [], real_world

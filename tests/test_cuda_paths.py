@@ -315,7 +315,7 @@ def test_bench_gpu_smoke(tmp_path):
     out = tmp_path / "bench_gpu.json"
     assert bench_gpu.main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["all_ok"] and len(report["results"]) == 7
+    assert report["all_ok"] and len(report["results"]) == 8
     assert bench_gpu.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
 
 

@@ -213,7 +213,8 @@ def test_grpo_reference_is_the_start_sharing_the_frozen_base(setup):
     d, *_ = setup
     model = W.load_hf(d)
     L.apply_lora(model, R, ALPHA, 0.0)
-    trainer = GR.Trainer(model, SimpleNamespace(verifier="grpo:arithmetic_reward", grpo_clip=0.2, grpo_kl=0.1),
+    trainer = GR.Trainer(model, SimpleNamespace(verifier="grpo:arithmetic_reward", grpo_clip=0.2, grpo_kl=0.1,
+                                                 grpo_group=2, seq_len=64, grpo_rollout_rows=0),
                          None, torch.device("cpu"))
     params = dict(model.named_parameters())
     for n, t in trainer.ref.items():  # the base shared, the adapters copied
