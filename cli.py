@@ -37,7 +37,8 @@ Invariants
     - The flags parse before torch loads: each function imports the siblings it calls. So
       `train.py --help` answers in under a second (tests/test_small_sets.py).
 
-Builds on: grid.py, grpo.py, model.py, pp.py, pp_schedules.py, sft.py, tp.py, trackers.py, weights.py
+Builds on: deepseek.py, grid.py, grpo.py, lora.py, model.py, pp.py, pp_schedules.py, sft.py, tp.py,
+trackers.py, weights.py
     grid.py gives a Grid's world size; grpo.py checks its verifier.
 """
 from __future__ import annotations

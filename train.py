@@ -27,8 +27,7 @@ Composition order. Each step is an exact no-op at degree 1, so one code path ser
 Extensions, each at its step
     5. `moe.shard_experts` (--ep): each rank keeps its 1/ep of every MoE layer's experts.
        They stay whole on every tp rank. Their rows of the global (E, ...) tensors join the shard map.
-    7. With --compile, a layer stays eager where a graph break would fall inside its checkpoint.
-       The log names them: packed rows, the cp ring, MoE blocks.
+    7. --compile leaves a layer eager where a graph break would fall in its checkpoint (logged).
     8. The experts reduce and shard over the ranks holding the same experts (grid.replica_group).
        --optimizer muon: `muon.MuonRule` steps the hidden matrices (precision's update-rule seam).
     `--ep N` equals one process: losses, grad norms, resume, export (tests/test_moe_ep.py).
