@@ -15,7 +15,15 @@ The core idea (Ren et al. 2021, "ZeRO-Offload")
 
 Copies
     On CUDA the host buffers are pinned, and every copy is non_blocking on a side stream.
-    Device → host: each gradient piece, at the step's start, after the reduce-scatters landed.
+    Device → host: a bucket's pieces, as soon as its reduce-scatter lands (zero.py's _on_landed).
+    Most land during backward, the last `inflight` at finish(). So the copies overlap backward.
+    The side stream waits for the compute stream, which waited for the reduce-scatter.
+    The step waits for a bucket's copy event before it reads that bucket's host pieces.
+    Stage 2 per micro-batch lands a bucket each micro-batch. Its running sum goes each time.
+    The last copy holds the step's sum. The sync cannot tell which micro-batch is the last.
+    Summing on the host instead would make each add wait for its copy.
+    The next sum adds in place. So its launch makes the compute stream wait for the last copy.
+    A tied embedding's piece is summed at the step (zero.py's _sum_tied). It goes then.
     Host → device: each bucket's bf16 shard. Its all-gather waits for that copy only.
     So the copies of later buckets overlap the next forward's first layers.
     On a CPU-only run the same code runs, with the CPU as the device: the copies are plain copies.
@@ -26,6 +34,8 @@ Run
 Invariants
     - In fp32 on CPU, --offload equals the run without it, bit for bit, at dp 1 and 2, ZeRO-1 and -2.
       Test: tests/test_offload.py::test_offload_equals_the_run_without.
+    - The gradient pieces leave during backward, none at the step, every micro-batch's sums too.
+      Test: tests/test_offload.py::test_gradients_leave_during_backward.
     - Host buffers are pinned and contiguous, so no copy blocks the host (the contract's rule).
       Test: tests/test_offload.py::test_offload_copies_under_the_contract.
 
@@ -44,7 +54,8 @@ HOST = torch.device("cpu")
 
 
 class OffloadOptimizer(ZeroOptimizer):
-    """ZeRO-1/2 whose masters and step are on the host. Overrides the precision.py seam only."""
+    """ZeRO-1/2 whose masters and step are on the host.
+    Overrides the precision.py seam and zero.py's landing hooks only."""
 
     def _make_master(self) -> list[torch.Tensor]:
         device_master = super()._make_master()  # this rank's fp32 pieces, made on the device
@@ -54,22 +65,40 @@ class OffloadOptimizer(ZeroOptimizer):
         self.host_grads = [self._host(torch.zeros_like(m)) for m in device_master]
         # one bf16 staging buffer per bucket, laid out as this rank's slice; its padding stays zero
         self.staging = [self._host(torch.zeros_like(self._slice(b, full))) for b, full in enumerate(self.flat_params)]
-        self.h2d: dict[int, torch.cuda.Event] = {}
+        self.d2h: dict[int, torch.cuda.Event] = {}  # bucket → its last device → host copy
+        self.h2d: dict[int, torch.cuda.Event] = {}  # bucket → its host → device copy
         return master
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         h = t.detach().to(HOST).contiguous()
         return h.pin_memory() if self.pin else h
 
-    def _master_grads(self) -> list[torch.Tensor | None]:
-        """The reduced pieces, copied into the pinned fp32 host buffers. The norm reads the device's."""
-        self._device_grads = super()._master_grads()
+    def _on_landed(self, b: int) -> None:
+        """Bucket b's dp sum is in place, during backward: its pieces leave for the host now.
+        The tied copy's piece is not final yet: _master_grads sends it."""
+        self._to_host(b, {i: self._grad_piece(i) for i in self.buckets[b].index if i != self.tied})
+
+    def _on_reduced(self, b: int) -> None:
+        """A new sum of bucket b will add into its pieces in place (stage 2, every micro-batch).
+        So the compute stream first waits for the last sum's copy, usually done a backward ago."""
+        if b in self.d2h:
+            torch.cuda.current_stream(self.device).wait_event(self.d2h.pop(b))
+
+    def _to_host(self, b: int, grads: dict[int, torch.Tensor]) -> None:
+        """Copy bucket b's pieces into their pinned fp32 host buffers. One event marks them done."""
         with self._on_side():
-            for h, g in zip(self.host_grads, self._device_grads):
-                if g is not None:
-                    h.copy_(g, non_blocking=self.pin)
-        if self.side is not None:
-            self.side.synchronize()  # the host step reads them next
+            for i, g in grads.items():
+                if g.numel():  # a rank may own nothing of a parameter
+                    self.host_grads[i].copy_(g, non_blocking=self.pin)
+            if self.side is not None:
+                self.d2h[b] = self.side.record_event()
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        """The host buffers the landings filled. The norm reads the device's pieces."""
+        self._device_grads = super()._master_grads()  # the tied copy's piece is summed here
+        t = self.tied
+        if t is not None and self._device_grads[t] is not None:
+            self._to_host(self.pieces[t].bucket, {t: self._device_grads[t]})
         return [None if g is None else h for h, g in zip(self.host_grads, self._device_grads)]
 
     def grad_norm(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -77,7 +106,17 @@ class OffloadOptimizer(ZeroOptimizer):
 
     def _step_chunk(self, chunk: list[int], grads: list[torch.Tensor | None],
                     coef: torch.Tensor | None) -> None:
+        self._wait_copies({self.pieces[i].bucket for i in chunk})  # the host reads these pieces next
         super()._step_chunk(chunk, grads, None if coef is None else coef.to(HOST))
+
+    def zero_grad(self) -> None:
+        self._wait_copies(set(self.d2h))  # a skipped step's copies: their device pieces are freed next
+        super().zero_grad()
+
+    def _wait_copies(self, buckets: set[int]) -> None:
+        """The host waits until these buckets' pieces are in its buffers."""
+        for b in buckets & self.d2h.keys():
+            self.d2h.pop(b).synchronize()
 
     def _write_shard(self, b: int, shard: torch.Tensor) -> None:
         """Cast bucket b's pieces into its host staging buffer, then one copy to the device."""

@@ -118,13 +118,15 @@ class ReduceScatterSync(GradSync):
     per_micro_batch (stage 3, stage 2 on request): every backward reduces, and the shards accumulate.
     Each bucket then launches as it completes (docs/zero.md#dppy-the-gradient-buckets).
     Else no_sync is honoured and each bucket is reduced once per step, in `order`.
-    `on_reduced(b)` runs after each launch."""
+    `on_reduced(b)` runs after each launch. `on_landed(b)` runs once its sum is in place."""
 
     def __init__(self, params: list[nn.Parameter], group: Group, buckets: list[Bucket],
                  pieces: list[Piece], reduce_dtype: torch.dtype | None, keep_full: bool,
-                 per_micro_batch: bool, on_reduced: Callable[[int], None], inflight: int = 2,
+                 per_micro_batch: bool, on_reduced: Callable[[int], None],
+                 on_landed: Callable[[int], None], inflight: int = 2,
                  order: list[int] | None = None, groups: list[Group] | None = None):
-        self.pieces, self.keep_full, self.on_reduced = pieces, keep_full, on_reduced
+        self.pieces, self.keep_full = pieces, keep_full
+        self.on_reduced, self.on_landed = on_reduced, on_landed
         self.per_micro_batch = per_micro_batch
         self.grad_shards: list[torch.Tensor | None] = [None] * len(buckets)
         super().__init__(params, group, reduce_dtype=reduce_dtype, buckets=buckets, inflight=inflight,
@@ -163,6 +165,7 @@ class ReduceScatterSync(GradSync):
             self.main[b] = None  # fp32 accumulation, once per step: the reduced shard is all it keeps
         else:
             self.grad_shards[b] += out
+        self.on_landed(b)
 
     def clear(self) -> None:
         super().clear()
@@ -356,20 +359,21 @@ class ZeroOptimizer(DataParallelOptimizer):
         self._order, self._site_pos = self._gather_order(self._model)
         return ReduceScatterSync(self.params, self.group, self.buckets, self.pieces, self.reduce_dtype,
                                  keep_full=self.stage == 1, per_micro_batch=self.per_micro_batch,
-                                 on_reduced=self._on_reduced, inflight=self.inflight,
-                                 order=self._order[::-1], groups=self.reduce_groups)
+                                 on_reduced=self._on_reduced, on_landed=self._on_landed,
+                                 inflight=self.inflight, order=self._order[::-1], groups=self.reduce_groups)
 
     def _master_grads(self) -> list[torch.Tensor | None]:
         """Phase 2's input: this rank's piece of each gradient, dp-summed by phase 1."""
-        grads: list[torch.Tensor | None] = []  # in the reduce dtype
-        for p, pc in zip(self.params, self.pieces):
-            if self.stage == 1 and not self.sync.fp32_grads:  # stage 1 keeps the full .grad
-                g = None if p.grad is None else p.grad.view(-1)[pc.start:pc.start + pc.n]
-            else:
-                shard = self.sync.grad_shards[pc.bucket]
-                g = None if shard is None else shard[pc.shard_start:pc.shard_start + pc.n]
-            grads.append(g)
-        return self._sum_tied(grads)
+        return self._sum_tied([self._grad_piece(i) for i in range(len(self.params))])
+
+    def _grad_piece(self, i: int) -> torch.Tensor | None:
+        """This rank's piece of parameter i's gradient, in the reduce dtype. None before a backward."""
+        pc = self.pieces[i]
+        if self.stage == 1 and not self.sync.fp32_grads:  # stage 1 keeps the full .grad
+            g = self.params[i].grad
+            return None if g is None else g.view(-1)[pc.start:pc.start + pc.n]
+        shard = self.sync.grad_shards[pc.bucket]
+        return None if shard is None else shard[pc.shard_start:pc.shard_start + pc.n]
 
     def _publish(self) -> None:
         """Phase 3: write each updated master piece, cast, into this rank's slice of its bucket's flat.
@@ -448,6 +452,10 @@ class ZeroOptimizer(DataParallelOptimizer):
 
     def _on_reduced(self, b: int) -> None:
         pass  # zero3.py frees a unit here
+
+    def _on_landed(self, b: int) -> None:
+        """Bucket b's dp sum is in its pieces (_grad_piece), in the compute stream's order.
+        A subclass may read them here, during backward, not at the step. Stage 1-2 need nothing."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.per_micro_batch else self.sync.no_sync()
