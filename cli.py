@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "the built-in --sft demo, which trains from scratch)")
     a("--min-lr", type=float, default=None, help="final learning rate of the cosine decay (default lr/10; "
                                                  "lr with --grpo: constant after the warm-up)")
-    a("--warmup", type=int, default=10, help="linear warm-up steps")
+    a("--warmup", type=int, default=None, help="linear warm-up steps (default 10; with --epochs, a tenth of "
+                                                "a run shorter than 20 steps)")
     a("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (not norms/biases)")
     a("--clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
@@ -238,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.val_fraction is None:
         args.val_fraction = 0.01
         args.fit_to_data += ["val_fraction"] if args.data and (args.sft or args.dpo or args.grpo) else []
+    if args.warmup is None:  # --epochs: the run's length is known once the data is (fit_warmup)
+        args.warmup = 10
+        args.fit_to_data += ["warmup"] if args.epochs is not None else []
     rl_demo = args.grpo and args.data is None
     if args.seq_len is None:
         args.seq_len = sft.DEFAULT_SEQ_LEN if (args.sft or args.dpo) and not demo else 256
@@ -639,6 +643,16 @@ def parse_layers(text: str | None) -> list[int] | None:
 def steps_for_epochs(args: argparse.Namespace, steps_per_epoch: int) -> int:
     """--epochs as optimizer steps, once the data set's size is known (train.load_data)."""
     return max(1, math.ceil(args.epochs * steps_per_epoch - 1e-9))  # 3 × 7 steps is 21, not 22
+
+
+def fit_warmup(args: argparse.Namespace) -> str:
+    """A default warm-up longer than half an --epochs run would hold the lr below --lr for most of it.
+    It shrinks to a tenth of the run. Returns the log's note ('' when nothing changed)."""
+    if "warmup" not in args.fit_to_data or 2 * args.warmup <= args.steps:
+        return ""
+    default, args.warmup = args.warmup, args.steps // 10
+    return (f"  --warmup {args.warmup}, not the default {default}: the run has {args.steps} steps "
+            f"(give --warmup to choose)")
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

@@ -200,6 +200,8 @@ def load_data(r: Run) -> None:
                                  remainder="wrap" if chats else "drop")
         if args.epochs is not None:  # the run's length, now that an epoch's steps are known
             args.steps = cli.steps_for_epochs(args, r.sampler.steps_per_epoch)
+            if (note := cli.fit_warmup(args)) and grid.rank == 0:
+                print(note, flush=True)
     except (OSError, ValueError) as e:
         G.fail(str(e), grid)
 

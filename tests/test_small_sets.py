@@ -5,6 +5,7 @@
   refused.
 - SFT on 10 short chats with the defaults: --seq-len shrinks from 1024 to the longest chat's power
   of two and --batch-size to the rows there are, each said in the log; a flag the user gave stays.
+  A default warm-up longer than half an --epochs run shrinks to a tenth of it, said in the log.
 - --log-to tensorboard: its scalars equal the JSONL's (tensorboard's own reader); a tracker whose
   package is missing (wandb here), an unknown one, or one without --metrics is refused by name.
 - `python train.py --help` and a mistyped flag import no torch (python -X importtime lists every
@@ -39,8 +40,7 @@ def chats_file(tmp_path, n: int):
 def test_epochs_and_sft_defaults_fit_a_small_set(tmp_path, capfd):
     """10 chats: they fill fewer rows than a default batch holds."""
     data, m = chats_file(tmp_path, 10), tmp_path / "m.jsonl"
-    assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "3", "--metrics", str(m),
-                               "--warmup", "1"]) == [0]
+    assert run_ranks(_run, 1, ["--sft", "--data", str(data), "--epochs", "3", "--metrics", str(m)]) == [0]
     out = capfd.readouterr().out
     longest = int(re.search(r"--seq-len (\d+), not the default 1024: the longest chat has (\d+) tokens", out).group(2))
     seq = max(64, 1 << (longest - 1).bit_length())
@@ -51,6 +51,9 @@ def test_epochs_and_sft_defaults_fit_a_small_set(tmp_path, capfd):
     assert len(records) == 3  # one step an epoch: every row once
     assert [r["epoch"] for r in records] == [1.0, 2.0, 3.0]
     assert "step 3/3 · loss" in out and "epoch 3.00/3" in out
+    # the default warm-up of 10 would hold a 3-step run below --lr: it shrinks to a tenth of the run
+    assert "--warmup 0, not the default 10: the run has 3 steps (give --warmup to choose)" in out
+    assert records[0]["lr"] == 2e-4  # step 1 at the peak, the cosine's start
 
 
 def test_epochs_count_steps_and_user_flags_stay(tmp_path, capfd):
