@@ -60,9 +60,10 @@ def _stage_tensors(model: Llama, opt: Any, shards: dict[str, Shard], cfg: LlamaC
     params = W.named_state(model)  # the parameters and the state buffers (DeepSeek's router bias)
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     each = getattr(opt, "each_unit_gathered", None)  # ZeRO-3: parameters are shards between uses
-    # what the optimizer does not hold is whole on every dp rank: one more unit (a frozen base:
-    # lora.py; state buffers: DeepSeek's router bias)
-    units = itertools.chain(each(), [[n for n, p in params.items() if not p.requires_grad]]) if each else [list(params)]
+    # ZeRO-3's units hold every parameter, a frozen base (lora.py) too. What is left is whole on
+    # every dp rank: one more unit (state buffers: DeepSeek's router bias)
+    rest = [n for n, p in params.items() if not isinstance(p, torch.nn.Parameter)]
+    units = itertools.chain(each(), [rest]) if each else [list(params)]
     ready, k = {}, 0
     for names in units:
         if at.dp_rank >= ep:

@@ -19,6 +19,7 @@ Layout-free
     A rank keeps the codes of its own slice and every scale of the weight (1/64 byte per weight).
     Its slice's elements find their block from their index in the whole weight.
     So every layout dequantizes to the same values as one process.
+    The codes and scales are frozen parameters (`nf4_codes`, ...). So ZeRO-3 shards them over dp too.
 
 Reference
     Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", §3 (NF4, double
@@ -180,6 +181,9 @@ def apply_qlora(model: nn.Module, full_weight, compute_dtype: torch.dtype = torc
             s = m.shards()["weight"]
             t = shard(t, s.dim, s.start, s.size)
         del m._parameters["weight"]
+        for field in ("codes", "scale_codes", "scale_absmax", "offset"):  # frozen parameters, so ZeRO-3
+            setattr(t, field, nn.Parameter(getattr(t, field), requires_grad=False))  # shards them too
+            setattr(m, f"nf4_{field}", getattr(t, field))
         m.nf4, m.compute_dtype = t, compute_dtype
         m.__class__ = type(f"NF4{type(m).__name__}", (_Quantized, type(m)), {})
         done.append(f"{n}.weight")

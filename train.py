@@ -839,7 +839,8 @@ def fp8_text(args: argparse.Namespace) -> str:
 def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init, grid: G.Grid) -> Z.Init:
     """Step 5's LoRA (--lora R, lora.py): the model frozen, adapters on the targets, after tp split
     the layers. The adapters' shards join the map. The frozen base is filled now, whole on every dp
-    rank; the optimizer builds only the adapters. Returns the reader that also gives the adapters."""
+    rank (ZeRO-3 then shards it); the optimizer trains only the adapters.
+    Returns the reader that also gives the adapters."""
     if not args.lora:
         return init
     LO.apply_lora(model, args.lora, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets.split(",")))

@@ -4,7 +4,7 @@ What it does
     `apply_zero(model, stage, dp_group, cfg, dtype)` builds any ZeRO stage, 0 to 3.
     Stages 0-2 come from zero.apply_zero_0_to_2. Stage 3 is a Zero3Optimizer.
     A trainer offering every stage calls this one (train.py).
-    Stage 3 holds 16Ψ/N bytes a rank between steps (docs/memory.md).
+    Stage 3 holds 16Ψ/N bytes a rank between steps (docs/memory.md). A frozen base adds its bytes / N.
     `gathered()` holds every unit full (evaluation). `each_unit_gathered()` holds one (export.py).
 
 The core idea
@@ -21,6 +21,7 @@ Phase map (one micro-batch, then the step)
     gather again  Zero3Optimizer._pre_backward, when that gradient arrives. Never an embedding's.
     reduce, free  zero.ReduceScatterSync reduces every micro-batch. Zero3Optimizer._on_reduced frees,
                   once every backward begun on the unit is reduced. (zb runs a W after later forwards.)
+    free frozen   Zero3Optimizer._post_backward, at the site's input gradient. A frozen unit is never reduced.
     step          zero.py's phases 1 and 2. Zero3Optimizer._publish writes the persistent shards.
     Refinement: the next `prefetch` sites gather asynchronously, ahead in forward, behind in backward.
     What stage 3 needs of a model, and its cross-feature notes: docs/zero.md#zero-3-units-gathered-only-while-they-run.
@@ -35,16 +36,15 @@ Run
 Invariants
     - zero.py's invariants hold. Stage 3 always accumulates micro-batches in its grad shards.
       Test: tests/test_zero.py::test_zero_dp2_exactness_and_stage3_mechanics.
-    - Forward gathers each unit once. Backward gathers it once more, not the embedding's.
-      Test: the same.
+    - Forward gathers each unit once. Backward gathers it once more, not the embedding's. Test: the same.
     - Other models name their parts. An output without a gradient raises.
       Test: tests/test_foreign.py::test_dp_and_zero_stages_copied_alone.
     - The peak stays within the formula plus zero_memory.peak_extras. Test: tests/test_memory.py::test_zero_peaks_dp2.
     - `teardown()` removes every hook. Test: tests/test_zero.py::test_zero_teardown_leaves_nothing_alive.
     - Virtual pipeline stages share the head's end-of-site hook. It acts for the chunk holding the head.
       Test: tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice.
-    - The parameters of another reduction group (zero.py's parameter → group seam) form units of their own.
-      They are gathered and reduce-scattered over that group. Test: the seam's banner in zero.py.
+    - Another reduction group's parameters (zero.py's seam) form units reduced over it. Test: zero.py's seam banner.
+    - A frozen unit: bytes / N a rank, never reduced. Test: tests/test_lora.py::test_memory_formula_with_a_frozen_base.
 
 Builds on: zero.py, dp.py, precision.py
 """
@@ -80,7 +80,7 @@ def _tensors(out: object) -> list[torch.Tensor]:
 class Zero3Optimizer(ZeroOptimizer):
     """Stage 3: units = [embedding], each decoder layer, [final norm, lm_head], whichever exist.
     A pipeline stage may hold only some. A unit holding nothing but this rank's shard is "free".
-    The hooks come first (the phase map). Then the step's seam. Then how the units are built.
+    The hooks come first (the phase map), then frozen units. Then the step's seam. Then how the units are built.
     `prefetch`: how many sites ahead (forward) or behind (backward) gather asynchronously."""
 
     def __init__(self, model: nn.Module, named_params: Named, cfg: OptimConfig, dtype: torch.dtype,
@@ -92,6 +92,8 @@ class Zero3Optimizer(ZeroOptimizer):
         self._inflight: dict[int, object] = {}  # unit → pending all-gather work
         self._open: dict[int, int] = {}  # unit → backwards begun whose gradients are not reduced yet
         self._pinned = False  # inside gathered(): forwards keep everything gathered
+        self._tail: dict[int, bool] = {}  # site → its last forward's input needs no gradient
+        self._group_of = kw.get("group_of")  # the frozen units' groups too (zero.py's seam)
         super().__init__(named_params, cfg, dtype, group, stage=3, parts=self.parts, **kw)
         head = self.parts.head
         for s, site in enumerate(self.sites):
@@ -102,11 +104,17 @@ class Zero3Optimizer(ZeroOptimizer):
             self.module_handles.append(end.register_forward_hook(partial(self._post_forward, s)))
 
     # ---- gather / free: the hooks of the phase map ------------------------------------------
+    def _unit(self, u: int) -> tuple[torch.Tensor, torch.Tensor, tuple[Group, int, int]]:
+        """Unit u's full flat, this rank's shard, and (group, N, r). Frozen units follow the trained."""
+        T = len(self.buckets)
+        if u < T:
+            return self.flat_params[u], self.param_shards[u], self._group(u)
+        return self.frozen_flats[u - T], self.frozen_shards[u - T], self.frozen_groups[u - T]
+
     def _gather(self, u: int, wait: bool = True) -> None:
         if not self._full[u]:
-            full, shard = self.flat_params[u], self.param_shards[u]
+            full, shard, (group, N, _) = self._unit(u)
             full.untyped_storage().resize_(full.nbytes)
-            group, N, _ = self._group(u)
             self._inflight[u] = launch(dist.all_gather_single, full, shard, group, N)
             self._full[u] = True
         if wait:
@@ -119,7 +127,7 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _free(self, u: int) -> None:
         self._wait(u)  # never free under an in-flight gather
-        self.flat_params[u].untyped_storage().resize_(0)
+        self._unit(u)[0].untyped_storage().resize_(0)
         self._full[u] = False
 
     def _units(self, sites: Iterable[int]) -> list[int]:
@@ -131,6 +139,8 @@ class Zero3Optimizer(ZeroOptimizer):
         if not _in_backward():  # refinement, prefetch. A checkpoint recompute needs none
             for u in self._units(range(s + 1, s + 1 + self.prefetch)):
                 self._gather(u, wait=False)  # the next sites' units, asynchronously
+            if not self._pinned and torch.is_grad_enabled() and self._frozen_in(s):
+                self._hook_input(s, [t for t in _tensors(args) if t.requires_grad])
 
     def _post_forward(self, s: int, module: nn.Module, args: tuple, out: object) -> None:
         if _in_backward() or self._pinned:
@@ -144,16 +154,19 @@ class Zero3Optimizer(ZeroOptimizer):
         # the site's backward starts at the first gradient of any of its outputs (a tensor, or in a
         # tuple or a ModelOutput: the layer's hidden states, the model's (logits, loss))
         outs, fired = [t for t in _tensors(out) if t.requires_grad], []
-        if not outs and self.backward_units[s] and torch.is_grad_enabled():
+        if not outs and not self._frozen_only(s) and torch.is_grad_enabled():
             raise ValueError(f"ZeRO-3: {type(module).__name__}'s forward returned no tensor that requires "
                              "grad (in a tensor, tuple, list or dict), so its unit cannot be gathered for backward")
+        tail = self._tail.pop(s, False)
         for t in outs:
-            self.grad_handles.append(t.register_hook(partial(self._pre_backward_once, s, fired)))
+            self.grad_handles.append(t.register_hook(partial(self._pre_backward_once, s, fired, tail)))
 
-    def _pre_backward_once(self, s: int, fired: list, grad: torch.Tensor) -> None:
+    def _pre_backward_once(self, s: int, fired: list, tail: bool, grad: torch.Tensor) -> None:
         if not fired:  # one output's gradient of this call is enough
             fired.append(True)
             self._pre_backward(s, grad)
+            if tail:  # refinement, frozen units: this backward ends with the site
+                torch.autograd.Variable._execution_engine.queue_callback(partial(self._post_backward, s))
 
     def _pre_backward(self, s: int, grad: torch.Tensor) -> None:
         for u in self.backward_units[s]:
@@ -168,6 +181,30 @@ class Zero3Optimizer(ZeroOptimizer):
         if not self._open[u]:
             self._free(u)  # all of the unit's grads are in: no backward needs its parameters
 
+    # ---- refinement: frozen units, gathered but never reduced (a frozen base: lora.py) -------
+    # A parameter that needs no gradient has no master, no grad shard and no optimizer state.
+    # Its site still shards it, gathers it and frees it, with the trained units' hooks.
+    # Backward reads it on the way to the site's input. So that input's gradient frees it: every reader has run.
+    # A site whose input needs none (layer 0 over a frozen embedding) is the last its backward reaches.
+    # The backward's end frees it (an autograd engine callback).
+    def _frozen_in(self, s: int) -> bool:
+        return any(u >= len(self.buckets) for u in self.backward_units[s])
+
+    def _frozen_only(self, s: int) -> bool:
+        return all(u >= len(self.buckets) for u in self.backward_units[s])  # its output may need no grad
+
+    def _hook_input(self, s: int, inputs: list[torch.Tensor]) -> None:
+        """Free the site's frozen units once its inputs' gradients are in, or at the backward's end."""
+        self._tail[s] = not inputs
+        if inputs:
+            self.grad_handles.append(torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self._post_backward(s)))
+
+    def _post_backward(self, s: int) -> None:
+        for u in self.backward_units[s]:
+            if u >= len(self.buckets):
+                self._on_reduced(u)  # a frozen unit is "reduced" once its site's backward is done
+
     # ---- the seam: the step writes the persistent shards ------------------------------------
     def _publish(self) -> None:
         for u in [u for u, full in enumerate(self._full) if full]:
@@ -181,24 +218,30 @@ class Zero3Optimizer(ZeroOptimizer):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        for u in range(len(self.buckets)):
+        """Every unit full inside. A frozen unit has no master: its shard keeps what changed (lora.merge)."""
+        for u in range(len(self._full)):
             self._gather(u)
         self._pinned = True
         try:
             yield
         finally:
             self._pinned = False
-            for u in range(len(self.buckets)):
+            for u in range(len(self._full)):
+                if u >= len(self.buckets):
+                    full, shard, (_, N, r) = self._unit(u)
+                    shard.copy_(full.view(N, -1)[r])  # (N·S,) → (N, S): row r is this rank's
                 self._free(u)
 
     def each_unit_gathered(self) -> Iterator[list[str]]:
         """One unit gathered at a time, a dp collective each.
         Yields its parameter names while they hold full values. Frees it before the next.
         So a streaming export holds one unit, not the model."""
-        for u in range(len(self.buckets)):
+        names = [[self.names[i] for i in b.index] for b in self.buckets] + \
+            [[self.frozen_names[i] for i in b.index] for b in self.frozen_units]
+        for u, unit in enumerate(names):
             self._gather(u)
             try:
-                yield [self.names[i] for i in self.buckets[u].index]
+                yield unit
             finally:
                 self._free(u)
 
@@ -213,19 +256,23 @@ class Zero3Optimizer(ZeroOptimizer):
     def _buckets(self) -> list[Bucket]:
         self.sites = sites(self.parts)
         where = {id(p): i for i, p in enumerate(self.params)}
+        frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad and id(p) not in where]
+        self.frozen_names, self.frozen_params = [n for n, _ in frozen], [p for _, p in frozen]
+        fwhere = {id(p): i for i, p in enumerate(self.frozen_params)}
         # a parameter outside the parts (a learned position embedding) is a unit of its own, its site
         # the module holding it (placed after the embedding's: where position embeddings run)
         inside = {id(p) for site in self.sites for mod in site for p in mod.parameters()}
-        holders = [mod for mod in self.model.modules()
-                   if any(id(p) in where and id(p) not in inside for p in mod.parameters(recurse=False))]
+        holders = [mod for mod in self.model.modules() if any(
+            (id(p) in where or id(p) in fwhere) and id(p) not in inside for p in mod.parameters(recurse=False))]
         first = int(self.parts.embed is not None)
         self.sites[first:first] = [[mod] for mod in holders]
         units: list[list[int]] = []
         owner: dict[int, int] = {}  # param position → unit (a tied weight belongs to its first site)
+        self.frozen_units, self.frozen_groups, fowner, site_frozen = [], [], {}, []
         self.site_units: list[list[int]] = []
         for site in self.sites:  # a holder's site: its own parameters only (it may be the model)
-            mine = [where[id(p)] for mod in site
-                    for p in mod.parameters(recurse=all(mod is not h for h in holders)) if id(p) in where]
+            params = [p for mod in site for p in mod.parameters(recurse=all(mod is not h for h in holders))]
+            mine = [where[id(p)] for p in params if id(p) in where]
             new = [i for i in dict.fromkeys(mine) if i not in owner]
             # the tied copy is a unit of its own. So is each other reduction group's part (zero.py's seam)
             for unit in [[i for i in new if i != self.tied and self.classes[i] == c]
@@ -234,13 +281,33 @@ class Zero3Optimizer(ZeroOptimizer):
                     owner.update({i: len(units) for i in unit})
                     units.append(unit)
             self.site_units.append(sorted({owner[i] for i in mine}))
+            fmine = [fwhere[id(p)] for p in params if id(p) in fwhere]
+            self._add_frozen([i for i in dict.fromkeys(fmine) if i not in fowner], fowner)
+            site_frozen.append(sorted({fowner[i] for i in fmine}))
+        # the frozen units are numbered after the trained ones
+        self.site_units = [us + [len(units) + f for f in fs] for us, fs in zip(self.site_units, site_frozen)]
         # what each site's backward reads: an embedding's backward reads only the ids (a lookup's
         # gradient is scattered by index), so its unit is not gathered again for backward
         lookup = lambda site: site == [self.parts.embed] or (  # noqa: E731
             len(site) == 1 and isinstance(site[0], nn.Embedding))
         self.backward_units = [[] if lookup(site) else units for site, units in zip(self.sites, self.site_units)]
-        self._full = [False] * len(units)
+        self._full = [False] * (len(units) + len(self.frozen_units))
         return [layout(u, self.params, pad_to=self.class_groups[self.classes[u[0]]][1]) for u in units]
+
+    def _add_frozen(self, new: list[int], owner: dict[int, int]) -> None:
+        """A site's new frozen parameters as units. One per dtype (NF4's codes are uint8) and group."""
+        kinds: dict[tuple, list[int]] = {}
+        groups: dict[int, Group] = {}
+        for i in new:
+            placed = self._group_of(self.frozen_names[i]) if self._group_of else None
+            group = self.group if placed is None else placed[0]
+            groups[id(group)] = group
+            kinds.setdefault((self.frozen_params[i].dtype, id(group)), []).append(i)
+        for (_, g), unit in kinds.items():
+            N = dist.get_world_size(groups[g]) if dist.is_initialized() else 1
+            owner.update({i: len(self.frozen_units) for i in unit})
+            self.frozen_groups.append((groups[g], N, dist.get_rank(groups[g]) if N > 1 else 0))
+            self.frozen_units.append(layout(unit, self.frozen_params, pad_to=N))
 
     def _make_master(self) -> list[torch.Tensor]:
         """Shard by shard. For each unit, this rank's compute-dtype shard and fp32 master pieces
@@ -264,7 +331,24 @@ class Zero3Optimizer(ZeroOptimizer):
                 _place(self.params[i], view)
             self.flat_params.append(full)
             self.param_shards.append(shard)
+        self._shard_frozen()
         return master
+
+    def _shard_frozen(self) -> None:
+        """The frozen units: each rank keeps its shard of the values they hold now. No master."""
+        self.frozen_flats, self.frozen_shards = [], []
+        for bucket, (_, N, r) in zip(self.frozen_units, self.frozen_groups):
+            ps = [self.frozen_params[i] for i in bucket.index]
+            if any(p.is_meta for p in ps):
+                raise ValueError("ZeRO-3 shards a frozen parameter from its values: materialize it first "
+                                 "(lora.materialize_frozen)")
+            full = torch.zeros(bucket.size, dtype=ps[0].dtype, device=self.device)  # (size,)
+            for p, off in zip(ps, bucket.offsets):
+                full[off:off + p.numel()].copy_(p.detach().reshape(-1))  # (numel,)
+                _place(p, full[off:off + p.numel()].view_as(p))
+            self.frozen_shards.append(full.view(N, -1)[r].clone())  # (N·S,) → (N, S): row r is mine
+            full.untyped_storage().resize_(0)  # the parameters' views hold no memory until gathered
+            self.frozen_flats.append(full)
 
 
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,

@@ -126,12 +126,13 @@ def fp8_gather_bytes(psi: int, linear: int, tensors: int, n: int) -> tuple[float
 # ---- refinement: a frozen base (lora.py, qlora.py)
 # The optimizer holds only the trained parameters (the adapters): the ZeRO table applies to them.
 # The frozen base has no gradient, no master and no optimizer state: only its compute copy.
-# Here that copy is whole on every dp rank at every stage (tp and pp still split it).
+# That copy is whole on every dp rank at stages 0-2. Stage 3 shards it too (zero3.py).
 def lora_formula_bytes(stage: int, trained: int, frozen: int, n: int, frozen_bytes: float = 2.0) -> float:
     """Bytes per rank between steps with a frozen base. trained: the adapters' parameters on this
     rank; frozen: the base's. frozen_bytes: bytes per frozen parameter (2 in bf16, 4 in fp32; NF4:
-    `nf4_bytes_per_param`). Test: tests/test_lora.py::test_memory_formula_with_a_frozen_base."""
-    return formula_bytes(stage, trained, n) + frozen_bytes * frozen
+    `nf4_bytes_per_param`). Stage 3 divides the frozen term by n as well.
+    Test: tests/test_lora.py::test_memory_formula_with_a_frozen_base."""
+    return formula_bytes(stage, trained, n) + frozen_bytes * frozen / (n if stage == 3 else 1)
 
 
 def nf4_bytes_per_param(block: int = 64, scale_block: int = 256) -> float:
@@ -140,8 +141,9 @@ def nf4_bytes_per_param(block: int = 64, scale_block: int = 256) -> float:
     return 0.5 + 1 / block + 4 / (block * scale_block)
 
 
-def frozen_bytes(model: torch.nn.Module) -> int:
-    """The meter's side: bytes of the frozen parameters and of the NF4 weights (qlora.py) a model holds."""
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    nf4 = sum(m.nf4.nbytes() for m in model.modules() if hasattr(m, "nf4"))
-    return frozen + nf4
+def frozen_bytes(model: torch.nn.Module, opt: DataParallelOptimizer | None = None) -> int:
+    """The meter's side: bytes of the frozen tensors this rank holds, read from their storages.
+    Each storage counts once. A frozen parameter counts its own (a freed stage-3 unit: 0).
+    NF4's codes and scales are frozen parameters too (qlora.py). So are a stage-3 optimizer's frozen shards."""
+    tensors = [p for p in model.parameters() if not p.requires_grad] + list(getattr(opt, "frozen_shards", []))
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

@@ -269,7 +269,7 @@ def test_checkpoint_holds_only_adapters_and_resumes_in_another_layout(setup_dirs
     assert_curve(norm, lora_reference[1][3:])
 
 
-# ---- memory: the ZeRO table for the adapters, the frozen base's compute copy beside it
+# ---- memory: the ZeRO table for the adapters; ZeRO-3 shards the frozen base beside them
 def _memory(rank: int, world: int, qlora: bool) -> dict:
     import model as M
     import precision as P
@@ -280,10 +280,12 @@ def _memory(rank: int, world: int, qlora: bool) -> dict:
     model = W.materialize(M.build(cfg), "cpu", seed=1)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     L.apply_lora(model, 4, 8)
-    quantized = Q.apply_qlora(model, full.__getitem__, torch.bfloat16) if qlora else []
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(torch.bfloat16)  # the compute copy, as train.py's LoRA step makes it
+    quantized = Q.apply_qlora(model, full.__getitem__, torch.bfloat16) if qlora else []
+    frozen = sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and ".nf4_" not in n)
+    whole = ZM.frozen_bytes(model)  # before ZeRO-3: the whole base on this rank
     opt = Z3.apply_zero(model, 3, None, P.OptimConfig(lr=1e-3), torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     for step in range(2):  # the second: Adam's moments exist, and the grads of the step are held
@@ -291,24 +293,31 @@ def _memory(rank: int, world: int, qlora: bool) -> dict:
             opt.step(1e-3)
         model(ids, labels=ids).backward()
         opt.finish()
+    held = sum(f.untyped_storage().nbytes() > 0 for f in opt.frozen_flats)  # backward freed every frozen unit
     trained = sum(full_shape[0] * full_shape[1] for full_shape in
                   (L.full_shape(model, n) for n in L.adapter_names(model)))
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    return dict(state=sum(ZM.persistent_bytes(opt).values()), parts=ZM.persistent_bytes(opt), trained=trained, frozen=frozen,
-                quantized=sum(full[n].numel() for n in quantized), weights=len(quantized),
-                frozen_bytes=ZM.frozen_bytes(model), buckets=len(opt.buckets))
+    return dict(state=sum(ZM.persistent_bytes(opt).values()), parts=ZM.persistent_bytes(opt), trained=trained,
+                frozen=frozen, quantized=sum(full[n].numel() for n in quantized), weights=len(quantized),
+                whole=whole, frozen_bytes=ZM.frozen_bytes(model, opt), buckets=len(opt.buckets),
+                frozen_units=len(opt.frozen_units), held=held)
 
 
 @pytest.mark.parametrize("qlora", [False, True])
 def test_memory_formula_with_a_frozen_base(qlora):
+    """dp2 ZeRO-3, tiny preset, r 4, after a step and a backward: the storages this rank holds.
+    Trained state: the ZeRO table of the adapters. Frozen base (bf16, and NF4's codes and scales):
+    the whole base's bytes / N, and lora_formula_bytes at stage 3. Both within the units' padding."""
     import zero_memory as ZM
     for out in run_ranks(_memory, 2, qlora):
         n = 2
         want_state = ZM.lora_formula_bytes(3, out["trained"], 0, n)
         assert abs(out["state"] - want_state) <= 16 * n * out["buckets"], out  # padding: < n elements a unit
-        want_frozen = ZM.lora_formula_bytes(3, 0, out["frozen"], n, 2.0) + out["quantized"] * ZM.nf4_bytes_per_param()
+        pad = 4 * out["frozen_units"]  # < n elements a unit, 4 bytes at most
+        assert out["held"] == 0 and abs(out["frozen_bytes"] - out["whole"] / n) <= pad, out  # sharded, not whole
+        want_frozen = ZM.lora_formula_bytes(3, 0, out["frozen"], n, 2.0) + \
+            out["quantized"] * ZM.nf4_bytes_per_param() / n
         # NF4's per-weight extras: its fp32 mean, and its last block of scales rounded up to 256
-        assert abs(out["frozen_bytes"] - want_frozen) <= 8 * out["weights"] + 1
+        assert abs(out["frozen_bytes"] - want_frozen) <= (8 * out["weights"] + 1) / n + pad, out
         assert (out["quantized"] > 0) == qlora
 
 
