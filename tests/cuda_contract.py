@@ -4,7 +4,7 @@ What it does
     No GPU runs in CI, yet a GPU node is where a wrong argument to a kernel would crash, block or
     — worse — train silently wrong. Three pieces make those branches executable here:
       on_meta(monkeypatch)  points the library's kernel predicates (attention.use_varlen /
-                            expand_kv, cp.use_flash, ops.use_fused_rms_backward,
+                            expand_kv / fold_gqa, cp.use_flash, ops.use_fused_rms_backward,
                             precision.use_fused_adamw, feed.pin_batches) at the meta device: the
                             CUDA branch runs, with real autograd, on meta tensors, whose kernels
                             check shapes, dtypes and output arity (LESSONS 27: FakeTensorMode on
@@ -17,6 +17,7 @@ What it does
                             file and function it comes from. `contract.seen` counts the checked
                             calls, so a test can prove that a branch ran at all. `contract.syncs`
                             counts host syncs at the dispatcher (HOST_SYNCS, device→host copies).
+                            `contract.sdpa` lists each SDPA call's kernel and the k/v it reads.
     The fake group answers nothing, so all-gathers on the host (pp.py's step check) would read
     garbage: the contract fills a CPU all-gather's output as if every peer had sent this rank's
     input (symmetric peers), which is what a correct layout sends.
@@ -61,8 +62,8 @@ def on_meta(monkeypatch: Any) -> None:
     import ops
     import precision
     monkeypatch.setattr(attention, "use_varlen", lambda q: q.device.type == "meta" and q.dtype in HALF)
-    monkeypatch.setattr(attention, "expand_kv", lambda q, masked=False: q.device.type == "meta"
-                        and (q.dtype == torch.float32 or masked))
+    monkeypatch.setattr(attention, "expand_kv", lambda q: q.device.type == "meta" and q.dtype == torch.float32)
+    monkeypatch.setattr(attention, "fold_gqa", lambda q: q.device.type == "meta")
     monkeypatch.setattr(cp, "use_flash", lambda q: q.device.type == "meta" and q.dtype in HALF)
     monkeypatch.setattr(ops, "use_fused_rms_backward", lambda x: x.device.type == "meta")
     monkeypatch.setattr(precision, "use_fused_adamw", lambda t: t.device.type == "meta")
@@ -354,7 +355,14 @@ class _SDPAChoice(TorchFunctionMode):
             _need(flash or efficient, "sdp_utils.cpp select_sdp_backend",
                   f"no fused kernel for q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, enable_gqa {gqa}, "
                   f"mask {mask is not None}: the math fallback saves (B, h, S, S) per call")
-            self.contract.seen["sdpa flash" if flash else "sdpa efficient"] += 1
+            kernel = "sdpa flash" if flash else "sdpa efficient"
+            self.contract.seen[kernel] += 1
+            # what the kernel reads of k and v: their own bytes, and whose view they are (a cache's,
+            # or a copy's: an expansion of k/v to the query heads is a fresh tensor)
+            base = k._base if k._base is not None else k
+            self.contract.sdpa.append({"kernel": kernel, "q": tuple(q.shape), "k": tuple(k.shape),
+                                       "k_base": tuple(base.shape), "mask": mask is not None,
+                                       "kv_bytes": sum(t.numel() * t.element_size() for t in (k, v))})
         return func(*args, **kwargs)
 
 
@@ -371,6 +379,7 @@ class Contract(TorchDispatchMode):
         super().__init__()
         self.seen: Counter = Counter()
         self.syncs: Counter = Counter()  # host syncs by op (HOST_SYNCS, device→host copies)
+        self.sdpa: list[dict] = []  # each SDPA call: kernel, q/k shapes, k's base shape, k/v bytes
         self.host_values = host_values  # a meta scalar read answers 0 (False) instead of raising
         self.pinned: set[int] = set()  # data_ptr of the emulated pinned blocks
         self._keep: list[torch.Tensor] = []  # keeps those blocks alive (their pointers unique)

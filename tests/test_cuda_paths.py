@@ -218,9 +218,11 @@ def test_fp32_gqa_takes_a_fused_kernel(meta):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_generate_takes_fused_attention_and_counts_host_syncs(meta, dtype):
     """model.generate on the stand-in device: GQA (4 query heads, 2 kv heads), a sliding-window layer,
-    ragged prompts, sampled. Prefill and decode take flash or efficient, never math: the decode's
-    mask with GQA expands k/v. Host syncs at the dispatcher per decode token: 0 without an end token;
-    1 with one (the all-done check that stops decoding). The prefill adds none."""
+    ragged prompts, sampled. Prefill and decode take flash or efficient, never math. The decode's
+    mask with GQA folds the query heads into rows: the efficient kernel reads k/v as views of the
+    cache, nkv heads, no copy (the old expansion read nh/nkv times the bytes, from a fresh tensor).
+    Host syncs at the dispatcher per decode token: 0 without an end token; 1 with one (the
+    all-done check that stops decoding). The prefill adds none."""
     import weights as W
     cfg = M.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -231,19 +233,49 @@ def test_generate_takes_fused_attention_and_counts_host_syncs(meta, dtype):
         p.data = p.data.to(dtype)
     ids = torch.zeros(3, 6, dtype=torch.long, device=META)
 
+    calls = []
+
     def run(new: int, **kw) -> Counter:
         with Contract(host_values=True) as contract:
             out = M.generate(model, ids, new, temperature=1.0, seeds=[1, 2, 3], lengths=[6, 2, 4], **kw)
         assert out.shape == (3, 6 + new)
+        calls[:] = contract.sdpa
         return contract.seen
 
     two, five = run(2), run(5)
     fused = sum(five[k] for k in ("sdpa flash", "sdpa efficient", "torch_attn::_varlen_attn"))
     assert fused == 2 * 5 and five["host sync"] == two["host sync"] == 0  # every call of both layers
     assert five["sdpa flash" if dtype == torch.bfloat16 else "sdpa efficient"] >= 1  # the prefill's
-    assert five["sdpa efficient"] >= 2 * 4  # the decode: a mask, expanded k/v
+    # the decode: one query row per query head, folded to (3 rows, 2 kv heads, g = 2 rows, hd 8)
+    decode = [c for c in calls if c["q"] == (3, 2, 2, 8)]
+    assert len(decode) == 2 * 4 and all(c["kernel"] == "sdpa efficient" and c["mask"] for c in decode)
+    size = torch.finfo(dtype).bits // 8
+    for c in decode:  # k and v: views of the (3, 6 + 5, 2, 8) cache, T positions of it read once
+        T = c["k"][2]
+        assert c["k"] == (3, 2, T, 8) and c["k_base"] == (3, 11, 2, 8), c
+        assert c["kv_bytes"] == 2 * 3 * T * 2 * 8 * size  # the cache's bytes; expanded: × nh/nkv = 2
     two, five = run(2, eos_id=5), run(5, eos_id=5)
     assert five["host sync"] - two["host sync"] == 3 and two["host sync"] == 2  # one a decode token
+
+
+def test_folded_gqa_equals_expanded_on_cpu():
+    """attention._sdpa_folded, called directly on CPU: the query heads folded into rows equal
+    enable_gqa's SDPA under a ragged mask (every query row its own). Within 1e-6 in fp32: the
+    batches differ in shape, so a kernel may block and sum in another order (here they agree to
+    the bit). A mask repeated in the wrong row order (i·g + j instead of j·s + i) fails here."""
+    import attention
+    g = torch.Generator().manual_seed(0)
+    b, s, T, nh, nkv, hd = 2, 3, 7, 6, 2, 8
+    q = torch.randn(b, s, nh, hd, generator=g)
+    k, v = (torch.randn(b, T, nkv, hd, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, s, T, generator=g) < 0.6
+    mask[..., 0] = True  # every row sees a key
+    assert (mask[:, :, 1:] != mask[:, :, :-1]).any()  # rows differ: a wrong row order shows
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    got = attention._sdpa_folded(q, k, v, mask)
+    assert got.shape == (b, s, nh, hd)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def _meta_llama() -> M.Llama:
