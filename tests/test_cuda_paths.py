@@ -7,7 +7,8 @@ Each scenario also asserts, through `contract.seen`, that the branch it is about
 contract that checks nothing cannot pass here.
 
 Scenarios: pretraining and packed SFT in bf16 (flash via SDPA, varlen_attn, fused RMSNorm backward,
-fused AdamW, pinned non_blocking copies of 2-row micro-batches); an MoE model's grouped_mm experts; TP and SP at 2 fake ranks; the cp
+fused AdamW, pinned non_blocking copies of 2-row micro-batches); an MoE model's grouped_mm experts;
+EP's all-to-alls at ep 2 and their host syncs; TP and SP at 2 fake ranks; the cp
 ring forward + backward (the flash block kernels, P2P); ZeRO-0..3 with and without AC over two
 micro-batches at dp 2; the pipeline executor's P2P at pp 2; the compiled layer traced with
 torch.compile(backend="aot_eager") on meta (--compile --ac with packed rows and with --cp: what
@@ -113,7 +114,7 @@ def test_pretraining_and_packed_sft_bf16(meta):
 def test_moe_grouped_mm_bf16(meta):
     """A Qwen3-MoE-like tiny model (4 experts, the aux loss on) in bf16: the experts take torch's
     grouped_mm branch (moe.grouped_mm_runs: bf16 on CUDA) in forward and backward, under the
-    contract. ep > 1 cannot run here: its split sizes are a host read of meta counts."""
+    contract. ep > 1: test_ep_all_to_all_under_the_contract."""
     cfg = dataclasses.replace(M.PRESETS["tiny"], model_type="qwen3_moe", qk_norm=True, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True)
     meta.setitem(M.PRESETS, "tiny_moe", cfg)
@@ -399,3 +400,43 @@ def test_muon_step_at_two_ranks(meta, layout):
         seen = one_step(["--optimizer", "muon", *layout], Rows(), world=2, rank=1)
     assert seen["aten::_fused_adamw_"]
     assert seen["c10d::alltoall_base_"] == 2 if layout[0] == "--zero" else seen["c10d::allgather_"], seen
+
+
+def _ep_block(ep: int) -> tuple[moe.MoE, torch.Tensor]:
+    """A 4-expert, top-2 bf16 MoE block on the stand-in device, sharded over ep ranks, and 8 tokens."""
+    block = moe.MoE(moe.MoEConfig(hidden=32, intermediate=16, num_experts=4, top_k=2)).to(META, torch.bfloat16)
+    moe.shard_experts(block, moe.ep_groups(ep))
+    return block, torch.randn(8, 32, device=META, dtype=torch.bfloat16, requires_grad=True)
+
+
+def test_ep_all_to_all_under_the_contract(meta):
+    """moe's expert parallelism at ep 2 (rank 0 of 2): every all-to-all within NCCL's rules
+    (cuda_contract._rule_alltoall_base, _host_int_splits). Forward: three all-to-alls (the counts,
+    the rows out, the rows back) and one host sync, the counts' read. Backward: two, no sync.
+    Meta holds no counts. So the host reads what a balanced routing gives on symmetric peers:
+    16 rows, 8 to each rank, 8 back from each, 8 a local expert."""
+    with fake_world(0, 2, meta):
+        block, x = _ep_block(2)
+        with Contract(host_reads=lambda shape, dtype: torch.full(shape, 8, dtype=dtype)) as forward:
+            y = block(x)
+        with Contract() as backward:
+            y.backward(torch.ones_like(y))
+    assert forward.seen["c10d::alltoall_base_"] == 3 and backward.seen["c10d::alltoall_base_"] == 2
+    assert forward.syncs == Counter({"aten::_to_copy": 1}) and backward.seen["host sync"] == 0, forward.syncs
+    assert forward.seen["aten::_grouped_mm"] == 2 and x.grad.shape == x.shape
+
+
+def test_ep_all_to_all_rules_refuse(meta):
+    """Each rule of the all-to-all refuses the call NCCL would reject or run wrongly."""
+    rows = torch.zeros(4, 8, device=META)
+    cases = {"contiguous": (rows, torch.zeros(8, 4, device=META).t(), [2, 2], [2, 2]),
+             "summing to 4": (rows, rows, [2, 2], [1, 2]),
+             "one per rank": (rows, rows, [4], [4]),
+             "host ints": (rows, rows, [2, 2], torch.tensor([2, 2]))}
+    with fake_world(0, 2, meta), Contract():
+        for what, (out, inp, out_splits, in_splits) in cases.items():
+            with pytest.raises(ContractError, match=what):
+                dist.all_to_all_single(out, inp, out_splits, in_splits)
+        # Python's all_to_all_single refuses two dtypes itself; the op below it does not
+        with pytest.raises(ContractError, match="one dtype"):
+            torch.ops.c10d.alltoall_base_(rows.bfloat16(), rows, dist.group.WORLD.boxed(), [2, 2], [2, 2], -1)
