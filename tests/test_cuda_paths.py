@@ -426,6 +426,26 @@ def test_ep_all_to_all_under_the_contract(meta):
     assert forward.seen["aten::_grouped_mm"] == 2 and x.grad.shape == x.shape
 
 
+def test_ep_full_ac_recompute_reads_no_counts(meta):
+    """The EP block as a full-AC layer (ac.apply_ac): backward reruns it, with its two row
+    all-to-alls each way, but not the counts' exchange nor their host read: the recompute reuses
+    the forward's (ac.kept_for_recompute). Without it the recompute would exchange and read them again."""
+    import ac
+    with fake_world(0, 2, meta):
+        block, x = _ep_block(2)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([block])
+        ac.apply_ac(model, "full", layers="layers")
+        with Contract(host_reads=lambda shape, dtype: torch.full(shape, 8, dtype=dtype)) as forward:
+            y = model.layers[0](x)
+        with Contract() as backward:  # a host read here would get garbage counts, and be counted
+            y.backward(torch.ones_like(y))
+    assert forward.seen["c10d::alltoall_base_"] == 3 and forward.syncs == Counter({"aten::_to_copy": 1})
+    # the recompute's rows out and back, then their backward's two
+    assert backward.seen["c10d::alltoall_base_"] == 4 and backward.seen["host sync"] == 0, backward.seen
+    assert backward.seen["aten::_grouped_mm"] >= 2 + 4 and x.grad.shape == x.shape  # recompute + backward
+
+
 def test_ep_all_to_all_rules_refuse(meta):
     """Each rule of the all-to-all refuses the call NCCL would reject or run wrongly."""
     rows = torch.zeros(4, 8, device=META)
