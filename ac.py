@@ -33,6 +33,7 @@ Invariants (tests/test_ac.py unless named)
     - Hooks on a layer fire once per forward (test_hooks_layer_once_submodules_again).
     - Dropout needs preserve_rng_state=True. The default skips it (test_rng_dropout_needs_...).
     - Full AC refuses a KV cache: the rerun would update it twice (test_foreign.py).
+    - Full AC's recompute reads no host value again (`kept_for_recompute`, test_cuda_paths.py).
 
 Reading order
     The public functions come first: `apply_ac`, `remove_ac`. Then `_wrap`, the core.
@@ -134,6 +135,8 @@ def _wrap(layer: nn.Module, mode: str, preserve_rng_state: bool) -> None:
                              "its KV cache twice: call the model with use_cache=False")
         # Compile traces checkpoint's context_fn only when it is a selective one. Full passes none.
         policy = {"context_fn": _compile_contexts} if mode == "selective" else {}
+        if mode == "full" and not torch.compiler.is_compiling():
+            inner = _keeping(inner)  # eager: the recompute reuses the forward's host reads
         return checkpoint(inner, *args, use_reentrant=False, debug=False,
                           preserve_rng_state=preserve_rng_state, **policy, **kwargs)
 
@@ -277,6 +280,45 @@ def _compile_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
 
 def _compile_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_compile_policy)
+
+
+# --- refinement: full AC's recompute reuses the host values its forward read
+# A layer's forward may read device values on the host: moe's exchanged token counts, a sync.
+# The recompute in backward would read them again: a second exchange, a second sync.
+# It routes exactly as the forward did: the same inputs through the same kernels.
+# (The same determinism makes AC's gradients bit-identical.) So the values cannot change.
+# The forward keeps each read's result. The recompute takes them back, in call order.
+_HOST = threading.local()  # .now: the open checkpoint's kept list, or an iterator over it (recompute)
+
+
+def _keeping(inner: Callable) -> Callable:
+    """inner for one checkpoint call. Its first run is the forward: it keeps each host read. Each
+    later run is a recompute (a second backward with retain_graph makes another): it replays them.
+    A wrapper, not checkpoint's context_fn: that one refuses checkpoint's debug mode."""
+    kept: list = []
+    runs = [0]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_HOST, "now", None)
+        _HOST.now = iter(list(kept)) if runs[0] else kept
+        runs[0] += 1
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _HOST.now = outer
+    return run
+
+
+def kept_for_recompute(read: Callable[[], Any]) -> Any:
+    """read(): values a forward reads from the device. In a full-AC layer the forward keeps them,
+    and the recompute gets them back without calling read. Elsewhere it just calls read()."""
+    now = getattr(_HOST, "now", None)
+    if now is None:
+        return read()
+    if isinstance(now, list):
+        now.append(read())
+        return now[-1]
+    return next(now)
 
 
 # --- refinement: a meter of the bytes autograd keeps

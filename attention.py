@@ -7,12 +7,11 @@ What it does
     wherever the position does not continue. Documents keeps them as host lengths plus
     `cu_seqlens`: flash attention's cumulative boundaries over the flattened B·S tokens.
     `attend` is the model's attention (model.Attention.attn_fn, a seam cp.py's ring swaps):
-      docs None                    plain causal SDPA. GQA in fp32 on CUDA expands k/v first
-                                   (`expand_kv`).
+      docs None                    plain causal SDPA. fp32 GQA on CUDA expands k/v (`expand_kv`).
       Documents, CUDA, bf16/fp16   torch.nn.attention.varlen.varlen_attn: flash, GQA, no mask
       Documents, otherwise (CPU)   documents grouped by length, one causal SDPA per group (below)
-      (B, 1, S, S) bool tensor     `attention_mask`, the dense reference. S² memory and a float
-                                   bias per layer call: for tests, never for training.
+      (B, 1, S, S) bool tensor     `attention_mask`, the dense reference (tests only: S² memory).
+                                   GQA under a mask on CUDA folds heads into rows (`fold_gqa`).
     A sliding window (`attend(..., window=W)`: query i sees keys i - W < j <= i) applies on every
     path. On CUDA it is flash's window_size (W - 1, 0), and plain rows become one document each. On
     CPU it is a W-band mask per length group longer than W, or over the row.
@@ -164,21 +163,48 @@ def use_varlen(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def expand_kv(q: torch.Tensor, masked: bool = False) -> bool:
-    """GQA on CUDA where flash cannot run: expand k/v to the query heads before SDPA. That is fp32
-    (flash takes half precision only), or any dtype under a mask (flash takes none: the KV cache's
-    decode). torch 2.13's memory-efficient kernel does not take enable_gqa. (See
+def expand_kv(q: torch.Tensor) -> bool:
+    """Causal GQA in fp32 on CUDA: expand k/v to the query heads before SDPA. Flash takes half
+    precision only. torch 2.13's memory-efficient kernel does not take enable_gqa. (See
     cuda/sdp_utils.cpp, can_use_mem_efficient_attention; pytorch PR 191085 adds it later.)
     SDPA would then fall back to its math backend: an fp32 upcast, (B, nh, S, S) probabilities
     per layer. Expanded, the efficient kernel runs. It reads nh/nkv times the k/v bytes, and
-    saves nothing S²-sized."""
-    return q.is_cuda and (q.dtype == torch.float32 or masked)
+    saves nothing S²-sized. Folding (`fold_gqa`) does not fit here. is_causal masks by row index,
+    and folded row j·s + i is query i. Each position needs its own causal row: an S² mask."""
+    return q.is_cuda and q.dtype == torch.float32
+
+
+def fold_gqa(q: torch.Tensor) -> bool:
+    """GQA under a mask on CUDA (the KV cache's prefill and decode, any dtype): fold the query heads
+    into rows (`_sdpa_folded`). Flash takes no mask, and the efficient kernel no enable_gqa. Folded,
+    the efficient kernel reads each cached k/v byte once."""
+    return q.is_cuda
+
+
+def _sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GQA under a boolean mask without copying k/v. q (b, s, nh, hd); k, v (b, T, nkv, hd); mask
+    broadcast to (b, 1, s, T). Returns (b, s, nh, hd).
+    Query head h reads kv head h // g, with g = nh/nkv (repeat_interleave's order). So the g heads
+    of one kv head are one bigger batch of queries for it: g·s rows, member-major. Each row's
+    softmax reads only its own scores and its own mask row. So the mask row of folded row j·s + i
+    is row i: the mask repeated g times along the rows. k and v stay as they are, and SDPA sees
+    no GQA: the efficient kernel runs. Bytes read: the cache's own. The copies are q's and the
+    mask's, s rows each per head."""
+    b, s, nh, hd = q.shape
+    T, nkv = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qf = q.view(b, s, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * s, hd)  # (b, nkv, g·s, hd)
+    mf = mask.expand(b, 1, s, T).repeat(1, 1, g, 1)  # (b, 1, g·s, T): row j·s + i is mask row i
+    y = F.scaled_dot_product_attention(qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mf)  # (b, nkv, g·s, hd)
+    return y.view(b, nkv, g, s, hd).permute(0, 3, 1, 2, 4).reshape(b, s, nh, hd)  # (b, s, nh, hd)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on (b, s, heads, hd) tensors (views, no copies): causal, or under a boolean mask."""
     gqa = q.shape[2] != k.shape[2]
-    if gqa and expand_kv(q, mask is not None):
+    if gqa and mask is not None and fold_gqa(q):
+        return _sdpa_folded(q, k, v, mask)
+    if gqa and mask is None and expand_kv(q):
         k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))  # (b, s, nh, hd)
         gqa = False
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -34,7 +34,7 @@ Reference
 Run
     python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
 
-Builds on: tp.py, only for tp's style of the block (imported when apply_tp calls it)
+Builds on: ac.py (kept_for_recompute); tp.py, only for tp's block style (imported by apply_tp)
 
 Invariants
     - fp32: output, router logits and every gradient equal transformers' three sparse blocks within
@@ -44,8 +44,8 @@ Invariants
       checkpointing does not count a router twice (test_router_logits_once_under_checkpoint).
     - ep = 2 and ep = 4 give ep = 1's outputs and gradients (test_ep_matches_single_process).
     - Host syncs per layer: none at ep = 1 with grouped_mm (CPU, sm90, sm100); one for the loop
-      (other GPUs). At ep > 1 exactly one in forward (the counts size the buffers), none in
-      backward. ep = 1 is the same code path. Counted at the dispatcher (test_cuda_paths.py).
+      (other GPUs). At ep > 1 one in forward (the counts size the buffers), none in backward,
+      none in full AC's recompute. ep = 1 is the same path. Counted at the dispatcher (test_cuda_paths.py).
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+import ac
 
 Group = dist.ProcessGroup | None
 
@@ -361,17 +363,25 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+def exchange_counts(counts: torch.Tensor, ep: int, group: Group) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """counts (E,) rows per global expert → recv (ep, E_local): recv[s, e] rows come from rank s
+    for my expert e; per_expert (E_local,); and on the host: rows to each rank, from each rank,
+    per local expert (ep + ep + E_local ints). One all-to-all of the counts, one host sync."""
+    send = counts.view(ep, -1)  # (ep, E_local) my rows for each rank's experts
+    recv = torch.empty_like(send)  # (ep, E_local)
+    dist.all_to_all_single(recv, send, group=group)
+    per_expert = recv.sum(0)  # (E_local,)
+    return recv, per_expert, torch.cat([send.sum(1), recv.sum(1), per_expert]).tolist()  # the one sync
+
+
 def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts, ep: int,
                      group: Group) -> torch.Tensor:
     """rows (M, H) sorted by global expert, counts (E,) → (M, H) in the same order. Each row goes
     to the rank holding its expert, the local experts run there, and the results come back.
-    One host sync: the exchanged counts must reach the host to size the receive buffer."""
+    One host sync: the exchanged counts must reach the host to size the receive buffer. Full AC's
+    recompute makes none: it reuses the forward's counts (ac.kept_for_recompute)."""
     local = counts.numel() // ep
-    send = counts.view(ep, local)  # (ep, E_local) my rows for each rank's experts
-    recv = torch.empty_like(send)  # (ep, E_local): recv[s, e] rows come from rank s for my expert e
-    dist.all_to_all_single(recv, send, group=group)  # the counts first
-    per_expert = recv.sum(0)  # (E_local,)
-    host = torch.cat([send.sum(1), recv.sum(1), per_expert]).tolist()  # the one sync
+    recv, per_expert, host = ac.kept_for_recompute(lambda: exchange_counts(counts, ep, group))
     send_splits, recv_splits, host_counts = host[:ep], host[ep:2 * ep], host[2 * ep:]
     got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H), R = recv.sum(): by source, then expert
     # got is [source 0: its rows for my expert 0, for expert 1, ...][source 1: ...] ...

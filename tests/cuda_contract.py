@@ -4,19 +4,23 @@ What it does
     No GPU runs in CI, yet a GPU node is where a wrong argument to a kernel would crash, block or
     — worse — train silently wrong. Three pieces make those branches executable here:
       on_meta(monkeypatch)  points the library's kernel predicates (attention.use_varlen /
-                            expand_kv, cp.use_flash, ops.use_fused_rms_backward,
+                            expand_kv / fold_gqa, cp.use_flash, ops.use_fused_rms_backward,
                             precision.use_fused_adamw, feed.pin_batches) at the meta device: the
                             CUDA branch runs, with real autograd, on meta tensors, whose kernels
                             check shapes, dtypes and output arity (LESSONS 27: FakeTensorMode on
                             "cuda" aborts in autograd on a CPU build)
       fake_world(rank, n)   torch's fake process group for cpu and meta tensors: one rank of an
-                            n-rank world in this process, every collective a no-op
+                            n-rank world in this process, every collective a no-op.
+                            dist.all_to_all_single there refuses splits that are not host ints.
       Contract()            a TorchDispatchMode (+ a TorchFunctionMode for SDPA's backend choice)
                             asserting what the real CUDA kernels and ProcessGroupNCCL require and
                             meta kernels or the fake group skip. Each rule names the torch source
                             file and function it comes from. `contract.seen` counts the checked
                             calls, so a test can prove that a branch ran at all. `contract.syncs`
                             counts host syncs at the dispatcher (HOST_SYNCS, device→host copies).
+                            `contract.sdpa` lists each SDPA call's kernel and the k/v it reads.
+                            Contract(host_reads=f): what a meta → host copy reads (meta holds no
+                            values), e.g. the counts a test's routing gives.
     The fake group answers nothing, so all-gathers on the host (pp.py's step check) would read
     garbage: the contract fills a CPU all-gather's output as if every peer had sent this rank's
     input (symmetric peers), which is what a correct layout sends.
@@ -61,8 +65,8 @@ def on_meta(monkeypatch: Any) -> None:
     import ops
     import precision
     monkeypatch.setattr(attention, "use_varlen", lambda q: q.device.type == "meta" and q.dtype in HALF)
-    monkeypatch.setattr(attention, "expand_kv", lambda q, masked=False: q.device.type == "meta"
-                        and (q.dtype == torch.float32 or masked))
+    monkeypatch.setattr(attention, "expand_kv", lambda q: q.device.type == "meta" and q.dtype == torch.float32)
+    monkeypatch.setattr(attention, "fold_gqa", lambda q: q.device.type == "meta")
     monkeypatch.setattr(cp, "use_flash", lambda q: q.device.type == "meta" and q.dtype in HALF)
     monkeypatch.setattr(ops, "use_fused_rms_backward", lambda x: x.device.type == "meta")
     monkeypatch.setattr(precision, "use_fused_adamw", lambda t: t.device.type == "meta")
@@ -82,6 +86,7 @@ def fake_world(rank: int, world: int, monkeypatch: Any) -> Iterator[None]:
                             timeout=timedelta(seconds=30))
     new_group = dist.new_group
     monkeypatch.setattr(dist, "new_group", lambda *a, backend=None, **k: new_group(*a, **k))
+    monkeypatch.setattr(dist, "all_to_all_single", _host_int_splits(dist.all_to_all_single))
     try:
         yield
     finally:
@@ -272,13 +277,33 @@ def _rule_allgather_list(args: tuple, kwargs: dict) -> None:
 def _rule_alltoall_base(args: tuple, kwargs: dict) -> None:
     # ProcessGroupNCCL.cpp ProcessGroupNCCL::alltoall_base: check_gpu_single_tensor on output and
     # input (contiguous); c10d::checkSplitSizes (Utils.hpp): without splits dim 0 divides by the
-    # world, with them one split per rank, summing to dim 0
+    # world, with them one split per rank, summing to dim 0. NCCL sends and receives in one
+    # datatype, the input's (getNcclDataType(input.scalar_type())): an output of another dtype
+    # would be filled with reinterpreted bytes. Peers run the same code (symmetric peers), so
+    # one dtype here is one dtype on every rank.
     out, inp, _, out_splits, in_splits = args[:5]
     world = _group_size(args, kwargs)
+    _need(out.dtype == inp.dtype, "c10d alltoall_base", f"one dtype on every rank and both sides, got input "
+          f"{inp.dtype}, output {out.dtype}")
     for t, splits in ((out, out_splits), (inp, in_splits)):
         _need(t.is_contiguous(), "c10d alltoall_base", f"NCCL needs contiguous tensors, got {t.stride()}")
         ok = len(splits) == world and sum(splits) == t.size(0) if splits else t.size(0) % world == 0
         _need(ok, "c10d alltoall_base", f"splits {list(splits)} must be one per rank of {world}, summing to {t.size(0)}")
+
+
+def _host_int_splits(all_to_all_single: Callable) -> Callable:
+    """dist.all_to_all_single, refusing split sizes that are not host ints. The op's schema takes
+    int[] (c10d::alltoall_base_). A tensor there is read element by element, each read a host
+    sync; the dispatcher sees only the ints. So this rule sits above it, at the Python call."""
+    def checked(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> Any:
+        for name, splits in (("output_split_sizes", output_split_sizes), ("input_split_sizes", input_split_sizes)):
+            if splits is not None and not (isinstance(splits, (list, tuple)) and all(type(n) is int for n in splits)):
+                raise ContractError(f"c10d all_to_all_single: {name} must be a list of host ints, got "
+                                    f"{type(splits).__name__} of {sorted({type(n).__name__ for n in splits})}: "
+                                    "a tensor is a host sync per split")
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+    return checked
 
 
 def _flat(x: Any) -> list:
@@ -354,7 +379,14 @@ class _SDPAChoice(TorchFunctionMode):
             _need(flash or efficient, "sdp_utils.cpp select_sdp_backend",
                   f"no fused kernel for q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, enable_gqa {gqa}, "
                   f"mask {mask is not None}: the math fallback saves (B, h, S, S) per call")
-            self.contract.seen["sdpa flash" if flash else "sdpa efficient"] += 1
+            kernel = "sdpa flash" if flash else "sdpa efficient"
+            self.contract.seen[kernel] += 1
+            # what the kernel reads of k and v: their own bytes, and whose view they are (a cache's,
+            # or a copy's: an expansion of k/v to the query heads is a fresh tensor)
+            base = k._base if k._base is not None else k
+            self.contract.sdpa.append({"kernel": kernel, "q": tuple(q.shape), "k": tuple(k.shape),
+                                       "k_base": tuple(base.shape), "mask": mask is not None,
+                                       "kv_bytes": sum(t.numel() * t.element_size() for t in (k, v))})
         return func(*args, **kwargs)
 
 
@@ -367,11 +399,15 @@ class Contract(TorchDispatchMode):
     a non-contiguous source is first copied into a pageable contiguous temporary (copy_requires_
     temporaries), whose copy blocks the host."""
 
-    def __init__(self, host_values: bool = False) -> None:
+    def __init__(self, host_values: bool = False,
+                 host_reads: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.seen: Counter = Counter()
         self.syncs: Counter = Counter()  # host syncs by op (HOST_SYNCS, device→host copies)
+        self.sdpa: list[dict] = []  # each SDPA call: kernel, q/k shapes, k's base shape, k/v bytes
         self.host_values = host_values  # a meta scalar read answers 0 (False) instead of raising
+        # the values a device → host copy of a meta tensor reads (meta holds none; default: garbage)
+        self.host_reads = host_reads
         self.pinned: set[int] = set()  # data_ptr of the emulated pinned blocks
         self._keep: list[torch.Tensor] = []  # keeps those blocks alive (their pointers unique)
 
@@ -414,7 +450,10 @@ class Contract(TorchDispatchMode):
                 and torch.device(kwargs.get("device") or "meta").type == "cpu":
             # device → host: meta has no values to read; the host gets uninitialized memory of that layout
             self.seen["device→host copy"] += 1
-            return torch.empty_strided(args[0].shape, args[0].stride(), dtype=kwargs.get("dtype") or args[0].dtype)
+            dtype = kwargs.get("dtype") or args[0].dtype
+            if self.host_reads is not None:
+                return self.host_reads(args[0].shape, dtype)
+            return torch.empty_strided(args[0].shape, args[0].stride(), dtype=dtype)
         if func is aten.copy_.default and args[0].device.type != args[1].device.type:
             # Copy.cu copy_kernel_cuda: a non_blocking copy between host and device is async only with
             # pinned, contiguous host memory (else a pageable temporary, and the host waits)

@@ -7,7 +7,8 @@ Each scenario also asserts, through `contract.seen`, that the branch it is about
 contract that checks nothing cannot pass here.
 
 Scenarios: pretraining and packed SFT in bf16 (flash via SDPA, varlen_attn, fused RMSNorm backward,
-fused AdamW, pinned non_blocking copies of 2-row micro-batches); an MoE model's grouped_mm experts; TP and SP at 2 fake ranks; the cp
+fused AdamW, pinned non_blocking copies of 2-row micro-batches); an MoE model's grouped_mm experts;
+EP's all-to-alls at ep 2 and their host syncs; TP and SP at 2 fake ranks; the cp
 ring forward + backward (the flash block kernels, P2P); ZeRO-0..3 with and without AC over two
 micro-batches at dp 2; the pipeline executor's P2P at pp 2; the compiled layer traced with
 torch.compile(backend="aot_eager") on meta (--compile --ac with packed rows and with --cp: what
@@ -113,7 +114,7 @@ def test_pretraining_and_packed_sft_bf16(meta):
 def test_moe_grouped_mm_bf16(meta):
     """A Qwen3-MoE-like tiny model (4 experts, the aux loss on) in bf16: the experts take torch's
     grouped_mm branch (moe.grouped_mm_runs: bf16 on CUDA) in forward and backward, under the
-    contract. ep > 1 cannot run here: its split sizes are a host read of meta counts."""
+    contract. ep > 1: test_ep_all_to_all_under_the_contract."""
     cfg = dataclasses.replace(M.PRESETS["tiny"], model_type="qwen3_moe", qk_norm=True, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True)
     meta.setitem(M.PRESETS, "tiny_moe", cfg)
@@ -218,9 +219,11 @@ def test_fp32_gqa_takes_a_fused_kernel(meta):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_generate_takes_fused_attention_and_counts_host_syncs(meta, dtype):
     """model.generate on the stand-in device: GQA (4 query heads, 2 kv heads), a sliding-window layer,
-    ragged prompts, sampled. Prefill and decode take flash or efficient, never math: the decode's
-    mask with GQA expands k/v. Host syncs at the dispatcher per decode token: 0 without an end token;
-    1 with one (the all-done check that stops decoding). The prefill adds none."""
+    ragged prompts, sampled. Prefill and decode take flash or efficient, never math. The decode's
+    mask with GQA folds the query heads into rows: the efficient kernel reads k/v as views of the
+    cache, nkv heads, no copy (the old expansion read nh/nkv times the bytes, from a fresh tensor).
+    Host syncs at the dispatcher per decode token: 0 without an end token; 1 with one (the
+    all-done check that stops decoding). The prefill adds none."""
     import weights as W
     cfg = M.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -231,19 +234,49 @@ def test_generate_takes_fused_attention_and_counts_host_syncs(meta, dtype):
         p.data = p.data.to(dtype)
     ids = torch.zeros(3, 6, dtype=torch.long, device=META)
 
+    calls = []
+
     def run(new: int, **kw) -> Counter:
         with Contract(host_values=True) as contract:
             out = M.generate(model, ids, new, temperature=1.0, seeds=[1, 2, 3], lengths=[6, 2, 4], **kw)
         assert out.shape == (3, 6 + new)
+        calls[:] = contract.sdpa
         return contract.seen
 
     two, five = run(2), run(5)
     fused = sum(five[k] for k in ("sdpa flash", "sdpa efficient", "torch_attn::_varlen_attn"))
     assert fused == 2 * 5 and five["host sync"] == two["host sync"] == 0  # every call of both layers
     assert five["sdpa flash" if dtype == torch.bfloat16 else "sdpa efficient"] >= 1  # the prefill's
-    assert five["sdpa efficient"] >= 2 * 4  # the decode: a mask, expanded k/v
+    # the decode: one query row per query head, folded to (3 rows, 2 kv heads, g = 2 rows, hd 8)
+    decode = [c for c in calls if c["q"] == (3, 2, 2, 8)]
+    assert len(decode) == 2 * 4 and all(c["kernel"] == "sdpa efficient" and c["mask"] for c in decode)
+    size = torch.finfo(dtype).bits // 8
+    for c in decode:  # k and v: views of the (3, 6 + 5, 2, 8) cache, T positions of it read once
+        T = c["k"][2]
+        assert c["k"] == (3, 2, T, 8) and c["k_base"] == (3, 11, 2, 8), c
+        assert c["kv_bytes"] == 2 * 3 * T * 2 * 8 * size  # the cache's bytes; expanded: × nh/nkv = 2
     two, five = run(2, eos_id=5), run(5, eos_id=5)
     assert five["host sync"] - two["host sync"] == 3 and two["host sync"] == 2  # one a decode token
+
+
+def test_folded_gqa_equals_expanded_on_cpu():
+    """attention._sdpa_folded, called directly on CPU: the query heads folded into rows equal
+    enable_gqa's SDPA under a ragged mask (every query row its own). Within 1e-6 in fp32: the
+    batches differ in shape, so a kernel may block and sum in another order (here they agree to
+    the bit). A mask repeated in the wrong row order (i·g + j instead of j·s + i) fails here."""
+    import attention
+    g = torch.Generator().manual_seed(0)
+    b, s, T, nh, nkv, hd = 2, 3, 7, 6, 2, 8
+    q = torch.randn(b, s, nh, hd, generator=g)
+    k, v = (torch.randn(b, T, nkv, hd, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, s, T, generator=g) < 0.6
+    mask[..., 0] = True  # every row sees a key
+    assert (mask[:, :, 1:] != mask[:, :, :-1]).any()  # rows differ: a wrong row order shows
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    got = attention._sdpa_folded(q, k, v, mask)
+    assert got.shape == (b, s, nh, hd)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def _meta_llama() -> M.Llama:
@@ -367,3 +400,63 @@ def test_muon_step_at_two_ranks(meta, layout):
         seen = one_step(["--optimizer", "muon", *layout], Rows(), world=2, rank=1)
     assert seen["aten::_fused_adamw_"]
     assert seen["c10d::alltoall_base_"] == 2 if layout[0] == "--zero" else seen["c10d::allgather_"], seen
+
+
+def _ep_block(ep: int) -> tuple[moe.MoE, torch.Tensor]:
+    """A 4-expert, top-2 bf16 MoE block on the stand-in device, sharded over ep ranks, and 8 tokens."""
+    block = moe.MoE(moe.MoEConfig(hidden=32, intermediate=16, num_experts=4, top_k=2)).to(META, torch.bfloat16)
+    moe.shard_experts(block, moe.ep_groups(ep))
+    return block, torch.randn(8, 32, device=META, dtype=torch.bfloat16, requires_grad=True)
+
+
+def test_ep_all_to_all_under_the_contract(meta):
+    """moe's expert parallelism at ep 2 (rank 0 of 2): every all-to-all within NCCL's rules
+    (cuda_contract._rule_alltoall_base, _host_int_splits). Forward: three all-to-alls (the counts,
+    the rows out, the rows back) and one host sync, the counts' read. Backward: two, no sync.
+    Meta holds no counts. So the host reads what a balanced routing gives on symmetric peers:
+    16 rows, 8 to each rank, 8 back from each, 8 a local expert."""
+    with fake_world(0, 2, meta):
+        block, x = _ep_block(2)
+        with Contract(host_reads=lambda shape, dtype: torch.full(shape, 8, dtype=dtype)) as forward:
+            y = block(x)
+        with Contract() as backward:
+            y.backward(torch.ones_like(y))
+    assert forward.seen["c10d::alltoall_base_"] == 3 and backward.seen["c10d::alltoall_base_"] == 2
+    assert forward.syncs == Counter({"aten::_to_copy": 1}) and backward.seen["host sync"] == 0, forward.syncs
+    assert forward.seen["aten::_grouped_mm"] == 2 and x.grad.shape == x.shape
+
+
+def test_ep_full_ac_recompute_reads_no_counts(meta):
+    """The EP block as a full-AC layer (ac.apply_ac): backward reruns it, with its two row
+    all-to-alls each way, but not the counts' exchange nor their host read: the recompute reuses
+    the forward's (ac.kept_for_recompute). Without it the recompute would exchange and read them again."""
+    import ac
+    with fake_world(0, 2, meta):
+        block, x = _ep_block(2)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([block])
+        ac.apply_ac(model, "full", layers="layers")
+        with Contract(host_reads=lambda shape, dtype: torch.full(shape, 8, dtype=dtype)) as forward:
+            y = model.layers[0](x)
+        with Contract() as backward:  # a host read here would get garbage counts, and be counted
+            y.backward(torch.ones_like(y))
+    assert forward.seen["c10d::alltoall_base_"] == 3 and forward.syncs == Counter({"aten::_to_copy": 1})
+    # the recompute's rows out and back, then their backward's two
+    assert backward.seen["c10d::alltoall_base_"] == 4 and backward.seen["host sync"] == 0, backward.seen
+    assert backward.seen["aten::_grouped_mm"] >= 2 + 4 and x.grad.shape == x.shape  # recompute + backward
+
+
+def test_ep_all_to_all_rules_refuse(meta):
+    """Each rule of the all-to-all refuses the call NCCL would reject or run wrongly."""
+    rows = torch.zeros(4, 8, device=META)
+    cases = {"contiguous": (rows, torch.zeros(8, 4, device=META).t(), [2, 2], [2, 2]),
+             "summing to 4": (rows, rows, [2, 2], [1, 2]),
+             "one per rank": (rows, rows, [4], [4]),
+             "host ints": (rows, rows, [2, 2], torch.tensor([2, 2]))}
+    with fake_world(0, 2, meta), Contract():
+        for what, (out, inp, out_splits, in_splits) in cases.items():
+            with pytest.raises(ContractError, match=what):
+                dist.all_to_all_single(out, inp, out_splits, in_splits)
+        # Python's all_to_all_single refuses two dtypes itself; the op below it does not
+        with pytest.raises(ContractError, match="one dtype"):
+            torch.ops.c10d.alltoall_base_(rows.bfloat16(), rows, dist.group.WORLD.boxed(), [2, 2], [2, 2], -1)

@@ -231,6 +231,26 @@ def count_host_syncs():
             setattr(torch.Tensor, n, fn)
 
 
+def _full_ac_equal(block: moe.MoE, state: dict, groups: moe.EPGroups, x: torch.Tensor, g: torch.Tensor,
+                   x_grad: torch.Tensor) -> None:
+    """The block as a full-AC layer: no host sync in backward (the recompute included), and the
+    gradients of the block run without AC, bit for bit."""
+    import ac
+    again = moe.MoE(block.cfg)
+    again.load_state_dict(state)
+    moe.shard_experts(again, groups)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([again])
+    ac.apply_ac(model, "full", layers="layers")
+    x = x.clone().requires_grad_()
+    y = model.layers[0](x)
+    with count_host_syncs() as backward_syncs:
+        y.backward(g)
+    assert backward_syncs[0] == 0
+    assert torch.equal(x.grad, x_grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(again.parameters(), block.parameters()))
+
+
 def _ep_rank(rank: int, world: int) -> list[dict]:
     cfg, state, xs, gs = ep_data(world)
     out = []
@@ -247,6 +267,8 @@ def _ep_rank(rank: int, world: int) -> list[dict]:
         # the docstring's count: one sync in forward (the exchanged counts, or the loop's counts),
         # none at ep = 1 through grouped_mm, none in any backward
         assert (forward_syncs[0], backward_syncs[0]) == (int(ep > 1 or impl == "loop"), 0)
+        if ep > 1:  # full AC: its recompute reuses the forward's counts; the gradients bit for bit
+            _full_ac_equal(block, state, groups, xs[rank], gs[rank], x.grad)
         group_of = moe.grad_reduce_plan(block, groups)
         for n, p in block.named_parameters():
             dist.all_reduce(p.grad, group=(group_of(n) or (None,))[0])
