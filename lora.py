@@ -30,6 +30,8 @@ Invariants
       (test_lora.py::test_merge_unmerge_and_adapters_off).
     - Every layout equals one process (test_lora.py::test_lora_layouts_equal_one_process).
     - The PEFT export loads in PEFT with the same logits (test_lora.py::test_peft_export_roundtrip).
+    - At ZeRO-3 the build holds the frozen base's shards plus one weight, never the whole base
+      (test_lora.py::test_build_peak_of_a_frozen_base).
 
 Refinements after their banners: tensor parallelism (each factor split as its weight);
 the init of a meta model, layout-free; PEFT's file format.
@@ -244,6 +246,9 @@ def _sync_replicated(m: nn.Module) -> None:
 # A trainer builds on the meta device and fills each parameter from a reader (weights.param_reader).
 # The adapters' values must not depend on the layout: A is drawn whole from a generator seeded by
 # its name, then cut to this rank's slice; B is zero.
+# The frozen base first takes the compute dtype, still on meta (frozen_dtype).
+# Stages 0-2 then fill it whole on every rank (materialize_frozen): they replicate it anyway.
+# ZeRO-3 reads each rank's shard instead, one weight at a time (zero3.py): a 70B base never lands whole.
 def full_shape(model: nn.Module, name: str) -> tuple[int, int]:
     """The global (unsplit) shape of adapter `name`."""
     m = model.get_submodule(name.rsplit(".", 1)[0])
@@ -304,13 +309,22 @@ def reader(model: nn.Module, base: Reader, seed: int, adapters: dict[str, torch.
     return read
 
 
-@torch.no_grad()
-def materialize_frozen(model: nn.Module, read: Reader, device: torch.device | str, dtype: torch.dtype) -> None:
-    """Fill every frozen meta parameter from `read`, in `dtype` (the optimizer fills the trained ones).
+def frozen_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every frozen meta parameter `dtype`, still on the meta device.
+    Whoever fills it later reads that dtype: materialize_frozen, or ZeRO-3's frozen units.
     Tied weights stay tied: the Parameter object keeps its identity."""
+    for p in model.parameters():
+        if p.is_meta and not p.requires_grad:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False))
+
+
+@torch.no_grad()
+def materialize_frozen(model: nn.Module, read: Reader, device: torch.device | str) -> None:
+    """Fill every frozen meta parameter from `read`, whole, in its own dtype (the optimizer fills the trained ones).
+    Stages 0-2 hold the whole base anyway. ZeRO-3 skips this: it reads each rank's shard (zero3.py)."""
     for name, p in model.named_parameters():
         if p.is_meta and not p.requires_grad:
-            value = read(name, 0, p.numel()).to(device, dtype).view(p.shape)
+            value = read(name, 0, p.numel()).to(device, p.dtype).view(p.shape)
             torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=False))
 
 

@@ -20,6 +20,8 @@ Layout-free
     Its slice's elements find their block from their index in the whole weight.
     So every layout dequantizes to the same values as one process.
     The codes and scales are frozen parameters (`nf4_codes`, ...). So ZeRO-3 shards them over dp too.
+    A meta model gets their values from `reader`: one weight quantized whole at a time, then cut.
+    So ZeRO-3's build keeps its shard of each, and never holds every code.
 
 Reference
     Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", §3 (NF4, double
@@ -33,6 +35,8 @@ Invariants
     - Codes, 8-bit scale codes and dequantized values equal bitsandbytes' 0.50.2 CPU path
       (tests/test_qlora.py::test_nf4_equals_bitsandbytes).
     - Every layout equals one process with --qlora (test_qlora.py::test_qlora_layouts_equal_one_process).
+    - The codes a dp2 ZeRO-3 rank builds are its slice of the whole weight's, bit for bit. Its build
+      holds its shards plus one weight (tests/test_lora.py::test_build_peak_of_a_frozen_base).
 
 Builds on: lora.py (the adapters on top of the quantized layers).
 """
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -77,9 +82,10 @@ def _blockwise(x: torch.Tensor, block: int, levels: torch.Tensor) -> tuple[torch
     blocks = -(-n // block)
     padded = torch.cat([x, x.new_zeros(blocks * block - n)]).view(blocks, block)  # (blocks, block)
     absmax = padded.abs().amax(1)  # (blocks,)
-    scaled = torch.clamp(padded * (1.0 / absmax.clamp(min=1e-38))[:, None], -1, 1).reshape(-1)[:n]
+    scaled = (padded * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).reshape(-1)[:n]
     bounds = (levels[:-1] + levels[1:]) / 2  # nearest level = bucket between midpoints
-    return torch.bucketize(scaled, bounds).to(torch.uint8), absmax
+    # int32 indices, not int64: a whole weight's temporaries stay small (the build reads one at a time)
+    return torch.bucketize(scaled, bounds, out_int32=True).to(torch.uint8), absmax
 
 
 @dataclass
@@ -166,12 +172,16 @@ class _Quantized:
         return dequantize_nf4(self.nf4, self.compute_dtype)
 
 
+FIELDS = ("codes", "scale_codes", "scale_absmax", "offset")  # NF4's tensors: the layer's nf4_* parameters
+
+
 def apply_qlora(model: nn.Module, full_weight, compute_dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str | None = None) -> list[str]:
     """Swap the weight of every LoRA layer (lora.apply_lora first) for NF4, on `device` (default:
-    the weight's own; give one for a meta model). full_weight(name) → the whole weight `name`
-    (parameter name), fp32: quantized whole, then cut to this rank's slice with the layer's tp
-    Shard. A merge is then refused: the base is not a parameter. Returns the quantized names."""
+    the weight's own). full_weight(name) → the whole weight `name` (parameter name), fp32:
+    quantized whole, then cut to this rank's slice with the layer's tp Shard.
+    A meta weight gives meta NF4 parameters of the right shapes: `reader` then gives their values.
+    A merge is then refused: the base is not a parameter. Returns the quantized names."""
     done = []
     for n, m in list(model.named_modules()):
         if not hasattr(m, "lora_A") or isinstance(m, _Quantized):
@@ -181,10 +191,35 @@ def apply_qlora(model: nn.Module, full_weight, compute_dtype: torch.dtype = torc
             s = m.shards()["weight"]
             t = shard(t, s.dim, s.start, s.size)
         del m._parameters["weight"]
-        for field in ("codes", "scale_codes", "scale_absmax", "offset"):  # frozen parameters, so ZeRO-3
-            setattr(t, field, nn.Parameter(getattr(t, field), requires_grad=False))  # shards them too
+        for field in FIELDS:  # frozen parameters, so ZeRO-3 shards them too
+            setattr(t, field, nn.Parameter(getattr(t, field), requires_grad=False))
             setattr(m, f"nf4_{field}", getattr(t, field))
         m.nf4, m.compute_dtype = t, compute_dtype
         m.__class__ = type(f"NF4{type(m).__name__}", (_Quantized, type(m)), {})
         done.append(f"{n}.weight")
     return done
+
+
+# --- refinement: a meta model, filled shard by shard
+# A trainer keeps the base on the meta device. ZeRO-3 then reads each rank's shard (zero3.py).
+# The NF4 parameters' values come from this reader. It quantizes the whole weight, then cuts.
+# So the codes a rank holds are the slice of the whole weight's: layout-free.
+Reader = Callable[[str, int, int], torch.Tensor]  # (name, start, stop) → fp32 flat elements
+
+
+def reader(model: nn.Module, base: Reader, full_weight: Callable[[str], torch.Tensor]) -> Reader:
+    """base's reader (name, start, stop) → fp32 elements, plus the NF4 parameters (`*.nf4_codes`, ...).
+    Their values: the whole weight full_weight(name) quantized, cut as the layer's NF4 (apply_qlora's).
+    One weight's NF4 is kept between calls, so its fields read it once in a row. The next drops it."""
+    last: dict[str, NF4] = {}
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        layer, dot, field = name.rpartition(".nf4_")
+        if not dot:
+            return base(name, start, stop)
+        if layer not in last:
+            last.clear()  # one weight at a time
+            like, t = model.get_submodule(layer).nf4, quantize_nf4(full_weight(f"{layer}.weight"))
+            last[layer] = t if like.local == t.shape else shard(t, like.dim, like.start, like.local[like.dim])
+        return getattr(last[layer], field).reshape(-1)[start:stop].float()  # uint8 codes: exact in fp32
+    return read

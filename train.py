@@ -838,9 +838,10 @@ def fp8_text(args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------------------------------ LoRA
 def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Init, grid: G.Grid) -> Z.Init:
     """Step 5's LoRA (--lora R, lora.py): the model frozen, adapters on the targets, after tp split
-    the layers. The adapters' shards join the map. The frozen base is filled now, whole on every dp
-    rank (ZeRO-3 then shards it); the optimizer trains only the adapters.
-    Returns the reader that also gives the adapters."""
+    the layers. The adapters' shards join the map. The frozen base takes the compute dtype.
+    ZeRO-3 leaves it on the meta device: the optimizer reads each rank's shard, one weight at a time.
+    Stages 0-2 fill it now, whole on every dp rank. The optimizer trains only the adapters.
+    Returns the reader that also gives the adapters (and QLoRA's NF4 codes)."""
     if not args.lora:
         return init
     LO.apply_lora(model, args.lora, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets.split(",")))
@@ -850,10 +851,13 @@ def add_lora(args: argparse.Namespace, model: M.Llama, shards: dict, init: Z.Ini
         raise ValueError(f"--init-adapter {args.init_adapter}: no tensors for {sorted(missing)[:4]}...")
     read = LO.reader(model, init, args.seed, adapters)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if args.qlora:  # each adapted weight read whole, quantized, then cut to this rank's slice
+    LO.frozen_dtype(model, dtype)
+    if args.qlora:  # NF4 parameters on meta; the reader quantizes each weight whole, then cuts this rank's slice
         whole, shapes = W.param_reader(M.build(model.config), args.seed, args.init_from), M.global_shapes(model.config)
-        QL.apply_qlora(model, lambda n: whole(n, 0, math.prod(shapes[n])).view(shapes[n]), dtype, grid.device)
-    LO.materialize_frozen(model, read, grid.device, dtype)
+        QL.apply_qlora(model, lambda n: torch.empty(shapes[n], device="meta"), dtype, "meta")
+        read = QL.reader(model, read, lambda n: whole(n, 0, math.prod(shapes[n])).view(shapes[n]).to(grid.device))
+    if args.zero < 3:
+        LO.materialize_frozen(model, read, grid.device)
     return read
 
 

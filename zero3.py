@@ -2,8 +2,7 @@
 
 What it does
     `apply_zero(model, stage, dp_group, cfg, dtype)` builds any ZeRO stage, 0 to 3.
-    Stages 0-2 come from zero.apply_zero_0_to_2. Stage 3 is a Zero3Optimizer.
-    A trainer offering every stage calls this one (train.py).
+    Stages 0-2 come from zero.apply_zero_0_to_2. Stage 3 is a Zero3Optimizer. train.py calls this one.
     Stage 3 holds 16Ψ/N bytes a rank between steps (docs/memory.md). A frozen base adds its bytes / N.
     `gathered()` holds every unit full (evaluation). `each_unit_gathered()` holds one (export.py).
 
@@ -45,6 +44,7 @@ Invariants
       Test: tests/test_zero.py::test_zero3_virtual_stages_gather_each_unit_twice.
     - Another reduction group's parameters (zero.py's seam) form units reduced over it. Test: zero.py's seam banner.
     - A frozen unit: bytes / N a rank, never reduced. Test: tests/test_lora.py::test_memory_formula_with_a_frozen_base.
+    - Built from meta, it reads its shard: never the whole base. Test: test_lora.py::test_build_peak_of_a_frozen_base.
 
 Builds on: zero.py, dp.py, precision.py
 """
@@ -187,6 +187,7 @@ class Zero3Optimizer(ZeroOptimizer):
     # Backward reads it on the way to the site's input. So that input's gradient frees it: every reader has run.
     # A site whose input needs none (layer 0 over a frozen embedding) is the last its backward reaches.
     # The backward's end frees it (an autograd engine callback).
+    # The build fills only this rank's shard (_shard_frozen). A meta parameter reads it from `init`.
     def _frozen_in(self, s: int) -> bool:
         return any(u >= len(self.buckets) for u in self.backward_units[s])
 
@@ -335,20 +336,36 @@ class Zero3Optimizer(ZeroOptimizer):
         return master
 
     def _shard_frozen(self) -> None:
-        """The frozen units: each rank keeps its shard of the values they hold now. No master."""
+        """The frozen units: each rank fills only its shard. No master.
+        A parameter on the meta device reads its shard's range from `init`, one parameter at a time.
+        So the build holds the shards, plus one whole weight where the reader reads it whole.
+        The unit's full flat is allocated only to cut the parameters' views, then freed at once."""
         self.frozen_flats, self.frozen_shards = [], []
         for bucket, (_, N, r) in zip(self.frozen_units, self.frozen_groups):
             ps = [self.frozen_params[i] for i in bucket.index]
-            if any(p.is_meta for p in ps):
-                raise ValueError("ZeRO-3 shards a frozen parameter from its values: materialize it first "
-                                 "(lora.materialize_frozen)")
-            full = torch.zeros(bucket.size, dtype=ps[0].dtype, device=self.device)  # (size,)
-            for p, off in zip(ps, bucket.offsets):
-                full[off:off + p.numel()].copy_(p.detach().reshape(-1))  # (numel,)
-                _place(p, full[off:off + p.numel()].view_as(p))
-            self.frozen_shards.append(full.view(N, -1)[r].clone())  # (N·S,) → (N, S): row r is mine
+            if self.init is None and any(p.is_meta for p in ps):
+                raise ValueError("ZeRO-3 fills a frozen meta parameter from init= (weights.param_reader)")
+            full = torch.empty(bucket.size, dtype=ps[0].dtype, device=self.device)  # (size,)
+            views = [full[off:off + p.numel()].view_as(p) for p, off in zip(ps, bucket.offsets)]
             full.untyped_storage().resize_(0)  # the parameters' views hold no memory until gathered
+            S = bucket.size // N
+            shard = torch.zeros(S, dtype=full.dtype, device=self.device)  # (S,) row r of (N, S)
+            for i, off, view in zip(bucket.index, bucket.offsets, views):
+                p = self.frozen_params[i]
+                a, b = max(off, r * S), min(off + p.numel(), (r + 1) * S)  # my part of p, in the flat
+                if a < b:
+                    shard[a - r * S:b - r * S] = self._frozen_values(i, a - off, b - off)
+                _place(p, view)  # after the read: a materialized p gives its values first
+            self.frozen_shards.append(shard)
             self.frozen_flats.append(full)
+
+    def _frozen_values(self, i: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of frozen parameter i, flattened, in its dtype.
+        From `init` on the meta device (QLoRA's reader gives NF4 codes too). Else its own."""
+        p = self.frozen_params[i]
+        if p.is_meta:
+            return self.init(self.frozen_names[i], start, stop).to(self.device, p.dtype)
+        return p.detach().reshape(-1)[start:stop]
 
 
 def apply_zero(model: nn.Module, stage: int, dp_group: Group, cfg: OptimConfig,

@@ -146,4 +146,5 @@ def frozen_bytes(model: torch.nn.Module, opt: DataParallelOptimizer | None = Non
     Each storage counts once. A frozen parameter counts its own (a freed stage-3 unit: 0).
     NF4's codes and scales are frozen parameters too (qlora.py). So are a stage-3 optimizer's frozen shards."""
     tensors = [p for p in model.parameters() if not p.requires_grad] + list(getattr(opt, "frozen_shards", []))
+    tensors = [t for t in tensors if not t.is_meta]  # a meta parameter holds nothing yet (ZeRO-3's build)
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

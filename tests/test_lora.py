@@ -321,6 +321,68 @@ def test_memory_formula_with_a_frozen_base(qlora):
         assert (out["quantized"] > 0) == qlora
 
 
+def _build_peak(rank: int, world: int, qlora: bool, layers: int) -> dict:
+    """train.py's build at dp2 ZeRO-3 (seeded init). The reader marks the meter at the first frozen read.
+    Phase "start" records the bytes live then; "frozen" the most live while the frozen units fill."""
+    import dataclasses
+    import cli
+    import grid as G
+    import memory as MEM
+    import model as M
+    import qlora as Q
+    import train
+    import zero_memory as ZM
+    args = cli.parse_args(["--model", "tiny", "--lora", "4", "--zero", "3", "--dtype", "bf16", "--seq-len", "32",
+                           *(["--qlora"] if qlora else [])])
+    args.virtual_stages, args.micro_batches = cli.virtual_stages(args), cli.micro_batches(args, world)
+    cfg = dataclasses.replace(M.PRESETS["tiny"], num_hidden_layers=layers)
+    grid = G.setup()
+    G.make_grid(grid, 1, 1)
+    meter = MEM.PeakMeter(grid.device)
+    meter.phase("model")
+    model, shards, init = train.build_model(args, cfg, grid)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    held: list[int] = []  # the frozen bytes the model held at the first frozen read
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        if name in frozen and not held:
+            held.append(ZM.frozen_bytes(model))
+            meter.phase("start")  # a phase with no allocation of its own: the bytes live now
+            meter.phase("frozen")
+        return init(name, start, stop)
+    meter.phase("trained")
+    opt = train.make_optimizer(args, model, shards, read, grid)
+    meter.close()
+    assert held, "no frozen parameter was read at the optimizer's build: the base was filled whole before"
+    codes = {}
+    with opt.gathered():  # the shards joined: each layer's codes equal the whole weight's, bit for bit
+        full = W.param_reader(M.build(cfg), args.seed)
+        for n, m in model.named_modules():
+            if hasattr(m, "nf4"):
+                shape = M.global_shapes(cfg)[f"{n}.weight"]
+                want = Q.quantize_nf4(full(f"{n}.weight", 0, math.prod(shape)).view(shape))
+                codes[n] = all(torch.equal(getattr(m.nf4, f), getattr(want, f)) for f in Q.FIELDS)
+    weight = max(math.prod(s) for s in M.global_shapes(cfg).values()) * 4  # the largest, read whole in fp32
+    return dict(peak=held[0] + meter.peak("frozen").allocated - meter.peak("start").allocated, held=held[0],
+                whole=sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in frozen),
+                sharded=ZM.frozen_bytes(model, opt), weight=weight, codes=codes)
+
+
+@pytest.mark.parametrize("qlora", [False, True])
+def test_build_peak_of_a_frozen_base(qlora):
+    """dp2 ZeRO-3, tiny preset at 24 layers (so the whole base dwarfs a weight): the frozen base stays
+    on the meta device until the optimizer reads each rank's shard, one weight at a time (QLoRA:
+    quantized whole, then cut). The frozen bytes at the build's peak: the shards plus one weight's
+    temporaries (the largest, fp32, at most 3x), never the whole base. Before this, build_model filled
+    the whole base on every rank: no frozen read reached the optimizer, and the rank raises.
+    The NF4 codes and scales a rank gathers equal one process's whole-weight quantization, bit for bit."""
+    for out in run_ranks(_build_peak, 2, qlora, 24):
+        bound = out["sharded"] + 3 * out["weight"]
+        assert out["held"] == 0 and out["peak"] <= bound < out["whole"], out
+        assert out["peak"] >= out["sharded"]  # the meter saw the shards: the bound is not vacuous
+        assert all(out["codes"].values()) and (len(out["codes"]) > 0) == qlora, out
+
+
 def test_lora_flags_are_checked_by_name(tmp_path):
     import dataclasses
     import cli
