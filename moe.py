@@ -34,7 +34,8 @@ Reference
 Run
     python -m pytest -q tests/test_moe.py            python -m bench.bench_moe
 
-Builds on: ac.py (kept_for_recompute); tp.py, only for tp's block style (imported by apply_tp)
+Builds on: ac.py, only for kept_for_recompute (without it a recompute syncs once more); tp.py, only
+    for tp's block style (imported by apply_tp)
 
 Invariants
     - fp32: output, router logits and every gradient equal transformers' three sparse blocks within
@@ -59,7 +60,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import ac
+try:  # full AC's recompute reuses the forward's host reads (ac.py); copied alone, each recompute reads again
+    from ac import kept_for_recompute
+except ImportError:
+    def kept_for_recompute(read: Callable[[], Any]) -> Any:  # the same values, one more sync in a recompute
+        return read()
 
 Group = dist.ProcessGroup | None
 
@@ -381,7 +386,7 @@ def exchange_and_run(rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
     One host sync: the exchanged counts must reach the host to size the receive buffer. Full AC's
     recompute makes none: it reuses the forward's counts (ac.kept_for_recompute)."""
     local = counts.numel() // ep
-    recv, per_expert, host = ac.kept_for_recompute(lambda: exchange_counts(counts, ep, group))
+    recv, per_expert, host = kept_for_recompute(lambda: exchange_counts(counts, ep, group))
     send_splits, recv_splits, host_counts = host[:ep], host[ep:2 * ep], host[2 * ep:]
     got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # (R, H), R = recv.sum(): by source, then expert
     # got is [source 0: its rows for my expert 0, for expert 1, ...][source 1: ...] ...
