@@ -287,7 +287,7 @@ class DataParallelOptimizer(MixedPrecisionOptimizer):
     # Else it is a pair (group, across) of subgroups of dp, with group × across = dp:
     #   group   the ranks holding this same parameter. They sum its gradient. ZeRO shards its state there.
     #   across  the ranks holding other parameters in its place (None: no such ranks).
-    # Expert parallelism uses it (moe.grad_reduce_plan). LoRA's frozen base and optimizer offload will too.
+    # Expert parallelism uses it (moe.grad_reduce_plan).
     # Why a function of the name: the caller knows its layout, and ZeRO stays one code path.
     # Test: tests/test_moe_ep.py::test_ep_layouts_resume_and_export_equal_single_process.
     def _place_groups(self, names: list[str], group_of: GroupOf | None) -> None:
